@@ -1,0 +1,126 @@
+"""The `relaytrain` command line (DESIGN.md "Command line").
+
+Each subcommand's handler lives in the module that owns the concern and is imported lazily, so
+`relaytrain --help` stays fast and a subcommand only loads what it uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from relaytrain.errors import UserError
+
+# subcommand -> "module:function"; the function takes the parsed args and returns an exit code.
+HANDLERS = {
+    "data.prepare": "relaytrain.data.prepare:cli_prepare",
+    "data.audit": "relaytrain.data.audit:cli_audit",
+    "train": "relaytrain.runtime.controller:cli_train",
+    "eval": "relaytrain.train.evaluate:cli_eval",
+    "parity.hf": "relaytrain.parity.hf:cli_parity_hf",
+    "convert": "relaytrain.model.hf:cli_convert",
+    "plot": "relaytrain.train.plot:cli_plot",
+    "bench": "relaytrain.bench:cli_bench",
+    "compare": "relaytrain.compare:cli_compare",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relaytrain", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="prepare token files; audit a run's data use")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    prep = dsub.add_parser("prepare", help="tokenize text into token files and a JSON index")
+    src = prep.add_mutually_exclusive_group(required=True)
+    src.add_argument("--source", nargs="+", metavar="PATH|URL",
+                     help="text, JSONL or Parquet files (paths, globs or fsspec URLs)")
+    src.add_argument("--demo", action="store_true",
+                     help="the running Python's standard-library source (offline)")
+    prep.add_argument("--tokenizer", required=True, metavar="FILE|DIR|bpe:VOCAB",
+                      help="a HF tokenizer.json or directory, or bpe:VOCAB to train one")
+    prep.add_argument("--out", required=True, metavar="DIR")
+    prep.add_argument("--text-field", default="text", help="JSONL/Parquet text field")
+    prep.add_argument("--heldout-frac", type=float, default=0.05)
+    prep.add_argument("--workers", type=int, default=0, help="encoding processes (0: all cores)")
+    prep.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
+    prep.add_argument("--json", action="store_true")
+    prep.set_defaults(handler="data.prepare")
+    audit = dsub.add_parser("audit", help="prove exactly-once data use of a run")
+    audit.add_argument("run_dir", metavar="RUN_DIR")
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(handler="data.audit")
+
+    train = sub.add_parser("train", help="train (or resume) a run")
+    train.add_argument("config", metavar="CONFIG.yaml")
+    train.add_argument("overrides", nargs="*", metavar="key=value")
+    train.add_argument("--json", action="store_true")
+    train.set_defaults(handler="train")
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint on the held-out split")
+    ev.add_argument("target", metavar="RUN_DIR|CHECKPOINT")
+    ev.add_argument("--data", default=None, help="prepared data dir (default: the run's)")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(handler="eval")
+
+    par = sub.add_parser("parity", help="numerical parity with reference implementations")
+    psub = par.add_subparsers(dest="parity_command", required=True)
+    phf = psub.add_parser("hf", help="against HF transformers' Olmo3ForCausalLM")
+    phf.add_argument("--model", default="tiny", help="preset name (default: tiny)")
+    phf.add_argument("--steps", type=int, default=20)
+    phf.add_argument("--seq-len", type=int, default=None)
+    phf.add_argument("--json", action="store_true")
+    phf.set_defaults(handler="parity.hf")
+
+    conv = sub.add_parser("convert", help="HF Olmo 3 <-> relaytrain checkpoint")
+    conv.add_argument("direction", choices=["hf-to-relay", "relay-to-hf"])
+    conv.add_argument("src", metavar="SRC")
+    conv.add_argument("dst", metavar="DST")
+    conv.set_defaults(handler="convert")
+
+    plot = sub.add_parser("plot", help="plot a run's curves to a PNG")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot.add_argument("--out", default=None, metavar="FILE.png")
+    plot.set_defaults(handler="plot")
+
+    bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
+    bench.add_argument("name", metavar="NAME")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--quick", action="store_true", help="a shorter run")
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(handler="bench")
+
+    cmp_ = sub.add_parser("compare", help="hold a run's curve against a reference")
+    cmp_.add_argument("run_dir", metavar="RUN_DIR")
+    cmp_.add_argument("reference", metavar="REFERENCE")
+    cmp_.add_argument("--metric", default="loss")
+    cmp_.add_argument("--align", choices=["step", "tokens"], default="step")
+    cmp_.add_argument("--tolerance", type=float, default=0.01)
+    cmp_.add_argument("--window", type=int, default=1)
+    cmp_.add_argument("--landmarks", default=None, help="comma-separated steps/tokens")
+    cmp_.add_argument("--ref-step-column", default=None)
+    cmp_.add_argument("--ref-metric-column", default=None)
+    cmp_.add_argument("--out", default=None, metavar="FILE.png")
+    cmp_.add_argument("--json", action="store_true")
+    cmp_.set_defaults(handler="compare")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module, func = HANDLERS[args.handler].split(":")
+    try:
+        handler = getattr(importlib.import_module(module), func)
+        return int(handler(args) or 0)
+    except UserError as e:
+        print(f"relaytrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("relaytrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,435 @@
+"""Typed run configuration: YAML files plus dotted `key=value` overrides.
+
+Every section is a dataclass; loading walks the annotations, so an unknown key, a value of the
+wrong type or an impossible combination is rejected with one line naming the key, what was
+given and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from relaytrain.errors import ConfigError
+from relaytrain.model.config import PRESETS, Olmo3Config
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    # Any Olmo3Config field may be overridden, e.g. model.n_layers=3.
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataSection:
+    path: str | None = None  # a directory written by `relaytrain data prepare`
+    seq_len: int | None = None  # None: the model preset's max_seq_len
+    prefetch: int = 2  # global batches read ahead by the loader thread
+
+
+@dataclass
+class TrainSection:
+    max_steps: int = 100
+    global_batch: int = 8  # sequences per optimizer step
+    micro_batch: int = 2  # sequences per forward/backward
+    z_loss: float = 1e-5
+    clip: float = 1.0  # global gradient-norm clip; 0 disables
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    spike_factor: float = 3.0  # a loss this many times the running mean is reported
+    log_every: int = 1
+
+
+@dataclass
+class OptimSection:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    warmup: int = 10  # steps of linear warm-up
+    final_lr_frac: float = 0.1  # cosine decays to lr * final_lr_frac at max_steps
+
+
+@dataclass
+class EvalSection:
+    every: int = 50  # 0 disables held-out evaluation
+    instances: int = 32  # fixed held-out instances evaluated each time
+    memo_gap: float = 0.5  # alarm when held-out loss exceeds training loss by this (nats)
+    memo_patience: int = 3  # alarm when held-out rises while training falls this many evals
+    stop_on_alarm: bool = False
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 50  # 0 disables periodic checkpoints (a final one is still written)
+    url: str | None = None  # any fsspec URL; None: RUN_DIR/checkpoints
+    keep_last: int = 3
+    async_write: bool = True
+
+
+@dataclass
+class PaciSection:
+    a: int = 1  # local backward passes per stage update
+    in_flight: int | None = None  # None: S - i at stage i
+    mode: Literal["perf", "mem"] = "perf"
+    flush: bool = False  # flush at every global batch (reproduces 1f1b; for tests)
+
+
+@dataclass
+class ParallelSection:
+    dp: int = 1
+    pp: int = 1
+    schedule: Literal["gpipe", "1f1b", "pipedream", "paci"] = "1f1b"
+    stage_layers: list[int] | None = None  # layers per stage; None: balanced by cost
+    paci: PaciSection = field(default_factory=PaciSection)
+
+
+@dataclass
+class RuntimeSection:
+    engine: Literal["inline", "ray"] = "inline"
+    address: str | None = None  # Ray cluster address; None: a private local cluster
+    threads_per_worker: int = 1
+    call_timeout: float = 120.0  # seconds any remote call may take
+    setup_timeout: float = 120.0
+
+
+@dataclass
+class ElasticSection:
+    replace_timeout: float = 30.0
+    min_workers: int = 1
+    max_recoveries: int = 10
+    recovery_window: float = 3600.0  # seconds over which max_recoveries counts
+    snapshot_every: int = 1
+
+
+@dataclass
+class FaultsSection:
+    kill_at: list[int] = field(default_factory=list)  # steps at which a worker is SIGKILLed
+    kill_rank: int | None = None  # None: a random rank (from the seed)
+    hang_at: list[int] = field(default_factory=list)  # steps at which a worker is SIGSTOPped
+    hang_rank: int | None = None
+    slow_at: list[int] = field(default_factory=list)
+    slow_seconds: float = 1.0
+    fail_checkpoint_at: list[int] = field(default_factory=list)
+    random_kills: int = 0  # that many kills at random steps (from the seed)
+    random_hangs: int = 0
+
+
+@dataclass
+class LogSection:
+    progress: bool = True
+    tensorboard: bool = False
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = ""
+    seed: int = 0
+    determinism: Literal["exact", "fast"] = "fast"
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    elastic: ElasticSection = field(default_factory=ElasticSection)
+    faults: FaultsSection = field(default_factory=FaultsSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    # ---- derived values -------------------------------------------------------------------
+    def model_config(self, tokenizer_vocab: int | None = None) -> Olmo3Config:
+        """The architecture: preset, then overrides, then the data's vocabulary if needed."""
+        cfg = dataclasses.replace(PRESETS[self.model.preset], **self.model.overrides)
+        if tokenizer_vocab is not None and cfg.vocab_size is None:
+            cfg = cfg.with_vocab(tokenizer_vocab)
+        return cfg
+
+    @property
+    def seq_len(self) -> int:
+        return self.data.seq_len or self.model_config().max_seq_len
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.dp * self.parallel.pp
+
+    @property
+    def micro_batches(self) -> int:
+        return self.train.global_batch // self.train.micro_batch
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple | list):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+# ---- type checking of values ---------------------------------------------------------------
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        return f"a list of {_describe(args[0])}" if args else "a list"
+    if origin is dict:
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """`value` as type `tp`, or a ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"config key '{key}': got {value!r}, expected {_describe(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError:
+                continue
+        raise bad
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise bad
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise bad
+            return tuple(_coerce(key, v, a) for v, a in zip(value, args, strict=True))
+        return [_coerce(key, v, args[0]) for v in value] if args else list(value)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if tp is Any:
+        return value
+    raise bad
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': got {data!r}, "
+                          "expected a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{prefix}{key}'; accepted keys here: "
+                              f"{', '.join(sorted(fields))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(f"{prefix}{key}", value, tp)
+    return cls(**kwargs)
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], value) with the value parsed as YAML (so 3, 1e-3, [1,2])."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. train.max_steps=20)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _model_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(Olmo3Config)}
+
+
+def _apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    # model.<architecture field> goes to model.overrides so presets stay whole.
+    if path[0] == "model" and len(path) == 2 and path[1] in _model_fields():
+        path = ["model", "overrides", path[1]]
+    node = tree
+    for part in path[:-1]:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"config key '{'.'.join(path)}': '{part}' is not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict[str, Any] | None = None) -> RunConfig:
+    """A validated RunConfig from a YAML file (or `base`) and `key=value` overrides."""
+    tree: dict[str, Any] = {}
+    if base is not None:
+        tree = _deep_copy(base)
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist (give a YAML file, e.g. "
+                              "configs/demo.yaml)")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of keys, "
+                              f"got {type(loaded).__name__}")
+        for key, value in _flatten(loaded):
+            _apply_override(tree, key, value)
+    for text in overrides:
+        key, value = parse_override(text)
+        _apply_override(tree, key, value)
+    cfg = _build(RunConfig, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(d: dict[str, Any]) -> RunConfig:
+    """The inverse of RunConfig.to_dict (used for configs stored in checkpoints)."""
+    cfg = _build(RunConfig, _deep_copy(d), "")
+    validate(cfg)
+    return cfg
+
+
+def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[list[str], Any]]:
+    out: list[tuple[list[str], Any]] = []
+    for k, v in tree.items():
+        key = (*prefix, str(k))
+        # Sections recurse; leaf mappings (model.overrides) are values.
+        if isinstance(v, dict) and key not in (("model", "overrides"),):
+            if not v:
+                continue
+            out.extend(_flatten(v, key))
+        else:
+            out.append((list(key), v))
+    return out
+
+
+def _deep_copy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deep_copy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deep_copy(v) for v in d]
+    return d
+
+
+def validate(cfg: RunConfig) -> None:
+    """Reject impossible combinations, one clear line each."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    need(cfg.model.preset in PRESETS, f"config key 'model.preset': got {cfg.model.preset!r}, "
+         f"expected one of {', '.join(sorted(PRESETS))}")
+    unknown = set(cfg.model.overrides) - _model_fields()
+    need(not unknown, f"unknown config key 'model.{sorted(unknown)[0] if unknown else ''}'; "
+         f"architecture keys: {', '.join(sorted(_model_fields()))}")
+    try:
+        m = cfg.model_config()
+    except TypeError as e:
+        raise ConfigError(f"config key 'model.overrides': {e}") from None
+    need(m.n_heads % m.n_kv_heads == 0, f"config key 'model.n_kv_heads': {m.n_kv_heads} must "
+         f"divide model.n_heads={m.n_heads}")
+    need(len(m.layer_types) == m.n_layers and set(m.layer_types) <= {"sliding_attention",
+         "full_attention"}, "config key 'model.layer_types': expected n_layers entries of "
+         "'sliding_attention' | 'full_attention'")
+    need(cfg.seed >= 0, f"config key 'seed': got {cfg.seed}, expected an integer >= 0")
+    t = cfg.train
+    need(t.max_steps >= 1, f"config key 'train.max_steps': got {t.max_steps}, expected >= 1")
+    need(t.micro_batch >= 1, f"config key 'train.micro_batch': got {t.micro_batch}, "
+         "expected >= 1")
+    need(t.global_batch >= t.micro_batch and t.global_batch % t.micro_batch == 0,
+         f"config key 'train.global_batch': got {t.global_batch}, expected a multiple of "
+         f"train.micro_batch={t.micro_batch}")
+    seq = cfg.seq_len
+    need(seq >= 2, f"config key 'data.seq_len': got {seq}, expected >= 2")
+    need(seq <= m.max_seq_len or m.rope_scaling is not None,
+         f"config key 'data.seq_len': got {seq}, expected <= model max_seq_len={m.max_seq_len}")
+    p = cfg.parallel
+    need(p.dp >= 1, f"config key 'parallel.dp': got {p.dp}, expected >= 1")
+    need(p.pp >= 1, f"config key 'parallel.pp': got {p.pp}, expected >= 1")
+    need(cfg.micro_batches % p.dp == 0,
+         f"config key 'parallel.dp': got {p.dp}, but the {cfg.micro_batches} micro-batches of a "
+         "global batch (train.global_batch / train.micro_batch) must split evenly over dp ranks")
+    need(p.pp <= m.n_layers, f"config key 'parallel.pp': got {p.pp}, expected <= "
+         f"model n_layers={m.n_layers}")
+    if p.stage_layers is not None:
+        need(len(p.stage_layers) == p.pp and sum(p.stage_layers) == m.n_layers
+             and min(p.stage_layers) >= 1,
+             f"config key 'parallel.stage_layers': got {p.stage_layers}, expected {p.pp} "
+             f"positive counts summing to n_layers={m.n_layers}")
+    need(p.paci.a >= 1, f"config key 'parallel.paci.a': got {p.paci.a}, expected >= 1")
+    need(cfg.world_size == 1 or cfg.runtime.engine == "ray",
+         f"config key 'runtime.engine': got 'inline', but parallel.dp x parallel.pp = "
+         f"{cfg.world_size} workers need runtime.engine=ray")
+    need(cfg.runtime.address is None or cfg.runtime.engine == "ray",
+         "config key 'runtime.address' is set, which needs runtime.engine=ray")
+    need(cfg.runtime.threads_per_worker >= 1, "config key 'runtime.threads_per_worker': "
+         f"got {cfg.runtime.threads_per_worker}, expected >= 1")
+    need(cfg.optim.warmup >= 0, f"config key 'optim.warmup': got {cfg.optim.warmup}, "
+         "expected >= 0")
+    need(0 <= cfg.optim.final_lr_frac <= 1, "config key 'optim.final_lr_frac': got "
+         f"{cfg.optim.final_lr_frac}, expected between 0 and 1")
+    need(cfg.checkpoint.keep_last >= 1, "config key 'checkpoint.keep_last': got "
+         f"{cfg.checkpoint.keep_last}, expected >= 1")
+    need(cfg.elastic.min_workers >= 1, "config key 'elastic.min_workers': got "
+         f"{cfg.elastic.min_workers}, expected >= 1")
+    need(cfg.eval.instances >= 1, f"config key 'eval.instances': got {cfg.eval.instances}, "
+         "expected >= 1")
