@@ -1,0 +1,309 @@
+"""Pipeline schedules as pure per-stage action lists, and their analysis.
+
+A schedule is a deterministic function of its arguments: one list of actions per stage, which one
+runtime executes in order with blocking point-to-point receives. Even the asynchronous schedules
+therefore give the same numbers bit for bit whatever the timing; only the list order matters.
+
+Contract with the runtime (S stages, M = ``micro_per_batch``, one *span* of ``n_batches`` global
+batches; the pipeline is empty at the start and at the end of every span):
+
+- Micro-batches are numbered ``0 .. n_batches*M - 1`` in data order; micro-batch ``m`` is
+  micro-batch ``m % M`` of global batch ``m // M`` of the span.
+- ``F(m)``: forward of ``m``. Stage 0 reads the input, other stages receive the activations from
+  stage i-1; every stage but the last sends its output to stage i+1 (buffered send).
+- ``B(m)``: backward of ``m``. The last stage computes the loss, other stages receive the output
+  gradient from stage i+1; every stage but the first sends its input gradient to stage i-1. The
+  parameter gradient is accumulated into the stage's gradient buffer in list order.
+- ``U(k)``: this stage's optimizer step with the gradient accumulated since its previous ``U``
+  (its *update group*, see :func:`update_groups`), then the buffer is cleared. ``k`` counts the
+  updates of this stage in the span from 1. Every ``B`` of a list is followed by some ``U``.
+- ``version`` (``pipedream`` only, else ``None``): ``F(m)`` and ``B(m)`` run with this stage's
+  weights as they were after ``version`` updates in the span (0: the weights at span start), so
+  the runtime stashes that version at ``F(m)`` and may drop it after ``B(m)``. ``None``: use the
+  live weights, whatever updates happened in between (paci's bounded inconsistency).
+
+Every schedule accumulates the gradients of a stage in ascending micro-batch order (FIFO), so the
+k-th update of every stage covers the same micro-batches, and gpipe and 1f1b sum per-micro-batch
+gradients in the same order (bit-identical gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+SCHEDULES = ("gpipe", "1f1b", "pipedream", "paci")
+
+# Keyword options each schedule takes; any other option left at a non-default value is an error,
+# so that a setting never silently does nothing.
+_OPTIONS = {
+    "gpipe": frozenset(),
+    "1f1b": frozenset(),
+    "pipedream": frozenset({"a", "in_flight"}),
+    "paci": frozenset({"a", "in_flight", "flush"}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of a stage's list: ``F``/``B`` of micro-batch ``mb``, or update ``U`` number ``k``.
+
+    ``mb`` is -1 for ``U``; ``k`` is 0 for ``F``/``B``; ``version`` is the stashed weight version
+    for weight-stashing schedules and ``None`` otherwise (see the module docstring).
+    """
+
+    kind: Literal["F", "B", "U"]
+    mb: int = -1
+    k: int = 0
+    version: int | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "U":
+            return f"U{self.k}"
+        return f"{self.kind}{self.mb}" + ("" if self.version is None else f"@v{self.version}")
+
+
+Schedule = list[list[Action]]
+
+
+def in_flight_limit(stage: int, n_stages: int, in_flight: int | None = None) -> int:
+    """Most micro-batches stage ``stage`` holds between their F and B.
+
+    S - i by default: that is what keeps every stage busy under uniform costs; ``in_flight`` caps
+    it (a memory limit) and never raises it, since more would only add staleness and memory.
+    """
+    return n_stages - stage if in_flight is None else min(in_flight, n_stages - stage)
+
+
+def build_schedule(
+    name: str,
+    n_stages: int,
+    micro_per_batch: int,
+    n_batches: int,
+    *,
+    a: int = 1,
+    in_flight: int | None = None,
+    flush: bool = False,
+) -> Schedule:
+    """Per-stage action lists of schedule ``name`` over one span of ``n_batches`` global batches.
+
+    - ``gpipe``: per global batch, all F then all B (ascending order, like 1f1b, so gradients
+      accumulate in the same order), then one U; flush.
+    - ``1f1b``: per global batch, S-i-1 warm-up forwards at stage i, then one forward one
+      backward, cool-down backwards, then one U; flush.
+    - ``pipedream``: asynchronous 1F1B over the whole span (no flush), a U after every ``a``
+      local backwards, weight stashing (``version``); at most ``in_flight`` micro-batches held.
+    - ``paci``: the same order without stashing: a micro-batch crosses at most
+      ceil((S-i-1)/a) updates at stage i with a single weight copy. ``flush=True`` schedules each
+      global batch on its own and never lets an update group span two batches (the last group of a
+      batch may be short), so ``a = micro_per_batch`` reproduces ``1f1b`` exactly.
+
+    A trailing partial update group at the end of the span gets its own U, so that no gradient is
+    left unapplied when the span ends. All lists are deadlock-free under blocking receives
+    because the in-flight limit never grows with the stage index.
+    """
+    if name not in _OPTIONS:
+        raise ValueError(f"schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
+    sizes = {
+        "n_stages": n_stages,
+        "micro_per_batch": micro_per_batch,
+        "n_batches": n_batches,
+        "a": a,
+        "in_flight": 1 if in_flight is None else in_flight,
+    }
+    for what, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{what}: got {value}, expected >= 1")
+    given = {"a": a != 1, "in_flight": in_flight is not None, "flush": flush}
+    unknown = sorted(opt for opt, is_set in given.items() if is_set and opt not in _OPTIONS[name])
+    if unknown:
+        raise ValueError(
+            f"schedule {name!r} takes no option {unknown}; "
+            f"it takes {sorted(_OPTIONS[name]) or 'none'}"
+        )
+
+    M, S = micro_per_batch, n_stages
+    batches = [range(b * M, (b + 1) * M) for b in range(n_batches)]
+    span = [range(n_batches * M)]
+    if name == "gpipe":
+        return [_stage_actions(batches, M, M, stash=False) for _ in range(S)]
+    if name == "1f1b":
+        return [_stage_actions(batches, S - i, M, stash=False) for i in range(S)]
+    segments = batches if flush else span
+    return [
+        _stage_actions(segments, in_flight_limit(i, S, in_flight), a, stash=name == "pipedream")
+        for i in range(S)
+    ]
+
+
+def _one_f_one_b(mbs: Sequence[int], limit: int) -> list[tuple[str, int]]:
+    """F/B order of one segment holding at most ``limit`` micro-batches between F and B."""
+    n = len(mbs)
+    warm = min(limit, n) - 1
+    order = [("F", m) for m in mbs[:warm]]
+    for j in range(n - warm):
+        order += [("F", mbs[warm + j]), ("B", mbs[j])]
+    return order + [("B", m) for m in mbs[n - warm :]]
+
+
+def _stage_actions(
+    segments: Sequence[Sequence[int]], limit: int, a: int, *, stash: bool
+) -> list[Action]:
+    """One stage's list: 1F1B order per segment, a U after every ``a`` backwards and at the end
+    of each segment (so no update group spans two segments)."""
+    out: list[Action] = []
+    updates = pending = 0
+    version: dict[int, int | None] = {}
+    for segment in segments:
+        for kind, m in _one_f_one_b(segment, limit):
+            if kind == "F":
+                version[m] = updates if stash else None
+                out.append(Action("F", m, version=version[m]))
+                continue
+            out.append(Action("B", m, version=version.pop(m)))
+            pending += 1
+            if pending == a:
+                updates, pending = updates + 1, 0
+                out.append(Action("U", k=updates))
+        if pending:
+            updates, pending = updates + 1, 0
+            out.append(Action("U", k=updates))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Analysis: pure functions of the action lists (what the runtime will actually execute).
+
+
+def validate(actions: Schedule) -> None:
+    """Raise ValueError unless the lists are well formed for the runtime.
+
+    Every stage handles the same micro-batches, each with exactly one F and, later, one B; U's are
+    numbered 1, 2, ... and no gradient is left after the last U; a stashed version is one the
+    stage already has and is the same for F and B. (Deadlock-freedom is checked by simulation.)
+    """
+    expected: set[int] | None = None
+    for i, acts in enumerate(actions):
+        where = f"stage {i}"
+        open_: dict[int, int | None] = {}
+        done: set[int] = set()
+        updates = pending = 0
+        for n, act in enumerate(acts):
+            at = f"{where} action #{n} ({act})"
+            if act.kind == "U":
+                if act.mb != -1 or act.k != updates + 1:
+                    raise ValueError(f"{at}: expected U{updates + 1} with mb -1")
+                updates, pending = updates + 1, 0
+                continue
+            if act.kind not in ("F", "B") or act.mb < 0 or act.k != 0:
+                raise ValueError(f"{at}: expected F or B of a micro-batch >= 0 with k 0")
+            if act.version is not None and not 0 <= act.version <= updates:
+                raise ValueError(f"{at}: version must be in 0..{updates}, the versions so far")
+            if act.kind == "F":
+                if act.mb in open_ or act.mb in done:
+                    raise ValueError(f"{at}: second forward of micro-batch {act.mb}")
+                open_[act.mb] = act.version
+            else:
+                if act.mb not in open_:
+                    raise ValueError(f"{at}: backward without a pending forward")
+                if open_.pop(act.mb) != act.version:
+                    raise ValueError(f"{at}: backward version differs from its forward's")
+                done.add(act.mb)
+                pending += 1
+        if open_ or pending:
+            raise ValueError(
+                f"{where}: micro-batches {sorted(open_)} never backward or "
+                f"{pending} gradients never applied"
+            )
+        if expected is None:
+            expected = done
+        elif done != expected:
+            raise ValueError(
+                f"{where}: micro-batches differ from stage 0's ({sorted(done ^ expected)})"
+            )
+
+
+def staleness(actions: Schedule) -> dict[tuple[int, int], int]:
+    """(stage, mb) -> updates of that stage between F(mb) and B(mb).
+
+    For schedules without stashing this is the weight inconsistency the micro-batch saw; with
+    stashing (pipedream) F and B use the same weights and it is the delay of its gradient.
+    """
+    out: dict[tuple[int, int], int] = {}
+    for i, acts in enumerate(actions):
+        updates = 0
+        at_forward: dict[int, int] = {}
+        for act in acts:
+            if act.kind == "U":
+                updates += 1
+            elif act.kind == "F":
+                at_forward[act.mb] = updates
+            else:
+                out[(i, act.mb)] = updates - at_forward[act.mb]
+    return out
+
+
+def staleness_bound(
+    name: str, stage: int, n_stages: int, a: int = 1, in_flight: int | None = None
+) -> int:
+    """Most updates a micro-batch can cross at ``stage``: 0 for the flush schedules, and
+    ceil((L-1)/a) with L the in-flight limit (S-i by default) for paci and pipedream — PACI's
+    bound. For pipedream this is gradient delay only: stashing keeps F and B consistent."""
+    if name not in _OPTIONS:
+        raise ValueError(f"schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
+    if name in ("gpipe", "1f1b"):
+        return 0
+    return math.ceil((in_flight_limit(stage, n_stages, in_flight) - 1) / a)
+
+
+def max_in_flight(actions: Schedule) -> list[int]:
+    """Per stage, the peak number of micro-batches between F and B (activation memory)."""
+    peaks = []
+    for acts in actions:
+        held = peak = 0
+        for act in acts:
+            held += {"F": 1, "B": -1, "U": 0}[act.kind]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def weight_versions(actions: Schedule) -> list[int]:
+    """Per stage, the peak number of weight copies held at once: the live weights plus every
+    version still stashed for an in-flight micro-batch (1 when nothing is stashed)."""
+    peaks = []
+    for acts in actions:
+        live = 0
+        stashed: dict[int, int] = {}
+        peak = 1
+        for act in acts:
+            if act.kind == "U":
+                live += 1
+            elif act.version is None:
+                continue
+            elif act.kind == "F":
+                stashed[act.mb] = act.version
+            else:
+                del stashed[act.mb]
+            peak = max(peak, len(set(stashed.values()) | {live}))
+        peaks.append(peak)
+    return peaks
+
+
+def update_groups(actions: Schedule) -> list[list[tuple[int, ...]]]:
+    """Per stage, the micro-batches of each update in accumulation order (FIFO property: the
+    k-th group is the same at every stage, so all stages step on the same data)."""
+    out = []
+    for acts in actions:
+        groups: list[tuple[int, ...]] = []
+        current: list[int] = []
+        for act in acts:
+            if act.kind == "B":
+                current.append(act.mb)
+            elif act.kind == "U":
+                groups.append(tuple(current))
+                current = []
+        out.append(groups)
+    return out

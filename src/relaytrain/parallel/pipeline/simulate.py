@@ -1,0 +1,216 @@
+"""Event-driven simulation of per-stage action lists: makespan, bubble, throughput, deadlocks.
+
+It executes the lists under the runtime's rules — each stage runs its list in order, a receive
+blocks until the neighbour's send has arrived, sends are buffered — with given per-stage costs.
+That proves a schedule deadlock-free and gives its time per step, which the benchmark multiplies
+by the measured number of steps to a target loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from relaytrain.parallel.pipeline.schedules import Action, Schedule, build_schedule
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-stage durations of F, B and U, and the time a micro-batch's activations or gradients
+    take to reach a neighbour. ``recompute`` (paci's memory mode) is an extra forward paid at
+    every B of that stage; ``None`` means none."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    update: tuple[float, ...]
+    transfer: float = 0.0
+    recompute: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        lengths = {len(self.forward), len(self.backward), len(self.update)}
+        if self.recompute is not None:
+            lengths.add(len(self.recompute))
+        if len(lengths) != 1:
+            raise ValueError(f"costs: per-stage tuples differ in length ({sorted(lengths)})")
+        values = [
+            *self.forward,
+            *self.backward,
+            *self.update,
+            *(self.recompute or ()),
+            self.transfer,
+        ]
+        if min(values) < 0:
+            raise ValueError("costs: durations must be >= 0")
+
+    @classmethod
+    def uniform(
+        cls,
+        n_stages: int,
+        forward: float = 1.0,
+        backward: float = 2.0,
+        update: float = 0.0,
+        transfer: float = 0.0,
+        recompute: float = 0.0,
+    ) -> Costs:
+        """The same costs at every stage (a balanced cut); backward defaults to twice forward."""
+        return cls(
+            (forward,) * n_stages,
+            (backward,) * n_stages,
+            (update,) * n_stages,
+            transfer,
+            (recompute,) * n_stages if recompute else None,
+        )
+
+    def duration(self, stage: int, action: Action) -> float:
+        if action.kind == "F":
+            return self.forward[stage]
+        if action.kind == "B":
+            return self.backward[stage] + (self.recompute[stage] if self.recompute else 0.0)
+        return self.update[stage]
+
+
+@dataclass(frozen=True)
+class Span:
+    """When one action ran."""
+
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of one simulation; the bubble is the idle share of stage time up to the makespan."""
+
+    makespan: float
+    busy: tuple[float, ...]
+    n_micro: int
+    timeline: tuple[Span, ...] = ()
+
+    @property
+    def stage_bubble(self) -> tuple[float, ...]:
+        return tuple(1.0 - b / self.makespan if self.makespan else 0.0 for b in self.busy)
+
+    @property
+    def utilisation(self) -> float:
+        return sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 1.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        return 1.0 - self.utilisation
+
+    @property
+    def throughput(self) -> float:
+        """Micro-batches per unit time."""
+        return self.n_micro / self.makespan if self.makespan else math.inf
+
+
+class DeadlockError(RuntimeError):
+    """The lists cannot complete under blocking receives; the message says who waits on what."""
+
+
+_Key = tuple[int, str, int]  # (stage, kind, mb) of a finished F or B
+
+
+def _dependencies(stage: int, action: Action, n_stages: int) -> list[tuple[_Key, bool]]:
+    """What an action waits for, and whether that crosses a link (pays the transfer)."""
+    if action.kind == "F":
+        return [((stage - 1, "F", action.mb), True)] if stage > 0 else []
+    if action.kind == "B":
+        deps = [((stage, "F", action.mb), False)]
+        if stage < n_stages - 1:
+            deps.append(((stage + 1, "B", action.mb), True))
+        return deps
+    return []
+
+
+def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False) -> SimResult:
+    """List-schedule the actions: each starts when its stage is free and its inputs have arrived
+    (producer end + transfer). Raises DeadlockError when some stage can never proceed."""
+    n_stages = len(actions)
+    if len(cost.forward) != n_stages:
+        raise ValueError(f"costs are for {len(cost.forward)} stages, schedule has {n_stages}")
+    finished: dict[_Key, float] = {}
+    waiting: dict[_Key, list[int]] = {}  # dependency -> the stages blocked on it
+    position = [0] * n_stages
+    free = [0.0] * n_stages
+    busy = [0.0] * n_stages
+    spans: list[Span] = []
+    ready = list(range(n_stages))
+    while ready:
+        i = ready.pop()
+        while position[i] < len(actions[i]):
+            action = actions[i][position[i]]
+            deps = _dependencies(i, action, n_stages)
+            missing = next((key for key, _ in deps if key not in finished), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(i)
+                break
+            start = max(
+                [free[i]] + [finished[key] + (cost.transfer if link else 0.0) for key, link in deps]
+            )
+            end = start + cost.duration(i, action)
+            free[i] = end
+            busy[i] += end - start
+            position[i] += 1
+            if timeline:
+                spans.append(Span(i, action, start, end))
+            if action.kind != "U":
+                key = (i, action.kind, action.mb)
+                finished[key] = end
+                ready.extend(waiting.pop(key, ()))
+    blocked = [i for i in range(n_stages) if position[i] < len(actions[i])]
+    if blocked:
+        detail = "; ".join(
+            f"stage {i} at action #{position[i]} ({actions[i][position[i]]}) waits for "
+            + ", ".join(
+                f"{kind}{mb} of stage {s}"
+                for (s, kind, mb), _ in _dependencies(i, actions[i][position[i]], n_stages)
+                if (s, kind, mb) not in finished
+            )
+            for i in blocked
+        )
+        raise DeadlockError(f"schedule deadlocks: {detail}")
+    n_micro = len({a.mb for acts in actions for a in acts if a.kind == "F"})
+    spans.sort(key=lambda s: (s.start, s.stage))
+    return SimResult(max(free, default=0.0), tuple(busy), n_micro, tuple(spans))
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """Time per global batch once the pipeline is full, and the stage utilisation then."""
+
+    time_per_batch: float
+    utilisation: float
+
+    @property
+    def bubble_fraction(self) -> float:
+        return 1.0 - self.utilisation
+
+
+def simulate_steady(
+    name: str,
+    n_stages: int,
+    micro_per_batch: int,
+    cost: Costs,
+    *,
+    n_batches: int | None = None,
+    a: int = 1,
+    in_flight: int | None = None,
+    flush: bool = False,
+) -> SteadyState:
+    """Steady-state time per global batch: the makespan growth from n to 2n batches divided by n,
+    so the fill and drain of an asynchronous pipeline (paid once per span) cancel, while a flush
+    schedule pays its bubble in every batch. ``n_batches`` defaults to enough batches for the
+    warm-up (2S micro-batches); raise it when the steady state has a longer period."""
+    n = n_batches or max(2, math.ceil(2 * n_stages / micro_per_batch))
+    options = {"a": a, "in_flight": in_flight, "flush": flush}
+    short, long = (
+        simulate(build_schedule(name, n_stages, micro_per_batch, batches, **options), cost)
+        for batches in (n, 2 * n)
+    )
+    time_per_batch = (long.makespan - short.makespan) / n
+    work_per_batch = (sum(long.busy) - sum(short.busy)) / n
+    utilisation = work_per_batch / (n_stages * time_per_batch) if time_per_batch else 1.0
+    return SteadyState(time_per_batch, utilisation)

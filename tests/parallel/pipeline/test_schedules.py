@@ -1,0 +1,250 @@
+"""Specification of the pipeline schedules, checked exhaustively over small sizes.
+
+Sizes: S stages in 1..6, M micro-batches per global batch in 1..8, 1..3 global batches per span,
+local accumulation a in 1..4 for the asynchronous schedules.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from itertools import product
+
+import pytest
+
+from relaytrain.parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    build_schedule,
+    in_flight_limit,
+    max_in_flight,
+    staleness,
+    staleness_bound,
+    update_groups,
+    validate,
+    weight_versions,
+)
+from relaytrain.parallel.pipeline.simulate import Costs, simulate
+
+SIZES = list(product(range(1, 7), range(1, 9), range(1, 4)))  # (S, M, n_batches)
+A = range(1, 5)
+
+
+def cases(name: str):
+    """Every (S, M, n_batches, options) the exhaustive checks cover for schedule ``name``."""
+    for S, M, N in SIZES:
+        if name in ("gpipe", "1f1b"):
+            yield S, M, N, {}
+        elif name == "pipedream":
+            for a in A:
+                yield S, M, N, {"a": a}
+        else:
+            for a, flush in product(A, (False, True)):
+                yield S, M, N, {"a": a, "flush": flush}
+            if S > 2:
+                yield S, M, N, {"in_flight": 2}
+
+
+def batch(b: int, M: int) -> tuple[int, ...]:
+    return tuple(range(b * M, (b + 1) * M))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_micro_batch_gets_one_forward_then_one_backward_at_every_stage(name):
+    for S, M, N, opts in cases(name):
+        actions = build_schedule(name, S, M, N, **opts)
+        assert len(actions) == S
+        validate(actions)
+        for acts in actions:
+            forwards = [x.mb for x in acts if x.kind == "F"]
+            backwards = [x.mb for x in acts if x.kind == "B"]
+            assert sorted(forwards) == sorted(backwards) == list(range(M * N))
+            # data order: forwards and backwards both ascend, so gradients accumulate FIFO
+            assert forwards == sorted(forwards) and backwards == sorted(backwards)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_executes_without_deadlock_under_blocking_receives(name):
+    for S, M, N, opts in cases(name):
+        simulate(build_schedule(name, S, M, N, **opts), Costs.uniform(S))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_schedules_are_pure_functions_of_their_arguments(name):
+    assert build_schedule(name, 4, 6, 3) == build_schedule(name, 4, 6, 3)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_flush_schedules_update_once_per_global_batch_with_zero_staleness(name):
+    for S, M, N, _ in cases(name):
+        actions = build_schedule(name, S, M, N)
+        assert set(staleness(actions).values()) == {0}
+        assert update_groups(actions) == [[batch(b, M) for b in range(N)]] * S
+        for acts in actions:  # flush: nothing of batch b+1 starts before batch b's update
+            kinds = [x.kind for x in acts]
+            assert [i for i, k in enumerate(kinds) if k == "U"] == [
+                (b + 1) * (2 * M + 1) - 1 for b in range(N)
+            ]
+
+
+def test_gpipe_runs_all_forwards_before_backwards_and_holds_the_whole_batch():
+    for S, M, N, _ in cases("gpipe"):
+        actions = build_schedule("gpipe", S, M, N)
+        assert max_in_flight(actions) == [M] * S
+        for acts in actions:
+            one_batch = "".join(x.kind for x in acts[: 2 * M + 1])
+            assert one_batch == "F" * M + "B" * M + "U"
+
+
+def test_1f1b_warms_up_s_minus_i_minus_1_forwards_and_holds_min_s_minus_i_m():
+    for S, M, N, _ in cases("1f1b"):
+        actions = build_schedule("1f1b", S, M, N)
+        assert max_in_flight(actions) == [min(S - i, M) for i in range(S)]
+        for i, acts in enumerate(actions):
+            warm = min(S - i - 1, M)
+            assert [x.kind for x in acts[: warm + 1]] == ["F"] * warm + ["F" if warm < M else "B"]
+
+
+@pytest.mark.parametrize("name", ["pipedream", "paci"])
+def test_async_schedules_respect_the_in_flight_limit(name):
+    for S, M, N, opts in cases(name):
+        actions = build_schedule(name, S, M, N, **opts)
+        limits = [in_flight_limit(i, S, opts.get("in_flight")) for i in range(S)]
+        cap = M if opts.get("flush") else M * N
+        assert max_in_flight(actions) == [min(limit, cap) for limit in limits]
+
+
+def test_paci_lets_the_next_global_batch_in_without_a_flush():
+    for S, M in product(range(2, 7), range(1, 9)):
+        stage0 = build_schedule("paci", S, M, 2)[0]
+        position = {(x.kind, x.mb): n for n, x in enumerate(stage0)}
+        assert position[("F", M)] < position[("B", M - 1)]
+
+
+def test_paci_staleness_never_exceeds_its_bound_and_reaches_it_on_long_spans():
+    for S, M, N, opts in cases("paci"):
+        a, cap = opts.get("a", 1), opts.get("in_flight")
+        seen = staleness(build_schedule("paci", S, M, N, **opts))
+        for i in range(S):
+            worst = max(seen[(i, m)] for m in range(M * N))
+            bound = staleness_bound("paci", i, S, a, cap)
+            assert worst <= bound
+            if not opts.get("flush") and M * N >= in_flight_limit(i, S, cap) + a - 1:
+                assert worst == bound, (S, M, N, opts, i)
+
+
+def test_paci_bound_is_papers_ceil_s_minus_i_minus_1_over_a():
+    for S, a in product(range(1, 9), A):
+        assert [staleness_bound("paci", i, S, a) for i in range(S)] == [
+            math.ceil((S - i - 1) / a) for i in range(S)
+        ]
+        assert [staleness_bound(n, i, S) for n in ("gpipe", "1f1b") for i in range(S)] == [0] * (
+            2 * S
+        )
+
+
+def test_paci_updates_every_a_backwards_with_the_same_micro_batches_at_every_stage():
+    for S, M, N, opts in cases("paci"):
+        a = opts.get("a", 1)
+        groups = update_groups(build_schedule("paci", S, M, N, **opts))
+        assert all(g == groups[0] for g in groups)
+        if opts.get("flush"):
+            expected = [batch(b, M)[j : j + a] for b in range(N) for j in range(0, M, a)]
+        else:
+            expected = [tuple(range(j, min(j + a, M * N))) for j in range(0, M * N, a)]
+        assert groups[0] == expected
+
+
+def test_paci_with_flush_and_a_equal_m_is_exactly_1f1b():
+    for S, M, N, _ in cases("1f1b"):
+        assert build_schedule("paci", S, M, N, a=M, flush=True) == build_schedule("1f1b", S, M, N)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "paci"])
+def test_schedules_without_stashing_hold_one_weight_version(name):
+    for S, M, N, opts in cases(name):
+        actions = build_schedule(name, S, M, N, **opts)
+        assert weight_versions(actions) == [1] * S
+        assert all(x.version is None for acts in actions for x in acts)
+
+
+def test_pipedream_stashes_the_version_its_forward_used_for_its_backward():
+    for S, M, N, opts in cases("pipedream"):
+        actions = build_schedule("pipedream", S, M, N, **opts)
+        validate(actions)  # includes: B uses its F's version, never a future one
+        for acts in actions:
+            updates = 0
+            for x in acts:
+                updates += x.kind == "U"
+                if x.kind == "F":
+                    assert x.version == updates  # the latest weights at forward time
+
+
+def test_pipedream_holds_s_minus_i_versions_per_stage_with_one_update_per_micro_batch():
+    for S, M, N, opts in cases("pipedream"):
+        a = opts["a"]
+        actions = build_schedule("pipedream", S, M, N, **opts)
+        versions = weight_versions(actions)
+        crossed = staleness(actions)
+        for i in range(S):
+            bound = staleness_bound("pipedream", i, S, a)
+            assert max(crossed[(i, m)] for m in range(M * N)) <= bound
+            assert versions[i] <= 1 + bound
+            if M * N >= 2 * (S - i) + a - 1:  # past the warm-up, whose forwards share version 0
+                assert versions[i] == 1 + bound
+                if a == 1:
+                    assert versions[i] == S - i
+
+
+def test_update_numbers_count_from_one_at_every_stage():
+    actions = build_schedule("paci", 3, 4, 2, a=3)
+    assert [[x.k for x in acts if x.kind == "U"] for acts in actions] == [[1, 2, 3]] * 3
+    assert all(x.mb == -1 for acts in actions for x in acts if x.kind == "U")
+
+
+def test_action_prints_compactly():
+    assert [str(x) for x in (Action("F", 3), Action("B", 3, version=2), Action("U", k=1))] == [
+        "F3",
+        "B3@v2",
+        "U1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "sizes", "kwargs", "message"),
+    [
+        ("zigzag", (2, 2, 1), {}, "expected one of gpipe, 1f1b, pipedream, paci"),
+        ("1f1b", (2, 2, 1), {"a": 2}, "takes no option ['a']"),
+        ("gpipe", (2, 2, 1), {"in_flight": 2}, "takes no option ['in_flight']"),
+        ("pipedream", (2, 2, 1), {"flush": True}, "takes no option ['flush']"),
+        ("paci", (2, 2, 1), {"a": 0}, "a: got 0"),
+        ("paci", (2, 2, 1), {"in_flight": 0}, "in_flight: got 0"),
+        ("paci", (2, 0, 1), {}, "micro_per_batch: got 0"),
+    ],
+)
+def test_bad_arguments_are_rejected_with_what_would_be_accepted(name, sizes, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_schedule(name, *sizes, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("actions", "message"),
+    [
+        ([[Action("B", 0), Action("U", k=1)]], "backward without a pending forward"),
+        ([[Action("F", 0), Action("F", 0)]], "second forward"),
+        ([[Action("F", 0), Action("B", 0)]], "1 gradients never applied"),
+        ([[Action("F", 0), Action("B", 0), Action("U", k=2)]], "expected U1"),
+        ([[Action("F", 0, version=1)]], r"version must be in 0\.\.0"),
+        ([[Action("F", 0, version=0), Action("B", 0), Action("U", k=1)]], "version differs"),
+        (
+            [
+                [Action("F", 0), Action("B", 0), Action("U", k=1)],
+                [Action("F", 1), Action("B", 1), Action("U", k=1)],
+            ],
+            "differ",
+        ),
+    ],
+)
+def test_validate_rejects_malformed_lists(actions, message):
+    with pytest.raises(ValueError, match=message):
+        validate(actions)
