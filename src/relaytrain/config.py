@@ -95,7 +95,8 @@ class ParallelSection:
 class RuntimeSection:
     engine: Literal["inline", "ray"] = "inline"
     address: str | None = None  # Ray cluster address; None: a private local cluster
-    threads_per_worker: int = 1
+    threads_per_worker: int = 1  # torch threads in each worker (same count => same kernels)
+    cpus_per_worker: float = 1.0  # Ray CPU share reserved per worker
     call_timeout: float = 120.0  # seconds any remote call may take
     setup_timeout: float = 120.0
 
@@ -148,7 +149,10 @@ class RunConfig:
     # ---- derived values -------------------------------------------------------------------
     def model_config(self, tokenizer_vocab: int | None = None) -> Olmo3Config:
         """The architecture: preset, then overrides, then the data's vocabulary if needed."""
-        cfg = dataclasses.replace(PRESETS[self.model.preset], **self.model.overrides)
+        overrides = dict(self.model.overrides)
+        if "n_layers" in overrides and "layer_types" not in overrides:
+            overrides["layer_types"] = ()  # the Olmo 3 pattern for the new depth
+        cfg = dataclasses.replace(PRESETS[self.model.preset], **overrides)
         if tokenizer_vocab is not None and cfg.vocab_size is None:
             cfg = cfg.with_vocab(tokenizer_vocab)
         return cfg
@@ -279,7 +283,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (["a", "b"], value) with the value parsed as YAML (so 3, 1e-3, [1,2])."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. train.max_steps=20)")
+        raise ConfigError(f"override {text!r} is not of the form key=value "
+                          "(e.g. train.max_steps=20)")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key:

@@ -1,0 +1,77 @@
+"""The run configuration: YAML plus key=value overrides, one clear line for every mistake."""
+
+import pytest
+
+from relaytrain.config import config_from_dict, load_config
+from relaytrain.errors import ConfigError
+from relaytrain.model.config import PRESETS
+
+
+def test_defaults_and_overrides_are_typed(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run_dir: r\ntrain:\n  max_steps: 5\noptim:\n  lr: 0.01\n")
+    cfg = load_config(path, ["train.global_batch=16", "optim.betas=[0.8, 0.9]",
+                             "model.n_layers=3", "determinism=exact"])
+    assert cfg.train.max_steps == 5 and cfg.train.global_batch == 16
+    assert cfg.optim.lr == 0.01 and cfg.optim.betas == (0.8, 0.9)
+    assert cfg.model_config().n_layers == 3
+    assert cfg.determinism == "exact"
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(None, ["run_dir=x", "model.preset=small", "parallel.dp=2",
+                             "runtime.engine=ray"])
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.max_stepz=3", "unknown config key 'train.max_stepz'"),
+    ("bogus=1", "unknown config key 'bogus'"),
+    ("train.max_steps=abc", "config key 'train.max_steps': got 'abc', expected int"),
+    ("train.max_steps=true", "config key 'train.max_steps'"),
+    ("determinism=maybe", "expected 'exact' | 'fast'"),
+    ("model.preset=huge", "config key 'model.preset': got 'huge'"),
+    ("train.global_batch=7", "expected a multiple of train.micro_batch=2"),
+    ("parallel.dp=2", "need runtime.engine=ray"),
+    ("model.n_kv_heads=3", "must divide model.n_heads"),
+    ("model.widthh=3", "unknown config key 'model.widthh'"),
+    ("noequals", "not of the form key=value"),
+])
+def test_bad_values_name_the_key_and_what_is_accepted(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["run_dir=x", override])
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_dp_must_split_micro_batches_evenly():
+    with pytest.raises(ConfigError, match="must split evenly over dp ranks"):
+        load_config(None, ["runtime.engine=ray", "parallel.dp=3", "train.global_batch=8",
+                           "train.micro_batch=2"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_presets_have_the_published_olmo3_7b_dimensions():
+    m = PRESETS["olmo3-7b"]
+    assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.mlp_hidden) == \
+        (32, 4096, 32, 32, 128, 11008)
+    assert (m.vocab_size, m.tokenizer_vocab, m.rms_eps, m.rope_theta) == \
+        (100352, 100278, 1e-6, 500000.0)
+    assert (m.max_seq_len, m.sliding_window) == (8192, 4096)
+    assert m.layer_types.count("full_attention") == 8 and m.layer_types[-1] == "full_attention"
+    assert all(t == "sliding_attention" for i, t in enumerate(m.layer_types) if (i + 1) % 4)
+
+
+def test_shipped_configs_load():
+    import glob
+
+    for path in glob.glob("configs/*.yaml"):
+        load_config(path, ["run_dir=x"])
