@@ -46,10 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--heldout-frac", type=float, default=0.05)
     prep.add_argument("--workers", type=int, default=0, help="encoding processes (0: all cores)")
     prep.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
+    prep.add_argument("--eos-token", default=None,
+                      help="the tokenizer's end-of-text token (default: a common name)")
     prep.add_argument("--json", action="store_true")
     prep.set_defaults(handler="data.prepare")
     audit = dsub.add_parser("audit", help="prove exactly-once data use of a run")
     audit.add_argument("run_dir", metavar="RUN_DIR")
+    audit.add_argument("--data", default=None, metavar="DIR",
+                       help="the prepared data dir (default: the ledger header's data_path)")
+    audit.add_argument("--max-overlap", type=float, default=None,
+                       help="tolerated fraction of sampled held-out 32-grams found in training")
     audit.add_argument("--json", action="store_true")
     audit.set_defaults(handler="data.audit")
 
@@ -92,17 +98,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(handler="bench")
 
-    cmp_ = sub.add_parser("compare", help="hold a run's curve against a reference")
+    cmp_ = sub.add_parser("compare", help="hold a run's curve against a reference",
+                          description="Compare a run's curve with a reference run point by "
+                          "point; exit 0 within the tolerance, 1 outside, 2 on bad input.")
     cmp_.add_argument("run_dir", metavar="RUN_DIR")
-    cmp_.add_argument("reference", metavar="REFERENCE")
-    cmp_.add_argument("--metric", default="loss")
+    cmp_.add_argument("reference", metavar="REFERENCE",
+                      help="a run directory or a CSV/JSONL export of a logged run")
+    cmp_.add_argument("--metric", default="loss",
+                      help="step- or eval-record key (default: loss); the held-out loss is "
+                      "also compared when both sides have it")
     cmp_.add_argument("--align", choices=["step", "tokens"], default="step")
-    cmp_.add_argument("--tolerance", type=float, default=0.01)
-    cmp_.add_argument("--window", type=int, default=1)
-    cmp_.add_argument("--landmarks", default=None, help="comma-separated steps/tokens")
-    cmp_.add_argument("--ref-step-column", default=None)
-    cmp_.add_argument("--ref-metric-column", default=None)
-    cmp_.add_argument("--out", default=None, metavar="FILE.png")
+    cmp_.add_argument("--tolerance", type=float, default=0.01, help="max |run - reference|")
+    cmp_.add_argument("--window", type=int, default=1,
+                      help="smooth both curves, once aligned, with a trailing mean of N points")
+    cmp_.add_argument("--landmarks", default=None,
+                      help="comma-separated steps/tokens, e.g. 100,1000 or 1B,10B "
+                      "(default: ~8 log-spaced over the overlap)")
+    cmp_.add_argument("--ref-step-column", default=None, help="reference export column")
+    cmp_.add_argument("--ref-tokens-column", default=None, help="reference export column")
+    cmp_.add_argument("--ref-metric-column", default=None, help="reference column or key")
+    cmp_.add_argument("--ref-heldout-column", default=None, help="reference export column")
+    cmp_.add_argument("--out", default=None, metavar="FILE.png",
+                      help="also draw both curves and their difference")
     cmp_.add_argument("--json", action="store_true")
     cmp_.set_defaults(handler="compare")
     return p
