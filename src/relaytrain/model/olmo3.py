@@ -1,0 +1,267 @@
+"""The Olmo 3 decoder, written out from scratch and proven equal to HF's `Olmo3ForCausalLM`.
+
+Architecture (OLMo 2 lineage): token embedding; per layer a "reordered norm" block,
+`h = x + norm(attn(x))`, `out = h + norm(mlp(h))`, whose attention applies RMSNorm to the whole
+q and k projections (QK-norm) before splitting heads, rotate-half RoPE, and a causal or
+sliding-window mask by layer type; SwiGLU MLP; final norm; untied LM head. No biases.
+
+Numerics follow HF exactly: RMSNorm and RoPE are computed in fp32 and cast back to the input
+dtype, so the model runs under bf16 autocast with fp32 normalisation and rotary math.
+
+One class serves both the whole model and a pipeline stage: a stage holds a contiguous range of
+layers (keyed by their *global* index, so parameter names are the same in every layout), the
+embedding only if it is the first stage and the final norm + head only if it is the last.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from relaytrain.model.config import FULL, LAYER_TYPES, SLIDING, Olmo3Config
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32, weight applied in fp32, result cast back (as HF `Olmo3RMSNorm`)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding
+
+
+def rope_inv_freq(cfg: Olmo3Config, yarn: bool, device: torch.device | None = None,
+                  ) -> tuple[Tensor, float]:
+    """Inverse frequencies theta^(-2i/d) in fp32 and the cos/sin scale.
+
+    With `yarn`, HF's YaRN (`_compute_yarn_parameters`, truncated correction range): low
+    frequencies are interpolated by `factor`, high ones kept, a linear ramp in between, and
+    cos/sin are scaled by `attention_factor` (default 0.1 ln(factor) + 1).
+    """
+    dim, base = cfg.head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    if not yarn:
+        return 1.0 / pos_freqs, 1.0
+    rs = cfg.rope_scaling
+    if rs is None:
+        raise ValueError("YaRN frequencies asked for, but cfg.rope_scaling is None")
+    factor = float(rs["factor"])
+    original = rs.get("original_max_position_embeddings", cfg.max_seq_len)
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device=device)
+    ramp = torch.clamp((ramp - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # weight of the original (extrapolated) frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(attention_factor)
+
+
+def rope_cos_sin(cfg: Olmo3Config, yarn: bool, seq_len: int, device: torch.device,
+                 ) -> tuple[Tensor, Tensor]:
+    """fp32 cos and sin tables [seq_len, head_dim] for positions 0..seq_len-1.
+
+    Recomputed each forward (a few thousand flops) instead of kept in buffers, so a model
+    built on the meta device and materialised with `to_empty` needs no special handling.
+    """
+    inv_freq, scale = rope_inv_freq(cfg, yarn, device)
+    freqs = torch.arange(seq_len, device=device).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate [B, H, T, hd] by position, in fp32, cast back to x's dtype."""
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention masks
+
+
+def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> Tensor:
+    """Boolean [T, T] mask, True where query q may see key k: q - window < k <= q.
+
+    Built once per forward and shared by every sliding layer of the module: T^2 bytes (64 MiB
+    at T = 8192), never an fp32 mask per layer. It is not cached across forwards, since a cache
+    would be a side effect under torch.compile and building it costs far less than one layer.
+    Full layers, and sliding ones when T <= window, take no mask at all (`is_causal`, flash
+    kernels). A FlexAttention block mask would avoid the T^2 entirely on GPU.
+    """
+    q = torch.arange(seq_len, device=device)[:, None]
+    k = torch.arange(seq_len, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """[B, Hkv, T, hd] -> [B, Hkv * n_rep, T, hd], each kv head serving n_rep query heads."""
+    if n_rep == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Olmo3Config) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, q_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, cfg.d_model, bias=False)
+        # QK-norm over the whole projection (all heads together), before the head split.
+        self.q_norm = RMSNorm(q_dim, cfg.rms_eps)
+        self.k_norm = RMSNorm(kv_dim, cfg.rms_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        """Causal attention when `mask` is None, else attention restricted to `mask`."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_rep = self.n_heads // self.n_kv_heads
+        scale = self.head_dim**-0.5
+        if mask is None:
+            # Flash kernels take GQA natively when there is no mask.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=n_rep > 1)
+        else:
+            # With a mask, CUDA kernels would fall back to the math path for GQA: expand kv.
+            y = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
+                                               attn_mask=mask, scale=scale)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: Olmo3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Reordered-norm block: the norms are applied to the sublayer outputs, not the inputs."""
+
+    def __init__(self, cfg: Olmo3Config, layer_type: str) -> None:
+        super().__init__()
+        self.sliding = layer_type == SLIDING
+        # YaRN (when configured) applies to full-attention layers only, as in HF Olmo 3.
+        self.yarn = layer_type == FULL and cfg.rope_scaling is not None
+        self.attn = Attention(cfg)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        h = x + self.attn_norm(self.attn(x, cos, sin, mask))
+        return h + self.mlp_norm(self.mlp(h))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model (or one pipeline stage of it)
+
+
+def check_config(cfg: Olmo3Config) -> None:
+    """Reject configs the model cannot be built from, with the offending field named."""
+    if cfg.vocab_size is None:
+        raise ValueError("Olmo3Config.vocab_size is None: set it (e.g. cfg.with_vocab(n)) "
+                         "before building the model")
+    if cfg.tokenizer_vocab is not None and not 0 < cfg.tokenizer_vocab <= cfg.vocab_size:
+        raise ValueError(f"tokenizer_vocab={cfg.tokenizer_vocab} must be in "
+                         f"1..vocab_size={cfg.vocab_size}")
+    if cfg.n_kv_heads <= 0 or cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
+    if cfg.head_dim % 2:
+        raise ValueError(f"head_dim={cfg.head_dim} must be even for rotary embeddings")
+    if SLIDING in cfg.layer_types and cfg.sliding_window < 1:
+        raise ValueError(f"sliding_window={cfg.sliding_window} must be >= 1")
+    if cfg.rope_scaling is not None and "factor" not in cfg.rope_scaling:
+        raise ValueError(f"rope_scaling={cfg.rope_scaling} lacks the YaRN 'factor'")
+    if len(cfg.layer_types) != cfg.n_layers or not set(cfg.layer_types) <= set(LAYER_TYPES):
+        raise ValueError(f"layer_types must list {cfg.n_layers} entries from {LAYER_TYPES}, "
+                         f"got {list(cfg.layer_types)}")
+
+
+class Olmo3(nn.Module):
+    """Olmo 3 causal LM, or the stage of it holding `layers` (global indices).
+
+    `forward` takes token ids [B, T] on the first stage, hidden states [B, T, D] otherwise;
+    it returns logits [B, T, tokenizer_vocab] on the last stage, hidden states otherwise.
+    The head has `vocab_size` (padded) rows; the padded rows are sliced off the logits, so they
+    get no gradient and never affect the loss.
+    """
+
+    def __init__(self, cfg: Olmo3Config, layers: range | None = None, first: bool = True,
+                 last: bool = True) -> None:
+        super().__init__()
+        check_config(cfg)
+        layers = range(cfg.n_layers) if layers is None else layers
+        if len(layers) == 0 or layers.step != 1 or layers[0] < 0 or layers[-1] >= cfg.n_layers:
+            raise ValueError(f"layers={layers} must be a non-empty contiguous part of "
+                             f"range({cfg.n_layers})")
+        self.cfg = cfg
+        self.first, self.last = first, last
+        self.n_logits = cfg.tokenizer_vocab or cfg.vocab_size
+        if first:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.layer_types[i]) for i in layers})
+        if last:
+            self.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x) if self.first else x
+        t, device = h.shape[1], h.device
+        blocks = list(self.layers.values())
+        rope = {yarn: rope_cos_sin(self.cfg, yarn, t, device) for yarn in {b.yarn for b in blocks}}
+        # A sliding layer is plain causal attention when the whole sequence fits the window.
+        window = self.cfg.sliding_window
+        mask = None
+        if t > window and any(b.sliding for b in blocks):
+            mask = sliding_window_mask(t, window, device)
+        for block in blocks:
+            cos, sin = rope[block.yarn]
+            h = block(h, cos, sin, mask if block.sliding else None)
+        if self.last:
+            h = self.lm_head(self.norm(h))[..., : self.n_logits]
+        return h

@@ -1,0 +1,76 @@
+"""Cutting the model into pipeline stages of contiguous layers.
+
+The partition balances training FLOPs: the last stage also carries the LM head, whose matmul
+costs as much as several blocks at a large vocabulary; the first carries the embedding, whose
+lookup is free. A DP over split points minimises the cost of the most expensive stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from relaytrain.errors import ConfigError
+from relaytrain.model.accounting import head_flops_per_token, layer_flops_per_token
+from relaytrain.model.config import Olmo3Config
+from relaytrain.model.olmo3 import Olmo3
+
+
+def partition_layers(cfg: Olmo3Config, n_stages: int, stage_layers: Sequence[int] | None = None,
+                     seq_len: int | None = None) -> list[range]:
+    """Contiguous layer ranges, one per stage, each non-empty.
+
+    `stage_layers` (layers per stage) overrides the balancing. Costs use `seq_len`, by default
+    `cfg.max_seq_len`. Among partitions with the same maximum, the DP keeps the first found.
+    """
+    n = cfg.n_layers
+    if not 1 <= n_stages <= n:
+        raise ConfigError(f"parallel.pp={n_stages}: need 1 <= stages <= n_layers={n}")
+    if stage_layers is not None:
+        counts = list(stage_layers)
+        if len(counts) != n_stages or min(counts) < 1 or sum(counts) != n:
+            raise ConfigError(f"parallel.stage_layers={counts}: need {n_stages} positive "
+                              f"counts summing to n_layers={n}")
+    else:
+        counts = _balanced_counts(cfg, n_stages, seq_len or cfg.max_seq_len)
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges
+
+
+def _balanced_counts(cfg: Olmo3Config, n_stages: int, seq_len: int) -> list[int]:
+    n = cfg.n_layers
+    cost = [layer_flops_per_token(cfg, i, seq_len) for i in range(n)]
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    head = head_flops_per_token(cfg)
+
+    def span(i: int, j: int) -> float:  # cost of a stage holding layers i..j-1
+        return prefix[j] - prefix[i] + (head if j == n else 0.0)
+
+    # best[s][j]: minimal max-cost splitting layers 0..j-1 into s stages; cut[s][j]: last start.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(s, n - (n_stages - s) + 1):
+            for i in range(s - 1, j):
+                c = max(best[s - 1][i], span(i, j))
+                if c < best[s][j]:
+                    best[s][j], cut[s][j] = c, i
+    counts, j = [], n
+    for s in range(n_stages, 0, -1):
+        i = cut[s][j]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]
+
+
+def build_stage(cfg: Olmo3Config, stage: int, n_stages: int, ranges: Sequence[range]) -> Olmo3:
+    """The module of stage `stage`: its layers, plus the embedding (first) or head (last)."""
+    if len(ranges) != n_stages or not 0 <= stage < n_stages:
+        raise ValueError(f"stage {stage} of {n_stages} with {len(ranges)} ranges")
+    return Olmo3(cfg, layers=ranges[stage], first=stage == 0, last=stage == n_stages - 1)

@@ -1,0 +1,181 @@
+"""Numerical parity of our Olmo 3 with HF transformers' `Olmo3ForCausalLM`.
+
+Both models get the same weights (through the one name mapping in `relaytrain.model.hf`),
+run in fp32 on the CPU, and are compared on logits, loss, the gradient of every parameter and
+the loss of every step of a short AdamW training run on identical random batches. The default
+preset mixes sliding-window and full layers and the sequence is longer than the window, so the
+window mask is exercised; the vocabulary is padded (500 -> 512) so padding is exercised too.
+
+HF runs with `attn_implementation="sdpa"`, the kernels we call, and the two then agree bit for
+bit on the CPU (with "eager" they differ by float reassociation, ~1e-6, within the bars). Both
+losses are our `lm_loss` (z-loss off) applied to each model's logits with the same
+already-shifted labels, so only the models differ; HF's own loss function on its logits is
+reported as well. Tokens never include `pad_token_id`: HF's embedding freezes that row's
+gradient (`padding_idx`), an inference convention that pre-training (and our model) does not
+follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from relaytrain.errors import UserError
+from relaytrain.model.config import PRESETS, SLIDING, Olmo3Config
+from relaytrain.model.hf import VOCAB_ROWS, ours_to_hf_name, ours_to_hf_state, to_hf_config
+from relaytrain.model.init import derive_seed, init_weights
+from relaytrain.model.olmo3 import Olmo3
+from relaytrain.train.loss import lm_loss
+
+BARS = {"logits": 1e-5, "loss": 1e-5, "grad": 1e-5, "train_loss": 1e-5}
+PARITY_VOCAB = 500  # tokenizer size used when the preset leaves the vocabulary to the data
+BATCH = 2
+TRAIN_BATCHES = 4
+
+
+def _batch(gen: torch.Generator, cfg: Olmo3Config, seq_len: int) -> tuple[Tensor, Tensor]:
+    """Random inputs and next-token labels over the tokenizer vocabulary minus the pad id."""
+    n = (cfg.tokenizer_vocab or cfg.vocab_size) - 1
+    tokens = torch.randint(0, n, (BATCH, seq_len + 1), generator=gen)
+    tokens += (tokens >= cfg.pad_token_id).long()
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _grad_rel_diffs(ours: Olmo3, hf: torch.nn.Module, cfg: Olmo3Config,
+                    ) -> tuple[dict[str, float], float]:
+    """Per parameter ||g_ours - g_hf|| / ||g_hf||, and the largest gradient on padded rows."""
+    hf_params = dict(hf.named_parameters())
+    rows = cfg.tokenizer_vocab or cfg.vocab_size
+    rel, padded = {}, 0.0
+    for name, p in ours.named_parameters():
+        g = p.grad
+        if name in VOCAB_ROWS:
+            padded = max(padded, g[rows:].abs().max().item() if g.shape[0] > rows else 0.0)
+            g = g[:rows]
+        g_hf = hf_params[ours_to_hf_name(name)].grad
+        rel[name] = ((g - g_hf).norm() / g_hf.norm().clamp(min=1e-30)).item()
+    return rel, padded
+
+
+def hf_twin(model: Olmo3) -> torch.nn.Module:
+    """HF's `Olmo3ForCausalLM` (SDPA attention) holding a copy of `model`'s weights."""
+    import transformers
+
+    hf = transformers.Olmo3ForCausalLM(to_hf_config(model.cfg))
+    hf.set_attn_implementation("sdpa")
+    hf.load_state_dict(ours_to_hf_state(model.state_dict(), model.cfg), strict=True)
+    return hf
+
+
+def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None,
+               seed: int = 0) -> dict[str, Any]:
+    """Compare our model with HF's on `preset`; a dict of differences, bars and verdicts."""
+    if preset not in PRESETS:
+        raise UserError(f"unknown model preset {preset!r}; known: {', '.join(PRESETS)}")
+    cfg = PRESETS[preset]
+    if cfg.vocab_size is None:
+        cfg = cfg.with_vocab(PARITY_VOCAB)
+    seq_len = seq_len or cfg.max_seq_len
+    if seq_len < 2 or steps < 0:
+        raise UserError(f"need --seq-len >= 2 and --steps >= 0, got {seq_len} and {steps}")
+
+    ours = Olmo3(cfg)
+    init_weights(ours, seed)
+    hf = hf_twin(ours)
+    ours.train()
+    hf.train()
+    gen = torch.Generator().manual_seed(derive_seed(seed, "parity", preset))
+
+    # One forward/backward: logits, loss and every gradient.
+    inputs, labels = _batch(gen, cfg, seq_len)
+    logits_ours = ours(inputs)
+    logits_hf = hf(input_ids=inputs).logits
+    loss_ours = lm_loss(logits_ours, labels, 0.0)[0]
+    loss_hf = lm_loss(logits_hf, labels, 0.0)[0]
+    loss_hf_native = hf.loss_function(logits=logits_hf, labels=None, shift_labels=labels,
+                                      vocab_size=logits_hf.shape[-1])
+    loss_ours.backward()
+    loss_hf.backward()
+    rel, padded_grad = _grad_rel_diffs(ours, hf, cfg)
+    worst = max(rel, key=rel.get)
+
+    # Short training run, identical optimizers and batches. A few batches are revisited so the
+    # loss falls (random tokens cannot be learned, but they can be memorised).
+    def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                                 weight_decay=0.1, foreach=False)
+
+    opt_ours, opt_hf = adamw(ours), adamw(hf)
+    pool = [_batch(gen, cfg, seq_len) for _ in range(TRAIN_BATCHES)]
+    curve_ours, curve_hf = [], []
+    for step in range(steps):
+        opt_ours.zero_grad(set_to_none=True)
+        opt_hf.zero_grad(set_to_none=True)
+        inputs, labels = pool[step % TRAIN_BATCHES]
+        a = lm_loss(ours(inputs), labels, 0.0)[0]
+        b = lm_loss(hf(input_ids=inputs).logits, labels, 0.0)[0]
+        a.backward()
+        b.backward()
+        opt_ours.step()
+        opt_hf.step()
+        curve_ours.append(a.item())
+        curve_hf.append(b.item())
+
+    diffs = {
+        "logits": (logits_ours - logits_hf).abs().max().item(),
+        "loss": abs(loss_ours.item() - loss_hf.item()),
+        "grad": rel[worst],
+        "train_loss": max((abs(x - y) for x, y in zip(curve_ours, curve_hf, strict=True)),
+                          default=0.0),
+    }
+    ok = {k: math.isfinite(v) and v <= BARS[k] for k, v in diffs.items()}
+    ok["padded_rows_inert"] = padded_grad == 0.0
+    return {
+        "preset": preset, "seq_len": seq_len, "steps": steps, "seed": seed, "batch": BATCH,
+        "tokenizer_vocab": cfg.tokenizer_vocab, "vocab_size": cfg.vocab_size,
+        "layer_types": list(cfg.layer_types), "sliding_window": cfg.sliding_window,
+        "window_exercised": SLIDING in cfg.layer_types and seq_len > cfg.sliding_window,
+        "hf_attn_implementation": "sdpa", "dtype": "float32", "device": "cpu",
+        "logits_max_abs_diff": diffs["logits"],
+        "loss_ours": loss_ours.item(), "loss_hf": loss_hf.item(),
+        "loss_hf_native": loss_hf_native.item(), "loss_abs_diff": diffs["loss"],
+        "grad_max_rel_diff": diffs["grad"], "grad_worst_param": worst,
+        "padded_rows_max_grad": padded_grad,
+        "train_loss_max_abs_diff": diffs["train_loss"],
+        "train_loss_ours": curve_ours, "train_loss_hf": curve_hf,
+        "bars": BARS, "ok": ok, "pass": all(ok.values()),
+    }
+
+
+def cli_parity_hf(args: argparse.Namespace) -> int:
+    """`relaytrain parity hf`: a table, optionally a JSON line; exit 0 within the bars, else 1."""
+    r = run_parity(args.model, steps=args.steps, seq_len=args.seq_len)
+    yes = {True: "ok", False: "FAIL"}
+    print(f"HF parity, preset {r['preset']}: layers {', '.join(r['layer_types'])}, window "
+          f"{r['sliding_window']}, seq_len {r['seq_len']}, vocab {r['tokenizer_vocab']} "
+          f"(padded {r['vocab_size']}), {r['dtype']} {r['device']}, HF attention "
+          f"{r['hf_attn_implementation']}")
+    rows = [
+        ("logits max |diff|", r["logits_max_abs_diff"], BARS["logits"], r["ok"]["logits"]),
+        ("loss |diff|", r["loss_abs_diff"], BARS["loss"], r["ok"]["loss"]),
+        ("grad max rel diff", r["grad_max_rel_diff"], BARS["grad"], r["ok"]["grad"]),
+        (f"train loss max |diff| ({r['steps']} steps)", r["train_loss_max_abs_diff"],
+         BARS["train_loss"], r["ok"]["train_loss"]),
+        ("padded-row grad max", r["padded_rows_max_grad"], 0.0, r["ok"]["padded_rows_inert"]),
+    ]
+    print(f"{'metric':<36}{'value':>12}{'bar':>10}  ok")
+    for name, value, bar, ok in rows:
+        print(f"{name:<36}{value:>12.3e}{bar:>10.0e}  {yes[ok]}")
+    print(f"loss ours {r['loss_ours']:.6f}, HF {r['loss_hf']:.6f} (HF's own loss "
+          f"{r['loss_hf_native']:.6f}); worst gradient: {r['grad_worst_param']}")
+    if r["steps"]:
+        print(f"training loss {r['train_loss_ours'][0]:.4f} -> {r['train_loss_ours'][-1]:.4f}")
+    print("PASS" if r["pass"] else "FAIL")
+    if args.json:
+        print(json.dumps(r))
+    return 0 if r["pass"] else 1

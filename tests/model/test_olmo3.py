@@ -1,0 +1,208 @@
+"""The Olmo 3 module: names, shapes, attention windows, RoPE, GQA, init and dtypes."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relaytrain.model.config import FULL, PRESETS, SLIDING
+from relaytrain.model.init import init_weights
+from relaytrain.model.olmo3 import (
+    Olmo3,
+    RMSNorm,
+    apply_rope,
+    rope_cos_sin,
+    sliding_window_mask,
+)
+
+torch.set_num_threads(1)
+TINY = PRESETS["tiny"].with_vocab(500)  # 2 layers: sliding (window 16), full; vocab 500 -> 512
+
+
+def small(**kw):
+    return dataclasses.replace(TINY, **kw)
+
+
+def model_of(cfg, seed=0):
+    m = Olmo3(cfg)
+    init_weights(m, seed)
+    return m
+
+
+def test_parameter_names_are_the_global_contract_names():
+    names = {n for n, _ in Olmo3(TINY).named_parameters()}
+    per_layer = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "attn.q_norm",
+                 "attn.k_norm", "attn_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                 "mlp_norm"]
+    expected = {"embed.weight", "norm.weight", "lm_head.weight"} | {
+        f"layers.{i}.{p}.weight" for i in range(TINY.n_layers) for p in per_layer}
+    assert names == expected
+
+
+def test_logits_cover_the_tokenizer_vocabulary_not_the_padding():
+    m = model_of(TINY)
+    assert m.embed.weight.shape[0] == m.lm_head.weight.shape[0] == 512
+    logits = m(torch.randint(0, 500, (2, 20)))
+    assert logits.shape == (2, 20, 500)
+    logits.sum().backward()
+    assert m.lm_head.weight.grad[500:].abs().max() == 0  # padded rows are inert
+
+
+def test_building_needs_a_vocabulary():
+    with pytest.raises(ValueError, match="vocab_size"):
+        Olmo3(PRESETS["tiny"])
+
+
+def test_stage_modules_hold_only_their_part_under_global_names():
+    mid = Olmo3(small(n_layers=4, layer_types=()), layers=range(1, 3), first=False, last=False)
+    names = {n for n, _ in mid.named_parameters()}
+    assert {n.split(".")[1] for n in names} == {"1", "2"}
+    assert not any(n.startswith(("embed", "norm", "lm_head")) for n in names)
+    h = torch.randn(2, 5, TINY.d_model)
+    assert mid(h).shape == h.shape
+
+
+# --- attention windows ------------------------------------------------------------------------
+
+def test_sliding_window_mask_shows_exactly_the_last_w_keys():
+    t, w = 11, 4
+    mask = sliding_window_mask(t, w, torch.device("cpu"))
+    for q in range(t):
+        assert [k for k in range(t) if mask[q, k]] == list(range(max(0, q - w + 1), q + 1))
+
+
+@pytest.mark.parametrize("layer_type, window", [(SLIDING, 4), (SLIDING, 100), (FULL, 4)])
+def test_a_token_influences_exactly_the_queries_that_see_it(layer_type, window):
+    """One-layer model: changing token k changes output q iff key k is visible to query q."""
+    cfg = small(n_layers=1, layer_types=(layer_type,), sliding_window=window)
+    m = model_of(cfg)
+    t = 12
+    x = torch.randint(2, 500, (1, t))
+    base = m(x)
+    for k in range(t):
+        y = x.clone()
+        y[0, k] = 1 if x[0, k] != 1 else 0
+        changed = (m(y) - base).abs().amax(-1)[0] > 0
+        last = t - 1 if layer_type == FULL else min(t - 1, k + window - 1)
+        assert changed.tolist() == [k <= q <= last for q in range(t)], k
+
+
+def naive_attention(attn, x, cos, sin, visible):
+    """Textbook attention with explicit loops over heads: the specification of `Attention`."""
+    b, t, _ = x.shape
+    hd, nh, nkv = attn.head_dim, attn.n_heads, attn.n_kv_heads
+
+    def rms(v, norm):
+        return norm.weight * v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps)
+
+    q = rms(attn.q_proj(x), attn.q_norm).view(b, t, nh, hd)
+    k = rms(attn.k_proj(x), attn.k_norm).view(b, t, nkv, hd)
+    v = attn.v_proj(x).view(b, t, nkv, hd)
+    out = torch.zeros(b, t, nh, hd)
+    for h in range(nh):
+        g = h // (nh // nkv)  # the kv head serving query head h
+        qh = apply_rope(q[:, :, h].unsqueeze(1), cos, sin)[:, 0]
+        kh = apply_rope(k[:, :, g].unsqueeze(1), cos, sin)[:, 0]
+        scores = qh @ kh.transpose(1, 2) / math.sqrt(hd)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[:, :, h] = scores.softmax(-1) @ v[:, :, g]
+    return attn.o_proj(out.reshape(b, t, nh * hd))
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_attention_equals_the_textbook_formula_causal_and_windowed(n_kv_heads):
+    cfg = small(n_kv_heads=n_kv_heads)
+    attn = model_of(cfg).layers["0"].attn
+    t = 24
+    x = torch.randn(2, t, cfg.d_model)
+    cos, sin = rope_cos_sin(cfg, False, t, x.device)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    window = sliding_window_mask(t, 5, x.device)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, cos, sin, None), naive_attention(attn, x, cos, sin,
+                                                                            causal))
+        torch.testing.assert_close(attn(x, cos, sin, window),
+                                   naive_attention(attn, x, cos, sin, window))
+
+
+def test_gqa_model_trains():
+    m = model_of(small(n_kv_heads=1))
+    assert m.layers["0"].attn.k_proj.weight.shape == (TINY.head_dim, TINY.d_model)
+    m(torch.randint(0, 500, (2, 40))).logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+# --- RoPE and norms ---------------------------------------------------------------------------
+
+def test_rope_rotates_each_pair_i_i_plus_half_by_position_times_theta_power():
+    cfg = TINY
+    d, t = cfg.head_dim, 9
+    cos, sin = rope_cos_sin(cfg, False, t, torch.device("cpu"))
+    x = torch.randn(1, 1, t, d)
+    y = apply_rope(x, cos, sin)
+    for p in range(t):
+        for i in range(d // 2):
+            angle = p * cfg.rope_theta ** (-2 * i / d)
+            c, s = math.cos(angle), math.sin(angle)
+            a, b = x[0, 0, p, i].item(), x[0, 0, p, i + d // 2].item()
+            assert y[0, 0, p, i].item() == pytest.approx(a * c - b * s, abs=1e-5)
+            assert y[0, 0, p, i + d // 2].item() == pytest.approx(b * c + a * s, abs=1e-5)
+
+
+def test_yarn_changes_only_full_attention_layers():
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+            "beta_slow": 1}
+    cfg = small(rope_scaling=yarn)
+    assert [b.yarn for b in Olmo3(cfg).layers.values()] == [False, True]
+    plain, scaled = (rope_cos_sin(cfg, y, 40, torch.device("cpu"))[0] for y in (False, True))
+    assert not torch.equal(plain, scaled)
+
+
+def test_rmsnorm_normalises_in_fp32_and_returns_the_input_dtype():
+    norm = RMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2, 8))
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    xf = x.float()
+    ref = (norm.weight * (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)))
+    assert norm(x).dtype == torch.bfloat16
+    torch.testing.assert_close(norm(x), ref.bfloat16(), rtol=0, atol=0)
+
+
+def test_runs_under_bf16_autocast_with_fp32_norm_and_rope():
+    m = model_of(TINY)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = m(torch.randint(0, 500, (1, 40)))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+def test_forward_traces_without_graph_breaks():
+    m = model_of(TINY)
+    explanation = torch._dynamo.explain(m)(torch.randint(0, 500, (1, 40)))
+    assert explanation.graph_break_count == 0
+
+
+# --- init -------------------------------------------------------------------------------------
+
+def test_init_is_a_function_of_seed_and_name_only():
+    cfg = small(n_layers=3, layer_types=())
+    full = model_of(cfg, seed=7)
+    stage = Olmo3(cfg, layers=range(1, 3), first=False, last=True)
+    init_weights(stage, 7)
+    full_params = dict(full.named_parameters())
+    for name, p in stage.named_parameters():
+        assert torch.equal(p, full_params[name]), name
+    other = model_of(cfg, seed=8)
+    assert not torch.equal(other.embed.weight, full.embed.weight)
+
+
+def test_init_is_truncated_normal_with_unit_norms():
+    m = model_of(TINY)
+    w = m.embed.weight
+    std = TINY.init_std
+    assert w.abs().max() <= 3 * std and w.std().item() == pytest.approx(std, rel=0.05)
+    assert F.cosine_similarity(m.lm_head.weight.flatten(), w.flatten(), dim=0).abs() < 0.05
+    assert all(torch.equal(p, torch.ones_like(p)) for n, p in m.named_parameters()
+               if n.endswith("norm.weight"))
