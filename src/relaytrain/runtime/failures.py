@@ -1,0 +1,42 @@
+"""Worker failures as typed exceptions: what the controller's recovery logic handles."""
+
+from __future__ import annotations
+
+
+class WorkerFailure(Exception):
+    """A worker could not complete a call. `kind` says how it failed."""
+
+    kind = "failed"
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"worker {rank} {self.kind}: {message}")
+        self.rank = rank
+        self.message = message
+
+
+class WorkerDied(WorkerFailure):
+    """The process is gone (SIGKILL, OOM, crash)."""
+
+    kind = "died"
+
+
+class WorkerRaised(WorkerFailure):
+    """The worker raised an exception (e.g. a collective failed because a peer died)."""
+
+    kind = "raised"
+
+
+class WorkerHung(WorkerFailure):
+    """The call passed its deadline (SIGSTOP, deadlock in a collective)."""
+
+    kind = "hung"
+
+
+class NodeLost(WorkerFailure):
+    """The node holding the worker left the cluster."""
+
+    kind = "lost its node"
+
+
+class RecoveryLimitExceeded(RuntimeError):
+    """Too many recoveries in the configured window: a crash loop, not a transient fault."""

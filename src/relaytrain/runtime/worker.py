@@ -1,0 +1,206 @@
+"""The training worker: one process's model replica (or pipeline stage), optimizer, loader shard
+and checkpoint writer.
+
+Engine-neutral on purpose: plain Python methods with plain arguments and results, driven by the
+controller through an engine (in-process or Ray actors). Nothing here knows about Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relaytrain.checkpoint.store import CheckpointStore
+from relaytrain.checkpoint.writer import AsyncCheckpointWriter, snapshot_to_host
+from relaytrain.config import RunConfig, config_from_dict
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.loader import Loader
+from relaytrain.model.init import init_weights
+from relaytrain.model.olmo3 import Olmo3
+from relaytrain.parallel.reduce import GradReducer
+from relaytrain.train.evaluate import heldout_losses
+from relaytrain.train.optim import (
+    build_optimizer,
+    load_optimizer_state,
+    lr_at,
+    optimizer_state_tensors,
+    set_lr,
+)
+from relaytrain.train.step import train_step
+
+MODEL_PREFIX = "model."
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a worker sits in a generation's layout."""
+
+    rank: int
+    world: int
+    dp_rank: int
+    dp: int
+    stage: int = 0
+    pp: int = 1
+
+
+def pick_device(kind: str) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available()
+                            else 0)
+    return torch.device("cpu")
+
+
+class Worker:
+    """State lives here between the controller's coarse calls (setup, run_step, save, ...)."""
+
+    def __init__(self, config: dict[str, Any], tokenizer_vocab: int):
+        self.cfg: RunConfig = config_from_dict(config)
+        torch.set_num_threads(self.cfg.runtime.threads_per_worker)
+        self.model_cfg = self.cfg.model_config(tokenizer_vocab)
+        self.device = pick_device(self.cfg.train.device)
+        self.dataset = TokenDataset.open(self.cfg.data.path)
+        self.train_split = self.dataset.split("train")
+        self.placement: Placement | None = None
+        self.generation = -1
+        self.model: Olmo3 | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loader: Loader | None = None
+        self.reducer: GradReducer | None = None
+        self.store = CheckpointStore(self.checkpoint_url())
+        self.writer = AsyncCheckpointWriter(self.store)
+        self._pending: list[tuple[int, str, Any]] = []
+
+    def checkpoint_url(self) -> str:
+        return self.cfg.checkpoint.url or os.path.join(self.cfg.run_dir, "checkpoints")
+
+    # ---- membership ------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "host": socket.gethostname(), "device": str(self.device)}
+
+    def setup(self, generation: int, placement: Placement, store_host: str | None = None,
+              store_port: int | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Join generation `generation`: its process group and this rank's data shard."""
+        self.leave()
+        self.generation = generation
+        self.placement = placement
+        if placement.world > 1:
+            base = dist.TCPStore(store_host, store_port, is_master=False,
+                                 timeout=timedelta(seconds=timeout_s))
+            store = dist.PrefixStore(f"gen{generation}", base)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=store, rank=placement.rank,
+                                    world_size=placement.world,
+                                    timeout=timedelta(seconds=timeout_s))
+        if self.loader is not None:
+            self.loader.close()
+        t = self.cfg.train
+        self.loader = Loader(self.train_split, self.cfg.seq_len, self.cfg.seed, t.global_batch,
+                             t.micro_batch, placement.dp_rank, placement.dp,
+                             prefetch=self.cfg.data.prefetch)
+        return self.info()
+
+    def leave(self) -> None:
+        """Drop the current generation's process group (a no-op if there is none)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.reducer = None
+
+    def _group(self) -> dist.ProcessGroup | None:
+        return dist.group.WORLD if dist.is_initialized() else None
+
+    # ---- state -----------------------------------------------------------------------------
+    def build(self, step: int) -> None:
+        """Fresh model and optimizer, restored from checkpoint `step` (0: from the seed)."""
+        torch.manual_seed(self.cfg.seed)  # nothing should draw from it; keeps strays repeatable
+        model = Olmo3(self.model_cfg)
+        init_weights(model, self.cfg.seed)
+        self.model = model.to(self.device)
+        self.optimizer = build_optimizer(self.model, self.cfg.optim,
+                                         fused=self.device.type == "cuda")
+        if step > 0:
+            manifest, tensors = self.store.read(step)
+            self.load_tensors(tensors)
+        self.reducer = GradReducer(list(self.model.parameters()), self._group(),
+                                   exact=self.cfg.determinism == "exact",
+                                   total_micro_batches=self.cfg.micro_batches)
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        assert self.model is not None and self.optimizer is not None
+        params = dict(self.model.named_parameters())
+        missing = [n for n in params if MODEL_PREFIX + n not in tensors]
+        if missing:
+            raise KeyError(f"checkpoint lacks parameter {missing[0]!r}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(tensors[MODEL_PREFIX + name].to(p.dtype))
+        load_optimizer_state(self.model, self.optimizer, tensors)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        assert self.model is not None and self.optimizer is not None
+        out = {MODEL_PREFIX + n: p.detach() for n, p in self.model.named_parameters()}
+        out.update(optimizer_state_tensors(self.model, self.optimizer))
+        return out
+
+    # ---- training --------------------------------------------------------------------------
+    def run_step(self, step: int) -> dict[str, Any]:
+        """Optimizer step `step` (1-based) on global batch `step - 1`."""
+        assert self.model is not None and self.loader is not None and self.reducer is not None
+        t0 = time.perf_counter()
+        batch = self.loader.get(step - 1)
+        t1 = time.perf_counter()
+        set_lr(self.optimizer, lr_at(step, self.cfg.optim, self.cfg.train.max_steps))
+        self.model.train()
+        out = train_step(self.model, self.optimizer, self.reducer, batch.micro_batches,
+                         self.cfg.micro_batches, self.cfg.train.z_loss, self.cfg.train.clip,
+                         self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        return {"step": step, "losses": out.losses, "grad_norm": out.grad_norm,
+                "finite": out.finite, "ids": batch.ids.tolist(), "time_data": t1 - t0,
+                "time_compute": t2 - t1, "written": self._collect(wait=False)}
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save(self, step: int, part: str) -> float:
+        """Copy the state to host memory now; write it in the background. Returns copy time."""
+        t0 = time.perf_counter()
+        host = snapshot_to_host(self.state_tensors())
+        self._pending.append((step, part, self.writer.submit(step, part, host)))
+        return time.perf_counter() - t0
+
+    def _collect(self, wait: bool) -> list[dict[str, Any]]:
+        done, keep = [], []
+        for step, part, fut in self._pending:
+            if not wait and not fut.done():
+                keep.append((step, part, fut))
+                continue
+            try:
+                done.append({"step": step, "part": part, "info": fut.result()})
+            except Exception as e:  # reported to the controller, which will not commit
+                done.append({"step": step, "part": part, "error": f"{type(e).__name__}: {e}"})
+        self._pending = keep
+        return done
+
+    def flush_writes(self) -> list[dict[str, Any]]:
+        return self._collect(wait=True)
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def evaluate(self, ids: list[int]) -> dict[int, float]:
+        assert self.model is not None and self.placement is not None
+        return heldout_losses(self.model, self.dataset.split("heldout"), ids, self.cfg.seq_len,
+                              self.cfg.train.micro_batch, self.device, self.placement.dp_rank,
+                              self.placement.dp)
+
+    def close(self) -> None:
+        self._collect(wait=True)
+        self.writer.close()
+        if self.loader is not None:
+            self.loader.close()
+        self.leave()

@@ -1,0 +1,88 @@
+"""Held-out evaluation: the per-instance loss used during training and by `relaytrain eval`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from relaytrain.errors import UserError
+from relaytrain.train.loss import lm_loss
+from relaytrain.train.step import autocast_for
+
+
+def heldout_losses(model: nn.Module, split: Any, ids: list[int], seq_len: int, micro_batch: int,
+                   device: torch.device, dp_rank: int = 0, dp: int = 1) -> dict[int, float]:
+    """Mean cross-entropy of each held-out instance this rank evaluates.
+
+    `ids` is cut into micro-batch-sized chunks by position and the chunks are dealt to the DP
+    ranks, so every instance is computed in the same batch whatever the world size.
+    """
+    chunks = [ids[i: i + micro_batch] for i in range(0, len(ids), micro_batch)]
+    out: dict[int, float] = {}
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for chunk in chunks[dp_rank::dp]:
+            tokens = torch.from_numpy(split.instances(chunk, seq_len)).to(device)
+            with autocast_for(device):
+                logits = model(tokens[:, :-1])
+            for j, iid in enumerate(chunk):
+                _, ce, _ = lm_loss(logits[j: j + 1], tokens[j: j + 1, 1:], 0.0)
+                out[int(iid)] = float(ce)
+    model.train(was_training)
+    return out
+
+
+def mean_loss(losses: dict[int, float], ids: list[int]) -> float:
+    """Mean over `ids` in their order (a fixed summation order: reproducible to the bit)."""
+    return math.fsum(losses[i] for i in ids) / len(ids)
+
+
+def cli_eval(args: Any) -> int:
+    from relaytrain.checkpoint.store import open_checkpoint
+    from relaytrain.config import config_from_dict
+    from relaytrain.data.dataset import TokenDataset
+    from relaytrain.data.order import heldout_ids
+    from relaytrain.model.config import Olmo3Config
+    from relaytrain.model.olmo3 import Olmo3
+    from relaytrain.runtime.worker import MODEL_PREFIX, pick_device
+
+    manifest, tensors = open_checkpoint(args.target)
+    saved = manifest.get("config")
+    cfg = config_from_dict(saved) if saved else None
+    data_path = args.data or (cfg.data.path if cfg else None)
+    if not data_path:
+        raise UserError(f"checkpoint {args.target!r} records no data path; pass --data DIR "
+                        "(a directory written by `relaytrain data prepare`)")
+    if not os.path.isdir(data_path):
+        raise UserError(f"data path {data_path!r} does not exist; pass --data DIR")
+    dataset = TokenDataset.open(data_path)
+    model_cfg = Olmo3Config.from_dict(manifest["model"])
+    if model_cfg.tokenizer_vocab not in (None, dataset.vocab_size):
+        raise UserError(f"data {data_path!r} has a tokenizer of {dataset.vocab_size} tokens but "
+                        f"the checkpoint's model expects {model_cfg.tokenizer_vocab}")
+    seq_len = cfg.seq_len if cfg else model_cfg.max_seq_len
+    count = cfg.eval.instances if cfg else 32
+    micro = cfg.train.micro_batch if cfg else 4
+    split = dataset.split("heldout")
+    ids = [int(i) for i in heldout_ids(split.num_instances(seq_len), count)]
+    device = pick_device("auto")
+    model = Olmo3(model_cfg)
+    model.load_state_dict({k[len(MODEL_PREFIX):]: v for k, v in tensors.items()
+                           if k.startswith(MODEL_PREFIX)})
+    model.to(device)
+    loss = mean_loss(heldout_losses(model, split, ids, seq_len, micro, device), ids)
+    result = {"checkpoint_step": manifest["step"], "heldout_loss": loss,
+              "heldout_ppl": math.exp(min(loss, 50.0)), "instances": len(ids),
+              "seq_len": seq_len}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"step {result['checkpoint_step']}: held-out loss {loss:.4f}, perplexity "
+              f"{result['heldout_ppl']:.2f} ({len(ids)} instances of {seq_len} tokens)")
+    return 0

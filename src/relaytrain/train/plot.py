@@ -1,0 +1,66 @@
+"""`relaytrain plot RUN_DIR`: one PNG with the curves a person checks first."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from relaytrain.runlog import RunLog, read_metrics, series
+
+
+def plot_run(log: RunLog, out: str, title: str = "") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    (ax_step, ax_tok), (ax_lr, ax_tps) = axes
+    steps, loss = series(log.steps, "loss")
+    tok_steps, tokens = series(log.steps, "tokens")
+    ev_steps, held = series(log.evals, "heldout_loss")
+    _, ev_tokens = series(log.evals, "tokens")
+    ax_step.plot(steps, loss, lw=1, label="training loss")
+    if len(ev_steps):
+        ax_step.plot(ev_steps, held, "o-", ms=3, label="held-out loss")
+    ax_step.set_xlabel("step")
+    ax_step.set_ylabel("loss (nats)")
+    ax_tok.plot(tokens, loss, lw=1, label="training loss")
+    if len(ev_steps):
+        ax_tok.plot(ev_tokens, held, "o-", ms=3, label="held-out loss")
+    ax_tok.set_xlabel("tokens")
+    lr_steps, lr = series(log.steps, "lr")
+    ax_lr.plot(lr_steps, lr)
+    ax_lr.set_xlabel("step")
+    ax_lr.set_ylabel("learning rate")
+    tps_steps, tps = series(log.steps, "tokens_per_s")
+    ax_tps.plot(tps_steps, tps, lw=1)
+    ax_tps.set_xlabel("step")
+    ax_tps.set_ylabel("tokens/s")
+    marks = {"restart": ("tab:green", "restart"), "recovery": ("tab:red", "recovery")}
+    seen: set[str] = set()
+    for ev in log.events:
+        if ev.get("kind") not in marks:
+            continue
+        color, label = marks[ev["kind"]]
+        for ax in (ax_step, ax_lr, ax_tps):
+            ax.axvline(ev["step"], color=color, ls="--", lw=1,
+                       label=label if ax is ax_step and label not in seen else None)
+        seen.add(label)
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    ax_step.legend()
+    ax_tok.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def cli_plot(args: Any) -> int:
+    log = read_metrics(args.run_dir)
+    out = args.out or os.path.join(args.run_dir, "loss.png")
+    plot_run(log, out, title=os.path.basename(os.path.normpath(args.run_dir)))
+    print(out)
+    return 0

@@ -1,0 +1,56 @@
+"""One optimizer step of an unpipelined model replica: gradient accumulation over this rank's
+micro-batches, the DP reduction, clipping and the update."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from relaytrain.parallel.reduce import GradReducer
+from relaytrain.train.loss import lm_loss
+
+
+@dataclass
+class StepOutcome:
+    # global micro-batch index -> (total, ce, z) losses, as Python floats (exact fp32 values)
+    losses: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    grad_norm: float = 0.0
+    finite: bool = True
+
+
+def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast with fp32 master weights on GPU; plain fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer,
+               micro_batches: list[tuple[int, torch.Tensor]], total_micro_batches: int,
+               z_loss: float, clip: float, device: torch.device) -> StepOutcome:
+    """Accumulate, reduce, clip, update. A non-finite loss or gradient skips the update so the
+    weights (and the last good checkpoint) stay intact."""
+    out = StepOutcome()
+    reducer.start()
+    for index, tokens in micro_batches:
+        tokens = tokens.to(device, non_blocking=True)
+        with autocast_for(device):
+            logits = model(tokens[:, :-1])
+        total, ce, z = lm_loss(logits, tokens[:, 1:], z_loss)
+        (total / total_micro_batches).backward()
+        reducer.after_backward()
+        out.losses[index] = (float(total.detach()), float(ce), float(z))
+    ok = reducer.finish()
+    params = reducer.params
+    norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf, foreach=True)
+    out.grad_norm = float(norm)
+    out.finite = ok and math.isfinite(out.grad_norm) and all(
+        math.isfinite(v[0]) for v in out.losses.values())
+    if out.finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return out
