@@ -9,19 +9,10 @@ at the end; with `runtime.address` the same code joins an existing cluster.
 from __future__ import annotations
 
 import os
+import secrets
+import sys
 import time
 from typing import Any
-
-import ray
-from ray.exceptions import (
-    ActorDiedError,
-    ActorUnavailableError,
-    NodeDiedError,
-    RayActorError,
-    RayTaskError,
-)
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relaytrain.config import RunConfig
 from relaytrain.runtime.engines.base import Engine
@@ -51,8 +42,32 @@ class _RankedWorker(Worker):
         return os.getpid()
 
 
+def _import_ray(private_cluster: bool) -> None:
+    """Import Ray, first enabling token authentication for a private cluster.
+
+    Ray reads RAY_AUTH_MODE when it is imported, so the secret (fresh per cluster, inherited by
+    the processes Ray starts, never printed) must be in the environment before that; a cluster
+    given by address keeps whatever its operator configured."""
+    global ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy
+    if private_cluster and "ray" not in sys.modules:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
 def _failure(rank: int, err: Exception) -> WorkerFailure:
     """Map Ray's exceptions to the controller's typed failures."""
+    from ray.exceptions import (
+        ActorDiedError,
+        ActorUnavailableError,
+        NodeDiedError,
+        RayActorError,
+        RayTaskError,
+    )
+
     if isinstance(err, RayTaskError):
         cause = err.cause if getattr(err, "cause", None) is not None else err
         return WorkerRaised(rank, f"{type(cause).__name__}: {str(cause).splitlines()[0]}"
@@ -77,12 +92,12 @@ class RayEngine(Engine):
 
     def _connect(self) -> None:
         rt = self.cfg.runtime
+        _import_ray(private_cluster=rt.address is None)
         if ray.is_initialized():  # e.g. a test session's cluster: use it, leave it running
             return
         env = {"OMP_NUM_THREADS": str(rt.threads_per_worker),
                "MKL_NUM_THREADS": str(rt.threads_per_worker)}
         if rt.address is None:
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
             need = self.cfg.world_size * rt.cpus_per_worker
             ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
                      include_dashboard=False, _node_ip_address="127.0.0.1",
