@@ -246,6 +246,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             raise bad
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad
         return float(value)

@@ -1,0 +1,45 @@
+"""Fixtures for training runs: a small prepared corpus and config helpers."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from relaytrain.cli import main
+from relaytrain.config import RunConfig, load_config
+
+WORDS = ("alpha beta gamma delta train model token layer norm rope window cache stage "
+         "batch epoch seed ledger audit shard replica").split()
+
+
+@pytest.fixture(scope="session")
+def corpus_data(tmp_path_factory) -> str:
+    """A prepared data set of ~40k tokens of word salad with a little structure."""
+    src = tmp_path_factory.mktemp("corpus")
+    for i in range(80):
+        r = random.Random(i)
+        lines = [" ".join(r.choice(WORDS[: 8 + i % 12]) for _ in range(12)) for _ in range(40)]
+        (src / f"doc{i:03d}.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path_factory.mktemp("data") / "prepared"
+    assert main(["data", "prepare", "--source", str(src / "*.txt"), "--tokenizer", "bpe:320",
+                 "--out", str(out), "--heldout-frac", "0.1"]) == 0
+    return str(out)
+
+
+def tiny_config(run_dir: Path | str, data: str, *overrides: str) -> RunConfig:
+    """The tiny preset with small batches, quiet, checkpointing every few steps."""
+    return load_config("configs/tiny.yaml", [f"run_dir={run_dir}", f"data.path={data}",
+                                             "log.progress=false", *overrides])
+
+
+def step_records(run_dir: Path | str) -> dict[int, dict]:
+    """The last record of every step (a step redone after a restore overrides the old one)."""
+    out: dict[int, dict] = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "step":
+            out[rec["step"]] = rec
+    return out
