@@ -1,0 +1,225 @@
+"""`relaytrain bench checkpoint`: checkpoint save/restore bandwidth against the raw disk.
+
+The state has the shapes of a `model.config.PRESETS` entry (fp32 parameters plus Adam's two
+moments and step counts; random values, no model is built). The baseline writes and reads the
+same bytes with plain file I/O and fsync, in the same directory and run, so the ratios show what
+the checkpoint format, hashing and verification cost on this machine's disk. Pages are evicted
+from the cache (posix_fadvise) before every read, so reads hit the disk where the OS allows it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from relaytrain.checkpoint.store import CheckpointStore
+from relaytrain.checkpoint.writer import snapshot_to_host
+from relaytrain.errors import UserError
+from relaytrain.model.config import PRESETS, Olmo3Config
+
+DEFAULT_TOKENIZER_VOCAB = 50257  # presets that take the vocabulary from the data: GPT-2's size
+_CHUNK = 16 << 20
+
+
+def param_shapes(cfg: Olmo3Config) -> dict[str, tuple[int, ...]]:
+    """Global parameter name -> shape (docs/CONTRACTS.md "Global parameter names")."""
+    if cfg.vocab_size is None:
+        cfg = cfg.with_vocab(DEFAULT_TOKENIZER_VOCAB)
+    v, d, h = cfg.vocab_size, cfg.d_model, cfg.mlp_hidden
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, d)}
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attn.q_proj.weight": (q, d), p + "attn.k_proj.weight": (kv, d),
+            p + "attn.v_proj.weight": (kv, d), p + "attn.o_proj.weight": (d, q),
+            p + "attn.q_norm.weight": (q,), p + "attn.k_norm.weight": (kv,),
+            p + "attn_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (h, d), p + "mlp.up_proj.weight": (h, d),
+            p + "mlp.down_proj.weight": (d, h), p + "mlp_norm.weight": (d,),
+        })
+    shapes.update({"norm.weight": (d,), "lm_head.weight": (v, d)})
+    return shapes
+
+
+def training_state(cfg: Olmo3Config, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """{"model": ..., "optim": ...} tensors keyed as a checkpoint stores them (AdamW state)."""
+    g = torch.Generator().manual_seed(seed)
+    model, optim = {}, {}
+    for name, shape in param_shapes(cfg).items():
+        model[f"model.{name}"] = torch.randn(shape, generator=g)
+        optim[f"optim.{name}.exp_avg"] = torch.randn(shape, generator=g)
+        optim[f"optim.{name}.exp_avg_sq"] = torch.rand(shape, generator=g)
+        optim[f"optim.{name}.step"] = torch.tensor(1000.0)
+    return {"model": model, "optim": optim}
+
+
+def bench_checkpoint_local(sizes: Sequence[str] = ("small",), quick: bool = False,
+                           directory: str | None = None) -> dict[str, Any]:
+    """Save/restore time and bandwidth per preset, next to the raw disk's, as ratios.
+
+    Timings are medians over 5 repetitions (1 with `quick`). `directory` is where the files go
+    (default: the system temp dir); it should be the disk checkpoints will live on.
+    """
+    unknown = [s for s in sizes if s not in PRESETS]
+    if unknown:
+        raise UserError(f"bench checkpoint: unknown model preset {unknown[0]!r}; expected one "
+                        f"of {sorted(PRESETS)}")
+    repeats = 1 if quick else 5
+    results = {name: _bench_preset(name, repeats, directory) for name in sizes}
+    return {"bench": "checkpoint", "repeats": repeats, "sizes": results}
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """One human-readable line per preset."""
+    lines = []
+    for name, r in result["sizes"].items():
+        lines.append(
+            f"{name}: {r['bytes'] / 1e6:.0f} MB state ({r['params'] / 1e6:.1f}M params + Adam) | "
+            f"save {r['save_s']:.2f}s {r['save_GBps']:.2f} GB/s = {r['save_vs_raw']:.2f}x raw "
+            f"write+fsync {r['raw_write_GBps']:.2f} GB/s | restore {r['restore_s']:.2f}s "
+            f"{r['restore_GBps']:.2f} GB/s = {r['restore_vs_raw']:.2f}x raw read "
+            f"{r['raw_read_GBps']:.2f} GB/s | blocking host snapshot {r['snapshot_s']:.2f}s "
+            f"({r['snapshot_first_s']:.2f}s allocating)")
+    return "\n".join(lines)
+
+
+def _bench_preset(name: str, repeats: int, directory: str | None) -> dict[str, Any]:
+    cfg = PRESETS[name]
+    shapes = param_shapes(cfg)
+    params = sum(math.prod(s) for s in shapes.values())
+    nbytes = params * 4 * 3 + len(shapes) * 4
+    _check_resources(name, nbytes, directory or tempfile.gettempdir())
+    state = training_state(cfg)
+    tensors = [t for part in state.values() for t in part.values()]
+    flat = state["model"] | state["optim"]
+    snapshot_first_s = _timed(snapshot_to_host, flat)
+    snap = snapshot_to_host(flat)
+    snapshot_s = _timed(snapshot_to_host, flat, snap)  # steady state: buffers reused
+    del snap
+    times: dict[str, list[float]] = {"raw_write": [], "raw_read": [], "save": [], "restore": []}
+    with tempfile.TemporaryDirectory(prefix="relaytrain-bench-", dir=directory) as tmp:
+        raw = os.path.join(tmp, "raw.bin")
+        store = CheckpointStore(os.path.join(tmp, "ckpt"))
+        for step in range(1, repeats + 1):
+            rounds = [lambda: _raw_round(raw, tensors, nbytes),
+                      lambda step=step: _checkpoint_round(store, step, state)]
+            if step % 2 == 0:  # alternate the order so neither side inherits the other's wake
+                rounds.reverse()
+            for run in rounds:
+                for key, seconds in run().items():
+                    times[key].append(seconds)
+    s = {k: statistics.median(v) for k, v in times.items()}
+    gbps = {k: nbytes / v / 1e9 for k, v in s.items()}
+    return {"preset": name, "params": params, "bytes": nbytes, "tensors": len(tensors),
+            "save_s": s["save"], "restore_s": s["restore"], "snapshot_s": snapshot_s,
+            "snapshot_first_s": snapshot_first_s,
+            "save_GBps": gbps["save"], "restore_GBps": gbps["restore"],
+            "raw_write_GBps": gbps["raw_write"], "raw_read_GBps": gbps["raw_read"],
+            "save_vs_raw": gbps["save"] / gbps["raw_write"],
+            "restore_vs_raw": gbps["restore"] / gbps["raw_read"],
+            "cache_evicted": hasattr(os, "posix_fadvise")}
+
+
+def _raw_round(path: str, tensors: list[torch.Tensor], nbytes: int) -> dict[str, float]:
+    write_s = _timed(_raw_write, path, tensors)
+    _evict(path)
+    read_s = _timed(_raw_read, path, nbytes)
+    os.remove(path)
+    return {"raw_write": write_s, "raw_read": read_s}
+
+
+def _checkpoint_round(store: CheckpointStore, step: int,
+                      state: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Save (parts and commit) and restore (verified) one checkpoint; deleting it is untimed,
+    as for the raw file."""
+    t0 = time.perf_counter()
+    parts = {p: store.write_part(step, p, t) for p, t in state.items()}
+    url = store.commit(step, parts, {"bench": True})
+    save_s = time.perf_counter() - t0
+    for info in parts.values():
+        _evict(os.path.join(url, info["file"]))
+    t0 = time.perf_counter()
+    _, restored = store.read(step)
+    restore_s = time.perf_counter() - t0
+    _check_equal(restored, state)
+    shutil.rmtree(url)
+    return {"save": save_s, "restore": restore_s}
+
+
+def _raw_write(path: str, tensors: list[torch.Tensor]) -> None:
+    with open(path, "wb") as f:
+        for t in tensors:
+            data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            for i in range(0, len(data), _CHUNK):
+                f.write(data[i:i + _CHUNK])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw_read(path: str, nbytes: int) -> None:
+    """Disk read bandwidth: into one reused buffer, so page faults on fresh memory (which a
+    restore does pay, for its tensors) are not counted against the disk."""
+    buf = memoryview(bytearray(_CHUNK))
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            total += n
+    if total != nbytes:
+        raise RuntimeError(f"bench checkpoint: {path} holds {total} bytes, wrote {nbytes}")
+
+
+def _evict(path: str) -> None:
+    """Drop a file's (clean, fsynced) pages from the page cache so the next read hits disk."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _timed(fn: Callable[..., object], *args: Any) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def _check_equal(restored: dict[str, torch.Tensor],
+                 state: dict[str, dict[str, torch.Tensor]]) -> None:
+    expected = state["model"] | state["optim"]
+    if restored.keys() != expected.keys() or not all(
+            torch.equal(restored[k], t) for k, t in expected.items()):
+        raise RuntimeError("bench checkpoint: the restored state differs from the saved one")
+
+
+def _check_resources(name: str, nbytes: int, directory: str) -> None:
+    """Fail early, in one line, when the state cannot fit: RAM holds it four times (state,
+    two snapshots, restored copy) and the disk once plus the baseline file."""
+    free_disk = shutil.disk_usage(directory).free
+    if free_disk < 2.2 * nbytes:
+        raise UserError(f"bench checkpoint: preset {name!r} needs {2.2 * nbytes / 1e9:.1f} GB "
+                        f"free in {directory}, found {free_disk / 1e9:.1f} GB")
+    free_ram = _available_ram()
+    if free_ram is not None and free_ram < 4.2 * nbytes:
+        raise UserError(f"bench checkpoint: preset {name!r} needs {4.2 * nbytes / 1e9:.1f} GB "
+                        f"of available memory, found {free_ram / 1e9:.1f} GB")
+
+
+def _available_ram() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -1,0 +1,501 @@
+"""Checkpoint storage: safetensors parts plus a JSON manifest that is written last.
+
+Layout (docs/CONTRACTS.md "Checkpoints"): `ROOT/step_00000042/{PART}.safetensors`, then
+`ROOT/step_00000042/manifest.json`, the commit marker, written only after every part is
+confirmed. A step without a manifest, or whose files do not match the sizes and sha256 the
+manifest records, is skipped with a `CheckpointWarning` naming the file, and the previous one
+is used.
+
+Everything goes through fsspec so local directories, s3:// and gs:// share one code path. On a
+local filesystem a file is written under a temporary name, fsynced and renamed (atomic, durable
+across power loss). Elsewhere nothing relies on directories or renames: a part is one streaming
+upload and the manifest one PUT, and an object store makes each appear whole or not at all.
+
+Loading is safe: headers and manifests are JSON, tensors are read by safetensors only after the
+file's size and sha256 match the manifest, and nothing from storage is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import posixpath
+import re
+import struct
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from safetensors import SafetensorError, safe_open
+
+from relaytrain.errors import CheckpointError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SUFFIX = ".safetensors"
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+_CHUNK = 16 << 20  # bytes per write/hash call: large enough to release the GIL usefully
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+_RESERVED = ("format_version", "step", "files", "committed_at")
+
+# torch dtype -> safetensors dtype name (the format's spec; safetensors.torch._TYPES inverted)
+_DTYPES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+    torch.uint16: "U16", torch.int32: "I32", torch.uint32: "U32", torch.int64: "I64",
+    torch.uint64: "U64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+    torch.float64: "F64", torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+KeyFilter = Callable[[str], bool]
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped because it is uncommitted, corrupt or incomplete."""
+
+
+class CheckpointStore:
+    """Committed checkpoints under one fsspec URL, one `step_NNNNNNNN` directory per step.
+
+    Parts are written independently (one per rank or stage, keyed by global parameter names), so
+    a checkpoint loads on any world size or pipeline layout; `commit` makes the step visible.
+    """
+
+    def __init__(self, url: str, keep_last: int | None = None,
+                 storage_options: dict | None = None):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.url = url
+        self.keep_last = keep_last
+        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self._local = isinstance(self.fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.url!r}, keep_last={self.keep_last})"
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def write_part(self, step: int, part: str, tensors: dict[str, torch.Tensor]) -> dict:
+        """Write `tensors` as `ROOT/step_NNNNNNNN/{part}.safetensors`; hash while writing.
+
+        Tensors may live on any device and have any layout: those not already contiguous on the
+        CPU are copied one at a time as they are written, so at most one such copy exists.
+        Returns the `{"file", "size", "sha256"}` record that `commit` expects.
+        """
+        if not part or "/" in part or part.startswith("."):
+            raise ValueError(f"part name {part!r}: expected a plain file stem like 'model'")
+        d = self._step_dir(step)
+        # Rewriting a committed step: withdraw its marker first, so it never vouches for
+        # files that are being replaced.
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{d}/{MANIFEST}")
+        name = part + SUFFIX
+        size, sha = self._write(f"{d}/{name}", lambda f: _write_safetensors(f, tensors))
+        return {"file": name, "size": size, "sha256": sha}
+
+    def commit(self, step: int, parts: dict[str, dict], meta: dict) -> str:
+        """Make `step` visible: check every part's size, write the manifest last, retire old steps.
+
+        Returns the step directory's URL. Raises `CheckpointError` (and writes nothing) when a
+        part is missing or has the wrong size.
+        """
+        if not parts:
+            raise ValueError(f"commit of step {step} lists no parts")
+        clash = sorted(set(meta) & set(_RESERVED))
+        if clash:
+            raise ValueError(f"checkpoint meta may not set {clash}: the store writes them")
+        d = self._step_dir(step)
+        sizes = self._sizes(d)
+        files = {}
+        for part, info in parts.items():
+            name, size = info["file"], info["size"]
+            if sizes.get(name) != size:
+                got = "missing" if name not in sizes else f"{sizes[name]} bytes"
+                raise CheckpointError(f"cannot commit step {step}: part {part!r} "
+                                      f"{self._show(d)}/{name} is {got}, expected {size} bytes")
+            files[name] = {"size": size, "sha256": info["sha256"]}
+        manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files,
+                    "committed_at": time.time(), **meta}
+        data = json.dumps(manifest, indent=1).encode()
+        if self._local:
+            self._write(f"{d}/{MANIFEST}", lambda f: f.write(data))
+        else:
+            self.fs.pipe_file(f"{d}/{MANIFEST}", data)  # one PUT: atomic on object stores
+        self._retire()
+        return self._show(d)
+
+    # -- listing ---------------------------------------------------------------------------
+
+    def committed_steps(self) -> list[int]:
+        """Steps that have a manifest (not yet verified), ascending.
+
+        One recursive listing (`find` without maxdepth is a single paginated prefix listing on
+        object stores; a glob would list each step directory).
+        """
+        self.fs.invalidate_cache(self.root)  # listings may be cached (s3fs) and go stale
+        steps = []
+        for path in self.fs.find(self.root):
+            rel = path[len(self.root) + 1:].split("/")
+            m = _STEP_DIR.fullmatch(rel[0])
+            if m and rel[1:] == [MANIFEST]:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step whose manifest parses and whose files have the right sizes.
+
+        Cheap (no hashing): `read`/`load_latest_good` still verify sha256 of what they load.
+        """
+        for step in reversed(self.committed_steps()):
+            try:
+                manifest = self.read_manifest(step)
+                d = self._step_dir(step)
+                sizes = self._sizes(d)
+                for name, info in manifest["files"].items():
+                    if sizes.get(name) != info["size"]:
+                        got = "missing" if name not in sizes else f"{sizes[name]} bytes"
+                        raise CheckpointError(f"{self._show(d)}/{name} is {got}, "
+                                              f"manifest says {info['size']} bytes")
+                return step
+            except CheckpointError as e:
+                _skip(step, e)
+        return None
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read_manifest(self, step: int) -> dict:
+        """The parsed, validated manifest of `step`; `CheckpointError` if absent or malformed."""
+        return _read_manifest(self.fs, self._step_dir(step), step)
+
+    def read(self, step: int | None = None,
+             keys: KeyFilter | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(manifest, tensors) of `step`, every file read verified against the manifest.
+
+        `keys` selects tensors by name (a pipeline stage reads only its parameters); files
+        holding none of them are not read. With `step=None` this is `load_latest_good`, so a
+        corrupt newest checkpoint falls back to the previous one; an explicit step raises
+        `CheckpointError` naming the bad file instead.
+        """
+        if step is None:
+            got = self.load_latest_good(keys)
+            if got is None:
+                raise CheckpointError(self._nothing_loadable())
+            return got
+        return _load_dir(self.fs, self._step_dir(step), keys, step)
+
+    def load_latest_good(self, keys: KeyFilter | None = None
+                         ) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """The newest checkpoint whose files (those `keys` needs) verify, or None.
+
+        Corrupt or incomplete steps are skipped with a `CheckpointWarning` naming the file.
+        With `keys`, only the files read are verified: stages restoring one checkpoint together
+        should agree on a step first (`latest_step` or `verify`) and then each `read(step, keys)`.
+        """
+        for step in reversed(self.committed_steps()):
+            try:
+                return _load_dir(self.fs, self._step_dir(step), keys, step)
+            except CheckpointError as e:
+                _skip(step, e)
+        return None
+
+    def verify(self, step: int) -> dict:
+        """Hash every file of `step` against its manifest; returns the manifest or raises."""
+        d = self._step_dir(step)
+        manifest = _read_manifest(self.fs, d, step)
+        for name, info in manifest["files"].items():
+            with _verified_local_copy(self.fs, f"{d}/{name}", info):
+                pass
+        return manifest
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _step_dir(self, step: int) -> str:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
+        return f"{self.root}/step_{step:08d}"
+
+    def _show(self, path: str) -> str:
+        """A path as the user should see it: plain for local files, a URL otherwise."""
+        return path if self._local else self.fs.unstrip_protocol(path)
+
+    def _write(self, path: str, fill: Callable[[BinaryIO], Any]) -> Any:
+        """Create `path` with `fill(file)` so that readers never see a partial file under it."""
+        if not self._local:
+            # Objects appear at close. A failed upload may leave a partial object, which is
+            # harmless: only a manifest makes a file count, and it is written after the check.
+            with self.fs.open(path, "wb") as f:
+                return fill(f)
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            out = fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(parent)
+        return out
+
+    def _sizes(self, d: str) -> dict[str, int]:
+        """File name -> size in directory `d`, from one listing."""
+        self.fs.invalidate_cache(d)
+        try:
+            entries = self.fs.ls(d, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {posixpath.basename(e["name"].rstrip("/")): e["size"] for e in entries
+                if e.get("type") == "file"}
+
+    def _step_dirs(self) -> dict[int, str]:
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return {}
+        dirs = {}
+        for path in entries:
+            m = _STEP_DIR.fullmatch(posixpath.basename(path.rstrip("/")))
+            if m:
+                dirs[int(m.group(1))] = path.rstrip("/")
+        return dirs
+
+    def _retire(self) -> None:
+        """keep_last retention: drop committed steps beyond the newest K, and uncommitted
+        leftovers older than the newest commit (a crashed or failed write). Newer uncommitted
+        directories may be writes in progress and stay."""
+        if self.keep_last is None:
+            return
+        committed = self.committed_steps()
+        if not committed:
+            return
+        keep = set(committed[-self.keep_last:])
+        for step, path in self._step_dirs().items():
+            if step in keep or step > committed[-1]:
+                continue
+            try:
+                # marker first: a crash mid-delete leaves an uncommitted leftover, never a
+                # manifest pointing at deleted files
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(f"{path}/{MANIFEST}")
+                self.fs.rm(path, recursive=True)
+            except OSError as e:
+                warnings.warn(f"checkpoint retention could not delete {self._show(path)}: {e}",
+                              CheckpointWarning, stacklevel=3)
+
+    def _nothing_loadable(self) -> str:
+        steps = self.committed_steps()
+        if not steps:
+            return (f"no committed checkpoint under {self.url}; "
+                    "expected step_NNNNNNNN/manifest.json")
+        return (f"no checkpoint under {self.url} verifies: committed steps {steps} are all "
+                "corrupt or incomplete (see the warnings above)")
+
+
+def open_checkpoint(path_or_url: str, keys: KeyFilter | None = None
+                    ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Load a checkpoint from a run directory, a checkpoints root or one step directory.
+
+    A run directory means its `checkpoint.url` from `config.yaml` if set, else
+    `RUN_DIR/checkpoints`; a root means its newest good step; a step directory (or its
+    manifest.json) means exactly that step. Raises `CheckpointError` if nothing loads.
+    """
+    url = path_or_url.rstrip("/")
+    if url.endswith("/" + MANIFEST):
+        url = url[: -len(MANIFEST) - 1]
+    fs, path = fsspec.core.url_to_fs(url)
+    path = path.rstrip("/")
+    if fs.exists(f"{path}/{MANIFEST}"):
+        return _load_dir(fs, path, keys)
+    if _STEP_DIR.fullmatch(posixpath.basename(path)) and fs.isdir(path):
+        raise CheckpointError(f"{path_or_url} was never committed: it has no {MANIFEST}")
+    configured = (_configured_url(fs, f"{path}/config.yaml")
+                  if fs.exists(f"{path}/config.yaml") else None)
+    if configured:
+        url = configured
+    elif fs.isdir(f"{path}/checkpoints"):
+        url = f"{url}/checkpoints"
+    store = CheckpointStore(url)
+    got = store.load_latest_good(keys)
+    if got is None:
+        raise CheckpointError(store._nothing_loadable())
+    return got
+
+
+# -- safetensors writing -------------------------------------------------------------------
+
+
+def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
+    """Stream `tensors` to `f` in the safetensors format; returns (bytes written, sha256).
+
+    Streaming instead of `safetensors.torch.save` avoids holding the whole file in memory next
+    to the tensors, and hashes the exact bytes written in the same pass.
+    """
+    # Widest dtypes first: with the 8-aligned header every tensor starts aligned.
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for k in order:
+        t = tensors[k]
+        if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES or k == "__metadata__":
+            what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"cannot checkpoint {k!r}: {what} (expected a tensor of "
+                             f"{sorted(str(d) for d in _DTYPES)})")
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                     "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    h = hashlib.sha256(head)
+    f.write(head)
+    for k in order:
+        data = _raw_bytes(tensors[k])
+        for i in range(0, len(data), _CHUNK):
+            chunk = data[i:i + _CHUNK]
+            f.write(chunk)
+            h.update(chunk)
+    return len(head) + offset, h.hexdigest()
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in C order, copying only if it is off-CPU or not contiguous."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _fsync_dir(path: str) -> None:
+    """Persist a rename: the directory entry, not just the file, must reach the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def _skip(step: int, err: CheckpointError) -> None:
+    warnings.warn(f"skipping checkpoint step {step}: {err}", CheckpointWarning, stacklevel=3)
+
+
+def _read_manifest(fs: fsspec.AbstractFileSystem, d: str, step: int | None = None) -> dict:
+    path = f"{d}/{MANIFEST}"
+    try:
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (the checkpoint was never committed)") from None
+    try:
+        m = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION:
+        got = m.get("format_version") if isinstance(m, dict) else type(m).__name__
+        raise CheckpointError(f"{path}: format_version {got!r}, expected {FORMAT_VERSION}")
+    if step is not None and m.get("step") != step:
+        raise CheckpointError(f"{path}: records step {m.get('step')!r}, expected {step}")
+    files = m.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(n, str) and n == posixpath.basename(n) and n.endswith(SUFFIX)
+            and isinstance(i, dict) and isinstance(i.get("size"), int)
+            and isinstance(i.get("sha256"), str) for n, i in files.items()):
+        raise CheckpointError(f"{path}: 'files' must map plain *{SUFFIX} names to "
+                              "{size, sha256}")
+    return m
+
+
+def _load_dir(fs: fsspec.AbstractFileSystem, d: str, keys: KeyFilter | None,
+              step: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(manifest, tensors) of the step directory `d`, verifying each file that is read."""
+    manifest = _read_manifest(fs, d, step)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in manifest["files"].items():
+        path = f"{d}/{name}"
+        try:
+            if keys is not None and not any(keys(k) for k in _header_keys(fs, path, info)):
+                continue
+            with _verified_local_copy(fs, path, info) as local, \
+                    safe_open(local, framework="pt") as f:
+                for k in f.keys():
+                    if keys is None or keys(k):
+                        tensors[k] = f.get_tensor(k)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing") from None
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
+    return manifest, tensors
+
+
+def _header_keys(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> list[str]:
+    """Tensor names in a safetensors file, from two small ranged reads of its JSON header."""
+    try:
+        (n,) = struct.unpack("<Q", fs.cat_file(path, start=0, end=8))
+        if n > min(_MAX_HEADER, info["size"] - 8):
+            raise ValueError(f"header length {n} exceeds the file")
+        header = json.loads(fs.cat_file(path, start=8, end=8 + n))
+        return [k for k in header if k != "__metadata__"]
+    except (struct.error, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
+
+
+@contextlib.contextmanager
+def _verified_local_copy(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> Iterator[str]:
+    """A local file path holding `path`'s bytes, after their size and sha256 matched `info`.
+
+    Local files are hashed in place; remote ones are downloaded to a temporary file while being
+    hashed, so memory stays at one chunk either way.
+    """
+    if isinstance(fs, LocalFileSystem):
+        with open(path, "rb") as src:
+            _check_digest(path, *_hash_copy(src, None), info)
+        yield path
+        return
+    with tempfile.NamedTemporaryFile(suffix=SUFFIX) as tmp:
+        with fs.open(path, "rb") as src:
+            _check_digest(fs.unstrip_protocol(path), *_hash_copy(src, tmp), info)
+        tmp.flush()
+        yield tmp.name
+
+
+def _hash_copy(src: BinaryIO, sink: BinaryIO | None) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    buf = memoryview(bytearray(_CHUNK))  # one reused buffer: no page faults per chunk
+    while n := src.readinto(buf):
+        h.update(buf[:n])
+        size += n
+        if sink is not None:
+            sink.write(buf[:n])
+    return size, h.hexdigest()
+
+
+def _check_digest(path: str, size: int, sha: str, info: dict) -> None:
+    if size != info["size"]:
+        raise CheckpointError(f"{path}: {size} bytes, the manifest says {info['size']} "
+                              "(truncated or incomplete)")
+    if sha != info["sha256"]:
+        raise CheckpointError(f"{path}: sha256 {sha[:16]}… does not match the manifest's "
+                              f"{info['sha256'][:16]}… (corrupt)")
+
+
+def _configured_url(fs: fsspec.AbstractFileSystem, config_path: str) -> str | None:
+    """`checkpoint.url` from a run directory's config.yaml (safe_load: plain data only)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(fs.cat_file(config_path))
+    except yaml.YAMLError as e:
+        reason = " ".join(str(e).split())  # one line for the CLI
+        raise CheckpointError(f"{config_path}: not valid YAML ({reason})") from None
+    section = cfg.get("checkpoint") if isinstance(cfg, dict) else None
+    url = section.get("url") if isinstance(section, dict) else None
+    return url if isinstance(url, str) and url else None

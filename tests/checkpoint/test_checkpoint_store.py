@@ -1,0 +1,377 @@
+"""CheckpointStore: layout, round trip, commit marker, retention, verification, safe loading."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import uuid
+import warnings
+
+import fsspec
+import pytest
+import safetensors.torch
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+from relaytrain.checkpoint.store import CheckpointStore, CheckpointWarning, open_checkpoint
+from relaytrain.errors import CheckpointError, UserError
+
+
+def state(step: int) -> dict[str, torch.Tensor]:
+    """A small model + optimizer state whose every value is the step number."""
+    return {"model.embed.weight": torch.full((8, 4), float(step)),
+            "optim.embed.weight.exp_avg": torch.full((8, 4), float(step)),
+            "optim.embed.weight.step": torch.tensor(step, dtype=torch.int64)}
+
+
+def save(store: CheckpointStore, step: int, **meta) -> None:
+    t = state(step)
+    parts = {"model": store.write_part(step, "model", {k: v for k, v in t.items()
+                                                         if k.startswith("model.")}),
+             "optim": store.write_part(step, "optim", {k: v for k, v in t.items()
+                                                         if k.startswith("optim.")})}
+    store.commit(step, parts, meta)
+
+
+def assert_state(tensors: dict[str, torch.Tensor], step: int) -> None:
+    expected = state(step)
+    assert tensors.keys() == expected.keys()
+    for k, v in expected.items():
+        assert tensors[k].dtype == v.dtype and torch.equal(tensors[k], v), k
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes, so NaNs and exotic dtypes compare exactly."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def part_path(root, step: int, part: str) -> str:
+    return os.path.join(root, f"step_{step:08d}", f"{part}.safetensors")
+
+
+def flip_byte(path: str, offset_from_end: int = 3) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-offset_from_end, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+# -- writing and reading -------------------------------------------------------------------
+
+
+def test_round_trip_is_bit_exact_for_every_dtype_shape_and_layout(tmp_path):
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    param = torch.nn.Parameter(torch.randn(5))
+    tensors = {
+        "f32": torch.tensor([1.5, float("nan"), -float("inf")]),
+        "f64": torch.randn(2, 3, dtype=torch.float64),
+        "f16": torch.randn(7, dtype=torch.float16),
+        "bf16": torch.randn(3, 5, dtype=torch.bfloat16),
+        "f8": torch.randn(4).to(torch.float8_e4m3fn),
+        "c64": torch.randn(3, dtype=torch.complex64),
+        "i64_step": torch.tensor(1234, dtype=torch.int64),
+        "f32_step": torch.tensor(17.0),
+        "i32": torch.tensor([-1, 2**31 - 1], dtype=torch.int32),
+        "i16": torch.tensor([-7], dtype=torch.int16),
+        "i8": torch.tensor([-128, 127], dtype=torch.int8),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8),
+        "u16": torch.tensor([65535], dtype=torch.uint16),
+        "u32": torch.tensor([2**32 - 1], dtype=torch.uint32),
+        "u64": torch.tensor([2**63 + 5], dtype=torch.uint64),
+        "bool": torch.tensor([[True, False], [False, True]]),
+        "empty": torch.zeros(0, 3),
+        "transposed": base.t(),  # non-contiguous
+        "column": base[:, 1],  # strided view sharing base's storage
+        "row": base[1],  # another view of the same storage
+        "param": param,  # requires grad
+    }
+    store = CheckpointStore(str(tmp_path))
+    store.commit(1, {"all": store.write_part(1, "all", tensors)}, {})
+    _, back = store.read(1)
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape, k
+        assert torch.equal(bits(back[k]), bits(t)), k
+        assert not back[k].requires_grad
+
+
+def test_part_is_a_plain_safetensors_file_whose_record_matches_its_bytes(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    record = store.write_part(3, "model", state(3))
+    path = part_path(tmp_path, 3, "model")
+    data = open(path, "rb").read()
+    assert record == {"file": "model.safetensors", "size": len(data),
+                      "sha256": hashlib.sha256(data).hexdigest()}
+    loaded = safetensors.torch.load_file(path)  # the reference reader accepts it
+    assert_state(loaded, 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_written_from_a_cpu_copy(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    x = torch.arange(6.0, device="cuda").reshape(2, 3).t()
+    store.commit(1, {"model": store.write_part(1, "model", {"x": x})}, {})
+    back = store.read(1)[1]["x"]
+    assert back.device.type == "cpu" and torch.equal(back, x.cpu())
+
+
+def test_manifest_is_written_last_and_records_files_and_meta(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    record = store.write_part(5, "model", state(5))
+    assert store.committed_steps() == []  # parts alone are not a checkpoint
+    url = store.commit(5, {"model": record}, {"data": {"epoch": 0, "batches": 5}, "rng": {}})
+    assert url == str(tmp_path / "step_00000005")
+    m = store.read_manifest(5)
+    assert m["format_version"] == 1 and m["step"] == 5
+    assert m["files"] == {"model.safetensors": {"size": record["size"],
+                                                "sha256": record["sha256"]}}
+    assert isinstance(m["committed_at"], float)
+    assert m["data"] == {"epoch": 0, "batches": 5}
+    assert store.committed_steps() == [5] and store.latest_step() == 5
+    assert not list(tmp_path.glob("**/*.tmp"))
+
+
+def test_meta_may_not_override_the_fields_the_store_owns(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    record = store.write_part(1, "model", state(1))
+    with pytest.raises(ValueError, match="step"):
+        store.commit(1, {"model": record}, {"step": 2})
+
+
+@pytest.mark.parametrize("damage", ["missing", "wrong size"])
+def test_commit_refuses_a_part_that_is_not_there_as_recorded(tmp_path, damage):
+    store = CheckpointStore(str(tmp_path))
+    record = store.write_part(1, "model", state(1))
+    if damage == "missing":
+        os.remove(part_path(tmp_path, 1, "model"))
+    else:
+        record = {**record, "size": record["size"] + 1}
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        store.commit(1, {"model": record}, {})
+    assert store.committed_steps() == []
+    assert not (tmp_path / "step_00000001" / "manifest.json").exists()
+
+
+def test_rewriting_a_committed_step_withdraws_it_until_recommitted(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 1)
+    record = store.write_part(1, "model", {"model.embed.weight": torch.zeros(2)})
+    assert store.committed_steps() == []
+    store.commit(1, {"model": record}, {})
+    assert torch.equal(store.read(1)[1]["model.embed.weight"], torch.zeros(2))
+
+
+def test_keys_filter_loads_only_selected_tensors_and_skips_files_without_them(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 1)
+    flip_byte(part_path(tmp_path, 1, "optim"))  # never read by a model-only restore
+    _, tensors = store.read(1, keys=lambda k: k.startswith("model."))
+    assert tensors.keys() == {"model.embed.weight"}
+    with pytest.raises(CheckpointError, match="optim.safetensors"):
+        store.read(1)
+
+
+# -- retention -----------------------------------------------------------------------------
+
+
+def test_keep_last_keeps_the_newest_commits_and_clears_stale_leftovers(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=2)
+    for step in (1, 2, 3):
+        save(store, step)
+    store.write_part(4, "model", state(4))  # a write that crashed before its commit
+    store.write_part(9, "model", state(9))  # a newer write still in progress
+    save(store, 5)
+    save(store, 6)
+    assert store.committed_steps() == [5, 6]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000005", "step_00000006", "step_00000009"]
+
+
+def test_without_keep_last_nothing_is_deleted(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    for step in (1, 2, 3):
+        save(store, step)
+    assert store.committed_steps() == [1, 2, 3]
+
+
+# -- damaged checkpoints -------------------------------------------------------------------
+
+
+def test_flipped_byte_is_skipped_with_a_warning_naming_the_file_and_previous_is_used(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 1)
+    save(store, 2)
+    bad = part_path(tmp_path, 2, "model")
+    flip_byte(bad)
+    assert store.latest_step() == 2  # sizes are intact: only hashing can tell
+    with pytest.warns(CheckpointWarning, match=bad):
+        manifest, tensors = store.load_latest_good()
+    assert manifest["step"] == 1
+    assert_state(tensors, 1)
+    with pytest.warns(CheckpointWarning, match=bad):
+        assert store.read()[0]["step"] == 1
+    with pytest.raises(CheckpointError, match=f"{bad}: sha256"):
+        store.read(2)
+
+
+def test_truncated_part_is_skipped_with_a_warning_naming_the_file(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 1)
+    save(store, 2)
+    bad = part_path(tmp_path, 2, "optim")
+    os.truncate(bad, os.path.getsize(bad) - 10)
+    with pytest.warns(CheckpointWarning, match=bad):
+        assert store.latest_step() == 1
+    with pytest.warns(CheckpointWarning, match=bad):
+        assert store.load_latest_good()[0]["step"] == 1
+    with pytest.raises(CheckpointError, match="truncated"):
+        store.read(2)
+
+
+def test_missing_part_is_skipped_with_a_warning_naming_the_file(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 1)
+    save(store, 2)
+    bad = part_path(tmp_path, 2, "model")
+    os.remove(bad)
+    with pytest.warns(CheckpointWarning, match=bad):
+        assert store.latest_step() == 1
+    with pytest.warns(CheckpointWarning, match=bad):
+        assert store.load_latest_good()[0]["step"] == 1
+
+
+def test_step_without_manifest_is_not_a_checkpoint(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 1)
+    store.write_part(2, "model", state(2))
+    store.write_part(2, "optim", state(2))
+    assert store.committed_steps() == [1]
+    assert store.latest_step() == 1
+    assert store.read()[0]["step"] == 1
+    with pytest.raises(CheckpointError, match="never committed"):
+        store.read(2)
+
+
+@pytest.mark.parametrize("manifest", [
+    b'{"format_version": 1, "step": 2, "fil',  # torn write
+    b'{"format_version": 2, "step": 2, "files": {}}',  # from the future
+    b'{"format_version": 1, "step": 7, "files": {}}',  # belongs to another step
+    b'{"format_version": 1, "step": 2, "files": {"../step_00000001/model.safetensors":'
+    b' {"size": 1, "sha256": "x"}}}',  # escapes its directory
+])
+def test_malformed_manifest_is_skipped(tmp_path, manifest):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 1)
+    save(store, 2)
+    (tmp_path / "step_00000002" / "manifest.json").write_bytes(manifest)
+    with pytest.warns(CheckpointWarning, match="step_00000002/manifest.json"):
+        assert store.load_latest_good()[0]["step"] == 1
+
+
+class _Tripwire:
+    """Unpickling this creates a file: proof that something was unpickled."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_nothing_from_storage_is_ever_unpickled(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    save(store, 1)
+    sentinel = tmp_path / "unpickled"
+    payload = pickle.dumps({"model.embed.weight": _Tripwire(str(sentinel))})
+    # a pickle next to a good checkpoint, and a committed step whose only part is a pickle
+    (tmp_path / "ckpt" / "step_00000001" / "model.pt").write_bytes(payload)
+    step2 = tmp_path / "ckpt" / "step_00000002"
+    step2.mkdir()
+    (step2 / "model.safetensors").write_bytes(payload)
+    (step2 / "manifest.json").write_text(json.dumps({
+        "format_version": 1, "step": 2, "files": {"model.safetensors": {
+            "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}}}))
+    with pytest.warns(CheckpointWarning, match="not a valid safetensors file"):
+        manifest, tensors = store.load_latest_good()
+    assert manifest["step"] == 1
+    assert_state(tensors, 1)
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        open_checkpoint(str(step2))
+    assert not sentinel.exists()
+
+
+# -- open_checkpoint -----------------------------------------------------------------------
+
+
+def test_open_checkpoint_accepts_a_run_dir_a_root_a_step_dir_or_a_manifest(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    store = CheckpointStore(str(root))
+    save(store, 1)
+    save(store, 2)
+    assert open_checkpoint(str(tmp_path / "run"))[0]["step"] == 2
+    assert open_checkpoint(str(root) + "/")[0]["step"] == 2
+    manifest, tensors = open_checkpoint(str(root / "step_00000001"))
+    assert manifest["step"] == 1
+    assert_state(tensors, 1)
+    assert open_checkpoint(str(root / "step_00000001" / "manifest.json"))[0]["step"] == 1
+    _, tensors = open_checkpoint(str(root), keys=lambda k: k.endswith(".step"))
+    assert tensors.keys() == {"optim.embed.weight.step"}
+
+
+def test_open_checkpoint_follows_a_run_dirs_configured_checkpoint_url(tmp_path):
+    elsewhere = tmp_path / "bucket" / "ckpts"
+    save(CheckpointStore(str(elsewhere)), 4)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"run_dir: {run}\ncheckpoint:\n  url: {elsewhere}\n")
+    assert open_checkpoint(str(run))[0]["step"] == 4
+
+
+def test_open_checkpoint_says_in_one_line_when_nothing_loads(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store.write_part(1, "model", state(1))
+    targets = {str(tmp_path / "nowhere"): "expected step_NNNNNNNN/manifest.json",
+               str(tmp_path): "expected step_NNNNNNNN/manifest.json",
+               str(tmp_path / "ckpt" / "step_00000001"): "never committed"}
+    for target, message in targets.items():
+        with pytest.raises(CheckpointError, match=message) as err:
+            open_checkpoint(target)
+        assert isinstance(err.value, UserError) and "\n" not in str(err.value)
+    save(store, 2)
+    flip_byte(part_path(tmp_path / "ckpt", 2, "model"))
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError, match="verifies"):
+        open_checkpoint(str(tmp_path / "ckpt"))
+
+
+# -- object stores -------------------------------------------------------------------------
+
+
+def test_object_store_path_needs_no_directories_or_renames(monkeypatch):
+    def no_rename(*args, **kwargs):
+        raise AssertionError("object stores cannot rename atomically")
+
+    for name in ("mv", "rename", "copy", "makedirs", "mkdir"):
+        monkeypatch.setattr(MemoryFileSystem, name, no_rename)
+    puts = []
+    real_pipe = MemoryFileSystem.pipe_file
+    monkeypatch.setattr(MemoryFileSystem, "pipe_file",
+                        lambda self, path, *a, **k: (puts.append(path),
+                                                     real_pipe(self, path, *a, **k))[1])
+    url = f"memory://ckpt-{uuid.uuid4().hex}"
+    store = CheckpointStore(url, keep_last=1)
+    try:
+        save(store, 1)
+        save(store, 2)
+        assert store.committed_steps() == [2]
+        assert [p.rsplit("/", 2)[-2:] for p in puts] == [["step_00000001", "manifest.json"],
+                                                        ["step_00000002", "manifest.json"]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            manifest, tensors = open_checkpoint(url)
+        assert manifest["step"] == 2
+        assert_state(tensors, 2)
+    finally:
+        fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
