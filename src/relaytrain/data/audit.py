@@ -1,0 +1,529 @@
+"""`relaytrain data audit RUN_DIR`: prove (or refute) that a run consumed its data exactly once.
+
+The ledger records the ids each DP rank actually trained on; the audit recomputes the pure
+order independently and checks, over the committed steps (the last record of a step wins after
+a rollback):
+
+- config: every (re)start used the same seed, global batch, seq_len and data;
+- data: the data dir is the one the run trained on;
+- no_gaps: every step 1..last is present;
+- shards_disjoint: within a step, no instance is on two ranks (or twice on one);
+- continuity: step k's ids, rank parts concatenated, are exactly pure global batch k-1 whatever
+  dp was, so a replay or skip after a resume and a world-size-dependent order are caught;
+- shards_complete: the union of the parts is the whole expected global batch;
+- exactly_once: no instance twice in an epoch, and every epoch before the last is complete;
+- heldout_documents: no document is in both splits (sha256 of the text);
+- heldout_ngrams: sampled held-out 32-token windows are looked up in every training 32-gram
+  (a vectorised rolling hash over the whole training stream, or evenly spaced chunks of it
+  above `max_scan_tokens`), catching contamination that the document hashes do not.
+
+Exit code 0 when every check passes, 1 when one fails, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from relaytrain.data.dataset import TokenDataset, TokenSplit
+from relaytrain.data.ledger import LEDGER_FILE, read_ledger
+from relaytrain.data.order import Order
+from relaytrain.errors import DataError
+
+CHECKS = ("config", "data", "no_gaps", "shards_disjoint", "continuity", "shards_complete",
+          "exactly_once", "heldout_documents", "heldout_ngrams")
+ORDER_KEYS = ("seed", "global_batch", "seq_len", "n_instances", "fingerprint")
+HEADER_KEYS = (*ORDER_KEYS, "micro_batch", "dp", "data_path")
+NGRAM = 32
+NGRAM_SAMPLES = 256
+# Distinct documents share some 32-grams naturally (the demo corpus: ~3.5%, mostly generated
+# codec tables and boilerplate); a held-out set that holds (near) copies of training documents
+# shows up as a large share, up to 100%.
+MAX_OVERLAP = 0.2
+HASH_MULT = np.uint64(0x100000001B3)
+NGRAM_SEED = 0x0DA7A1
+
+
+@dataclass
+class Finding:
+    check: str
+    message: str
+    step: int | None = None
+    instance: int | None = None
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+    finding: Finding | None = None
+
+
+@dataclass
+class AuditReport:
+    run_dir: str
+    data_path: str
+    steps: int = 0
+    instances: int = 0
+    epochs: int = 0  # epochs touched
+    complete_epochs: int = 0
+    rollbacks: int = 0
+    rolled_back_steps: int = 0
+    resumes: int = 0
+    resizes: int = 0
+    torn_tail: bool = False
+    ngram: dict[str, Any] = field(default_factory=dict)
+    checks: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def first_failure(self) -> Finding | None:
+        """The earliest offending step (step-less failures, e.g. contamination, first)."""
+        found = [c.finding for c in self.checks if not c.ok and c.finding]
+        if not found:
+            return None
+        return min(found, key=lambda f: (-1 if f.step is None else f.step, CHECKS.index(f.check)))
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "checks"}
+        first = self.first_failure
+        d.update(ok=self.ok,
+                 checks={"passed": sum(c.ok for c in self.checks),
+                         "failed": sum(not c.ok for c in self.checks)},
+                 results={c.name: {"ok": c.ok, "detail": c.detail} for c in self.checks},
+                 first_failure=asdict(first) if first else None)
+        return d
+
+
+# ---- reading the ledger ----------------------------------------------------------------------
+
+@dataclass
+class _Segment:
+    """The steps run under one header (a start, resume, recovery or resize)."""
+
+    header: dict[str, Any]
+    after_step: int  # the highest committed step when the header was written
+
+
+def _need(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise DataError(f"{where}: {what}")
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                           for v in value)
+
+
+@dataclass
+class _Steps:
+    committed: dict[int, tuple[dict[str, Any], _Segment]] = field(default_factory=dict)
+    redone: list[int] = field(default_factory=list)  # recorded again with no rollback between
+
+
+def _parse(records: list[dict[str, Any]], path: Path,
+           report: AuditReport) -> tuple[list[_Segment], _Steps]:
+    segments: list[_Segment] = []
+    steps = _Steps()
+    committed = steps.committed
+    for lineno, rec in enumerate(records, 1):
+        where = f"{path} record {lineno}"
+        kind = rec.get("kind")
+        if kind == "header":
+            missing = [k for k in HEADER_KEYS if k not in rec]
+            _need(not missing, where, f"header lacks {', '.join(missing)}")
+            _need(all(isinstance(rec[k], int) and rec[k] >= (0 if k == "seed" else 1)
+                      for k in HEADER_KEYS if k not in ("fingerprint", "data_path")),
+                  where, "header values must be positive integers")
+            segments.append(_Segment(rec, max(committed, default=0)))
+        elif kind == "step":
+            _need(bool(segments), where, "a step record before any header")
+            _need(isinstance(rec.get("step"), int) and rec["step"] >= 1, where,
+                  "step must be an integer >= 1")
+            parts = rec.get("parts")
+            _need(isinstance(parts, list) and all(_int_list(p) for p in parts), where,
+                  "parts must be a list of lists of instance ids")
+            if rec["step"] in committed:
+                steps.redone.append(rec["step"])
+            committed[rec["step"]] = (rec, segments[-1])
+        elif kind == "rollback":
+            discarded = rec.get("steps")
+            _need(_int_list(discarded), where, "rollback steps must be a list of step numbers")
+            for s in discarded:
+                committed.pop(s, None)
+            report.rollbacks += bool(discarded)
+            report.rolled_back_steps += len(discarded)
+        # other kinds are for other readers
+    if not segments:
+        raise DataError(f"{path}: no header record; not a ledger written by relaytrain train")
+    report.resumes = len(segments) - 1
+    report.resizes = sum(a.header["dp"] != b.header["dp"]
+                         for a, b in zip(segments, segments[1:], strict=False))
+    return segments, steps
+
+
+# ---- the checks ------------------------------------------------------------------------------
+
+class _Check:
+    """Collects the findings of one check, keeping the earliest step's."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.finding: Finding | None = None
+        self.count = 0
+
+    def fail(self, message: str, step: int | None = None, instance: int | None = None) -> None:
+        self.count += 1
+        f = self.finding
+        if f is None or (step is not None and (f.step is None or step < f.step)):
+            self.finding = Finding(self.name, message, step, instance)
+
+    def result(self, ok_detail: str) -> CheckResult:
+        f = self.finding
+        if f is None:
+            return CheckResult(self.name, True, ok_detail)
+        step = f"step {f.step}: " if f.step is not None else ""
+        more = f" ({self.count} findings)" if self.count > 1 else ""
+        return CheckResult(self.name, False, step + f.message + more, f)
+
+
+def _context(seg: _Segment, segments: list[_Segment]) -> str:
+    i = segments.index(seg)
+    if i == 0:
+        return f"dp={seg.header['dp']}, first start"
+    prev = segments[i - 1].header["dp"]
+    what = f"resize dp {prev}->{seg.header['dp']}" if prev != seg.header["dp"] else "resume"
+    return f"dp={seg.header['dp']}, after the {what} at step {seg.after_step}"
+
+
+def _check_config(segments: list[_Segment]) -> CheckResult:
+    c = _Check("config")
+    first = segments[0].header
+    for seg in segments:
+        h = seg.header
+        changed = [k for k in ORDER_KEYS if h[k] != first[k]]
+        if changed:
+            k = changed[0]
+            c.fail(f"the header of the restart there changed {k} from {first[k]!r} to "
+                   f"{h[k]!r}", seg.after_step + 1)
+        if h["global_batch"] % (h["dp"] * h["micro_batch"]):
+            c.fail(f"the header there cannot split global batch {h['global_batch']} over "
+                   f"dp={h['dp']} x micro_batch={h['micro_batch']}", seg.after_step + 1)
+    return c.result(f"{len(segments)} headers agree on seed, global batch, seq_len and data")
+
+
+def _check_data(first: dict[str, Any], ds: TokenDataset) -> CheckResult:
+    c = _Check("data")
+    if ds.fingerprint != first["fingerprint"]:
+        c.fail(f"{ds.path} has fingerprint {ds.fingerprint[:12]}, the run trained on "
+               f"{str(first['fingerprint'])[:12]}")
+    n = ds.split("train").num_instances(first["seq_len"])
+    if n != first["n_instances"]:
+        c.fail(f"{ds.path} has {n} training instances at seq_len {first['seq_len']}, the run "
+               f"had {first['n_instances']}")
+    return c.result(f"fingerprint {ds.fingerprint[:12]} matches, {n} instances")
+
+
+def _describe_mismatch(k: int, got: np.ndarray, want: np.ndarray,
+                       batch_of: dict[bytes, int]) -> str:
+    j = batch_of.get(np.sort(got).tobytes())
+    if j is not None:
+        return (f"holds global batch {j} (that of step {j + 1}) instead of {k - 1}: "
+                f"{'a replay' if j < k - 1 else 'a skip ahead'}")
+    if len(got) == len(want) and np.array_equal(np.sort(got), np.sort(want)):
+        return f"holds global batch {k - 1} in the wrong order (rank parts misplaced)"
+    common = min(len(got), len(want))
+    p = int(np.argmax(got[:common] != want[:common])) if common else 0
+    differ = len(np.setxor1d(got, want))
+    return (f"differs from pure global batch {k - 1} in {differ} ids (position {p}: got "
+            f"{got[p] if p < len(got) else '-'}, expected {want[p] if p < len(want) else '-'})")
+
+
+def _missing(want: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """Ids of `want` that `got` holds fewer times (a batch straddling epochs may repeat one)."""
+    wu, wc = np.unique(want, return_counts=True)
+    gu, gc = np.unique(got, return_counts=True)
+    if not gu.size:
+        return wu
+    idx = np.searchsorted(gu, wu).clip(max=gu.size - 1)
+    have = np.where(gu[idx] == wu, gc[idx], 0)
+    return wu[have < wc]
+
+
+def _first_shared(keys: np.ndarray) -> tuple[int, int] | None:
+    """Positions (a, b) of the first key that occurs twice."""
+    order = np.argsort(keys, kind="stable")
+    dup = np.flatnonzero(keys[order][1:] == keys[order][:-1])
+    if not dup.size:
+        return None
+    return int(order[dup[0]]), int(order[dup[0] + 1])
+
+
+def _check_steps(segments: list[_Segment], recorded: _Steps,
+                 report: AuditReport) -> list[CheckResult]:
+    committed = recorded.committed
+    first = segments[0].header
+    seed, B, n = first["seed"], first["global_batch"], first["n_instances"]
+    order = Order(seed, n)
+    gaps, disjoint, cont, complete, once = (_Check(name) for name in (
+        "no_gaps", "shards_disjoint", "continuity", "shards_complete", "exactly_once"))
+    steps = sorted(committed)
+    last = steps[-1] if steps else 0
+    for s in sorted(set(range(1, last + 1)) - set(steps)):
+        gaps.fail(f"missing (steps 1..{last} expected)", s)
+    for s in recorded.redone:
+        cont.fail("recorded twice with no rollback in between: the first run of the step was "
+                  "never discarded", s)
+
+    batch_of: dict[bytes, int] = {}  # built on the first mismatch, to name replays
+
+    def describe(k: int, got: np.ndarray, want: np.ndarray) -> str:
+        if not batch_of:
+            other = Order(seed, n)
+            batch_of.update((np.sort(other.global_batch(B, s - 1)[1]).tobytes(), s - 1)
+                            for s in steps)
+        return _describe_mismatch(k, got, want, batch_of)
+
+    used: dict[int, np.ndarray] = {}  # open epochs: the step that used each instance (0: none)
+    last_epoch = (last * B - 1) // n if last else -1
+    complete_epochs = 0
+    closed: set[int] = set()
+
+    def close_epoch(e: int) -> None:
+        nonlocal complete_epochs
+        closed.add(e)
+        seen = used.pop(e, np.zeros(n, dtype=np.int64))
+        unused = np.flatnonzero(seen == 0)
+        if not unused.size:
+            complete_epochs += 1
+        elif e < last_epoch:
+            end_step = ((e + 1) * n - 1) // B + 1
+            once.fail(f"epoch {e} is incomplete: instance {int(unused[0])} never used by its "
+                      f"last step {end_step} ({unused.size} of {n} unused)", end_step,
+                      int(unused[0]))
+
+    for k in steps:
+        rec, seg = committed[k]
+        ctx = _context(seg, segments)
+        parts = [np.asarray(p, dtype=np.int64) for p in rec["parts"]]
+        got = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        want = order.global_batch(B, k - 1)[1]
+        if rec.get("batch", k - 1) != k - 1:
+            cont.fail(f"{ctx}: the record says batch {rec['batch']}, expected {k - 1}", k)
+        # shards
+        dp = rec.get("dp", len(parts))
+        if len(parts) != dp or B % max(dp, 1) or any(len(p) != B // dp for p in parts):
+            disjoint.fail(f"{ctx}: {len(parts)} parts of sizes {[len(p) for p in parts]}, "
+                          f"expected {dp} parts of {B // max(dp, 1)}", k)
+        bad = got[(got < 0) | (got >= n)]
+        if bad.size:
+            disjoint.fail(f"{ctx}: instance {int(bad[0])} is out of range [0, {n})", k,
+                          int(bad[0]))
+        # a batch straddling epochs may hold an instance once per epoch, never twice in one
+        pos_epochs = (np.arange(got.size, dtype=np.int64) + (k - 1) * B) // n
+        shared = _first_shared(pos_epochs * n + got)
+        if shared:
+            ranks = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+            a, b = (int(ranks[x]) for x in shared)
+            where = f"twice on rank {a}" if a == b else f"on rank {a} and rank {b}"
+            disjoint.fail(f"{ctx}: instance {int(got[shared[0]])} is {where}", k,
+                          int(got[shared[0]]))
+        # continuity and completeness against the pure order
+        if not np.array_equal(got, want):
+            cont.fail(f"{ctx}: {describe(k, got, want)}", k,
+                      int(want[0]) if want.size else None)
+        lost = _missing(want, got)
+        if lost.size:
+            complete.fail(f"{ctx}: instance {int(lost[0])} of global batch {k - 1} is on no "
+                          f"rank ({lost.size} missing)", k, int(lost[0]))
+        # exactly once per epoch, by stream position
+        for e in [e for e in used if pos_epochs.size and e < pos_epochs[0]]:
+            close_epoch(e)
+        for e in np.unique(pos_epochs).tolist():
+            ids = got[pos_epochs == e]
+            ids = ids[(ids >= 0) & (ids < n)]
+            seen = used.setdefault(e, np.zeros(n, dtype=np.int64))
+            uniq, counts = np.unique(ids, return_counts=True)
+            again = uniq[(seen[uniq] != 0) | (counts > 1)]
+            if again.size:
+                i = int(again[0])
+                before = int(seen[i]) or k
+                once.fail(f"instance {i} used twice in epoch {e} (steps {before} and {k})", k, i)
+            seen[ids] = np.where(seen[ids] == 0, k, seen[ids])
+    for e in range(last_epoch + 1):
+        if e not in closed:
+            close_epoch(e)
+    report.steps = len(steps)
+    report.instances = len(steps) * B
+    report.epochs = last_epoch + 1
+    report.complete_epochs = complete_epochs
+    return [
+        gaps.result(f"steps 1..{last} all present" if last else "no committed steps"),
+        disjoint.result(f"{len(steps)} steps, dp shards disjoint"),
+        cont.result(f"every step holds pure global batch k-1 across {report.resumes} "
+                    f"resumes, {report.resizes} resizes"),
+        complete.result("every global batch fully consumed"),
+        once.result(f"{report.instances} instances, at most once per epoch; "
+                    f"{complete_epochs} complete epochs"),
+    ]
+
+
+def _check_heldout_documents(ds: TokenDataset) -> CheckResult:
+    c = _Check("heldout_documents")
+    train = ds.doc_hashes("train")
+    heldout = ds.split("heldout").doc_digests()
+    shared = [i for i, d in enumerate(heldout) if bytes(d).hex() in train]
+    if shared:
+        c.fail(f"{len(shared)} held-out documents are also training documents (first: held-out "
+               f"document {shared[0]}, sha256 {bytes(heldout[shared[0]]).hex()[:12]})")
+    return c.result(f"{len(train)} training and {len(heldout)} held-out documents disjoint")
+
+
+def _ngram_hashes(windows: np.ndarray) -> np.ndarray:
+    """Polynomial hash (mod 2**64) of each row of `windows`."""
+    h = np.zeros(windows.shape[0], dtype=np.uint64)
+    for j in range(windows.shape[1]):
+        h = h * HASH_MULT + windows[:, j].astype(np.uint64)
+    return h
+
+
+def _chunk_starts(total: int, chunk: int, budget: int) -> Iterable[int]:
+    starts = range(0, total, chunk)
+    if total <= budget:
+        return starts
+    k = max(1, budget // chunk)
+    return sorted({starts[i] for i in np.linspace(0, len(starts) - 1, k).astype(int)})
+
+
+def ngram_overlap(train: TokenSplit, heldout: TokenSplit, *, n: int = NGRAM,
+                  samples: int = NGRAM_SAMPLES, max_scan_tokens: int = 1 << 28,
+                  chunk: int = 1 << 22) -> dict[str, Any]:
+    """Share of sampled held-out n-token windows (inside one document, EOS excluded) that occur
+    anywhere in the training stream (or its evenly spaced chunks above max_scan_tokens)."""
+    spans = heldout.doc_spans()
+    starts_per_doc = np.maximum(spans[:, 1] - 1 - n + 1, 0)  # windows that avoid the EOS
+    total = int(starts_per_doc.sum())
+    k = min(samples, total)
+    result: dict[str, Any] = {"n": n, "sampled": k, "matched": 0, "overlap": 0.0,
+                              "train_tokens_scanned": 0, "train_coverage": 0.0}
+    if k == 0 or train.num_tokens < n:
+        return result
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([NGRAM_SEED])))
+    pick = np.sort(rng.choice(total, size=k, replace=False))
+    cum = np.cumsum(starts_per_doc)
+    docs = np.searchsorted(cum, pick, side="right")
+    offsets = spans[docs, 0] + pick - (cum[docs] - starts_per_doc[docs])
+    windows = np.asarray(heldout.tokens)[offsets[:, None] + np.arange(n)]
+    qh = _ngram_hashes(windows)
+    order = np.argsort(qh)
+    qsorted = qh[order]
+    matched: dict[int, int] = {}  # sample -> training position
+    tokens = train.tokens
+    T = train.num_tokens
+    scanned = 0
+    for s in _chunk_starts(T - n + 1, chunk, max_scan_tokens):
+        seg = np.asarray(tokens[s:min(s + chunk + n - 1, T)], dtype=np.uint64)
+        L = seg.size - n + 1
+        h = np.zeros(L, dtype=np.uint64)
+        for j in range(n):
+            np.multiply(h, HASH_MULT, out=h)
+            np.add(h, seg[j:j + L], out=h)
+        scanned += L
+        idx = np.searchsorted(qsorted, h).clip(max=k - 1)
+        for p in np.flatnonzero(qsorted[idx] == h).tolist():
+            lo = np.searchsorted(qsorted, h[p], side="left")
+            hi = np.searchsorted(qsorted, h[p], side="right")
+            for q in order[lo:hi].tolist():
+                if q not in matched and np.array_equal(seg[p:p + n], windows[q]):
+                    matched[q] = s + p
+        if len(matched) == k:
+            break
+    result.update(matched=len(matched), overlap=len(matched) / k,
+                  train_tokens_scanned=scanned, train_coverage=scanned / max(T - n + 1, 1))
+    if matched:
+        q = min(matched)
+        result["first_match"] = {"heldout_document": int(docs[q]),
+                                 "heldout_offset": int(offsets[q]),
+                                 "train_offset": int(matched[q])}
+    return result
+
+
+def _check_heldout_ngrams(ds: TokenDataset, max_overlap: float,
+                          report: AuditReport) -> CheckResult:
+    c = _Check("heldout_ngrams")
+    r = ngram_overlap(ds.split("train"), ds.split("heldout"))
+    report.ngram = r
+    if r["sampled"] == 0:
+        return c.result(f"not checked: no held-out window of {NGRAM} tokens")
+    detail = (f"{r['matched']} of {r['sampled']} sampled held-out {NGRAM}-grams occur in "
+              f"training ({r['overlap']:.1%}, {r['train_coverage']:.0%} of the training stream "
+              "scanned)")
+    if r["overlap"] > max_overlap:
+        m = r["first_match"]
+        c.fail(f"{detail}, above {max_overlap:.1%}: e.g. held-out document "
+               f"{m['heldout_document']} at token {m['heldout_offset']} = training token "
+               f"{m['train_offset']}")
+    return c.result(detail)
+
+
+# ---- entry points ----------------------------------------------------------------------------
+
+def _data_path(run_dir: Path, header: dict[str, Any], override: str | None) -> Path:
+    if override:
+        return Path(override)
+    path = Path(header["data_path"])
+    if not path.is_absolute() and not path.exists() and (run_dir / path).exists():
+        path = run_dir / path
+    if not path.exists():
+        raise DataError(f"data dir {path} (named by the ledger header) does not exist; pass "
+                        "--data DIR")
+    return path
+
+
+def audit(run_dir: str | Path, *, data_path: str | None = None,
+          max_overlap: float = MAX_OVERLAP) -> AuditReport:
+    """Audit a run directory; bad input raises DataError, findings go into the report."""
+    run_dir = Path(run_dir)
+    ledger = read_ledger(run_dir / LEDGER_FILE)
+    report = AuditReport(str(run_dir), "", torn_tail=ledger.torn_tail)
+    segments, recorded = _parse(ledger.records, run_dir / LEDGER_FILE, report)
+    first = segments[0].header
+    ds = TokenDataset.open(_data_path(run_dir, first, data_path))
+    report.data_path = str(ds.path)
+    report.checks = [_check_config(segments), _check_data(first, ds),
+                     *_check_steps(segments, recorded, report),
+                     _check_heldout_documents(ds), _check_heldout_ngrams(ds, max_overlap, report)]
+    report.checks.sort(key=lambda c: CHECKS.index(c.name))
+    return report
+
+
+def cli_audit(args: argparse.Namespace) -> int:
+    max_overlap = MAX_OVERLAP if args.max_overlap is None else args.max_overlap
+    report = audit(args.run_dir, data_path=args.data, max_overlap=max_overlap)
+    first = report.first_failure
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        for c in report.checks:
+            print(f"{'PASS' if c.ok else 'FAIL'}  {c.name:<18} {c.detail}")
+        print(f"{report.steps} steps, {report.instances} instances, {report.epochs} epochs "
+              f"({report.complete_epochs} complete), {report.rollbacks} rollbacks, "
+              f"{report.resumes} resumes, {report.resizes} resizes"
+              + ("; the ledger's torn last line was ignored" if report.torn_tail else ""))
+    if first is not None:
+        where = f"step {first.step}: " if first.step is not None else ""
+        print(f"relaytrain: audit failed: {first.check}: {where}{first.message}",
+              file=sys.stderr)
+        return 1
+    return 0

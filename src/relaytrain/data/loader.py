@@ -1,0 +1,163 @@
+"""A DP rank's view of the global order, read ahead in a background thread.
+
+The loader holds no state beyond the next batch index: `get(k)` for any k returns exactly the
+rank's part of pure global batch k, so resume, recovery and a change of world size are a
+reposition, O(1). Per batch the work is O(global batch): the epoch permutation is computed once
+per epoch and cached, and tokens come from a memory map.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from relaytrain.data.dataset import TokenSplit
+from relaytrain.data.order import Order, micro_batch_indices, rank_part
+from relaytrain.errors import DataError
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One DP rank's share of global batch `batch_index` (optimizer step batch_index + 1)."""
+
+    batch_index: int
+    ids: np.ndarray  # this rank's instance ids, int64, in order
+    epochs: np.ndarray  # the epoch of each id
+    # (global micro-batch index, LongTensor [micro_batch, seq_len + 1]); inputs [:, :-1],
+    # labels [:, 1:]
+    micro_batches: list[tuple[int, torch.Tensor]]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this rank trains on (labels), for throughput accounting."""
+        return sum(mb.shape[0] * (mb.shape[1] - 1) for _, mb in self.micro_batches)
+
+
+class Loader:
+    """Rank `dp_rank` of `dp_world`'s batches of `split`, `prefetch` global batches ahead."""
+
+    def __init__(self, split: TokenSplit, seq_len: int, seed: int, global_batch: int,
+                 micro_batch: int, dp_rank: int, dp_world: int, prefetch: int = 2) -> None:
+        self.split = split
+        self.fingerprint = split.fingerprint
+        self.seq_len = int(seq_len)
+        self.seed = int(seed)
+        self.global_batch = int(global_batch)
+        self.micro_batch = int(micro_batch)
+        self.part = rank_part(global_batch, dp_rank, dp_world)
+        self.micro_indices = micro_batch_indices(global_batch, micro_batch, dp_rank, dp_world)
+        self.n_instances = split.require_instances(self.seq_len)
+        self.order = Order(seed, self.n_instances)
+        self.prefetch = max(0, int(prefetch))
+        self.next_batch = 0  # the batch after the last one returned: the loader's state
+        self._cv = threading.Condition()
+        self._ready: dict[int, Batch] = {}
+        self._produce = 0  # the next batch index the thread makes
+        self._generation = 0  # bumped on every reposition; stale results are dropped
+        self._running = False  # the thread makes batches only after the first get()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # ---- the pure part ----------------------------------------------------------------------
+    def make(self, batch_index: int) -> Batch:
+        """Build batch `batch_index` synchronously (the thread calls this)."""
+        epochs, ids = self.order.global_batch(self.global_batch, batch_index)
+        epochs, ids = epochs[self.part], ids[self.part]
+        tokens = torch.from_numpy(self.split.instances(ids, self.seq_len))
+        m = self.micro_batch
+        micro = [(j, tokens[i * m:(i + 1) * m]) for i, j in enumerate(self.micro_indices)]
+        return Batch(batch_index, ids, epochs, micro)
+
+    # ---- the read-ahead ---------------------------------------------------------------------
+    def get(self, batch_index: int) -> Batch:
+        """This rank's part of global batch `batch_index`; out of sequence just repositions."""
+        if batch_index < 0:
+            raise ValueError(f"batch_index must be >= 0, got {batch_index}")
+        if self.prefetch == 0:
+            batch = self.make(batch_index)
+            self.next_batch = batch_index + 1
+            return batch
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("Loader.get() after close()")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="relaytrain-loader",
+                                                daemon=True)
+                self._thread.start()
+            if batch_index not in self._ready and not (
+                    self._running and batch_index == self._produce):
+                self._generation += 1
+                self._ready.clear()
+                self._produce = batch_index
+                self._running = True
+                self._error = None
+                self._cv.notify_all()
+            while batch_index not in self._ready and self._error is None:
+                self._cv.wait()
+            if batch_index not in self._ready:  # the read-ahead failed making this batch
+                error, self._error, self._running = self._error, None, False
+                self._generation += 1
+                self._ready.clear()
+                raise error
+            batch = self._ready.pop(batch_index)
+            for k in [k for k in self._ready if k < batch_index]:
+                del self._ready[k]
+            self.next_batch = batch_index + 1
+            self._cv.notify_all()
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (not self._running or self._error is not None
+                                            or len(self._ready) >= self.prefetch):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                generation, index = self._generation, self._produce
+            try:
+                batch = self.make(index)
+            except BaseException as e:  # handed to the consumer's get()
+                with self._cv:
+                    if generation == self._generation:
+                        self._error = e
+                        self._cv.notify_all()
+                continue
+            with self._cv:
+                if generation == self._generation:
+                    self._ready[index] = batch
+                    self._produce = index + 1
+                    self._cv.notify_all()
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The resume cursor: the next batch index plus what it is only valid for."""
+        return {"next_batch": self.next_batch, "fingerprint": self.fingerprint,
+                "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a cursor; refuses one taken on other data or another order."""
+        for key in ("fingerprint", "seed", "seq_len", "global_batch"):
+            if state.get(key) != getattr(self, key):
+                raise DataError(f"data cursor was saved with {key}={state.get(key)!r}, but this "
+                                f"run has {key}={getattr(self, key)!r}; resume on the same data "
+                                "and order")
+        self.next_batch = int(state["next_batch"])
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

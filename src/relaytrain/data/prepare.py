@@ -1,0 +1,371 @@
+"""`relaytrain data prepare`: text -> deduplicated, train/held-out split token files + index.
+
+Documents are split by a hash of their text, so the split is stable (the same document lands on
+the same side whatever else is in the corpus) and an exact duplicate, having the same hash, can
+never be on both sides; duplicates are kept once. Everything is written into a temporary
+directory next to --out and renamed into place after `index.json`, so an interrupted or failed
+prepare never leaves a directory that looks complete. Memory does not grow with the corpus
+except for the set of document hashes and the per-document offsets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from relaytrain import __version__
+from relaytrain.data.dataset import FORMAT_VERSION, INDEX, sha256_file
+from relaytrain.data.sources import (
+    SourceFile,
+    SourceStats,
+    demo_files,
+    demo_root,
+    iter_documents,
+    resolve,
+)
+from relaytrain.errors import DataError
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+MIN_BPE_VOCAB = 256 + 2  # the byte alphabet plus EOS and PAD
+TOKENIZER_FILE = "tokenizer.json"
+CHUNK_DOCS = 64  # documents per encode_batch call (Rust threads parallelise within a call)
+CHUNK_CHARS = 2 << 20
+SPLIT_RULE = "heldout iff int.from_bytes(sha256(utf8 text)[:8], 'big') < heldout_frac * 2**64"
+
+
+def is_heldout(digest: bytes, heldout_frac: float) -> bool:
+    """The split of a document, from the sha256 of its text (see SPLIT_RULE)."""
+    return int.from_bytes(digest[:8], "big") < heldout_frac * 2**64
+
+
+@dataclass
+class PrepareResult:
+    out: str
+    documents: dict[str, int]
+    tokens: dict[str, int]
+    duplicates: int
+    skipped_empty: int
+    skipped_files: list[str]
+    seconds: float
+    tokenizer_seconds: float  # BPE training (0 for a given tokenizer)
+    dtype: str
+    vocab_size: int
+    fingerprint: str
+    tokens_per_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens_per_s = sum(self.tokens.values()) / max(self.seconds, 1e-9)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["skipped_files"] = len(self.skipped_files)
+        return d
+
+
+# ---- tokenizer -------------------------------------------------------------------------------
+
+def _tokenizer_source(spec: str) -> int | Path:
+    """bpe:VOCAB -> the vocabulary size to train; otherwise the tokenizer.json path."""
+    if spec.startswith("bpe:"):
+        try:
+            vocab = int(spec[4:])
+        except ValueError:
+            vocab = -1
+        if not MIN_BPE_VOCAB <= vocab <= 2**32:
+            raise DataError(f"--tokenizer {spec}: expected bpe:VOCAB with VOCAB an integer >= "
+                            f"{MIN_BPE_VOCAB} (256 bytes + EOS + PAD)")
+        return vocab
+    path = Path(spec)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise DataError(f"--tokenizer {spec}: no such file; expected a HF tokenizer.json, a "
+                        "directory containing one, or bpe:VOCAB")
+    return path
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception for every parse error
+        raise DataError(f"--tokenizer {path}: not a loadable HF tokenizer.json ({e})") from None
+    # Text that happens to contain "<|endoftext|>" is text: only prepare inserts EOS.
+    tok.encode_special_tokens = True
+    return tok
+
+
+def _eos_id(tok: Any, path: Path, eos_token: str | None) -> tuple[str, int]:
+    for name in (eos_token,) if eos_token else EOS_CANDIDATES:
+        tid = tok.token_to_id(name)
+        if tid is not None:
+            return name, int(tid)
+    tried = eos_token or ", ".join(EOS_CANDIDATES)
+    raise DataError(f"--tokenizer {path}: no end-of-text token (tried {tried}); name the "
+                    "tokenizer's EOS token with --eos-token")
+
+
+def _train_bpe(vocab: int, texts: Iterator[str], out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(out))
+
+
+# ---- corpus passes ---------------------------------------------------------------------------
+
+@dataclass
+class _Corpus:
+    """One pass over the sources: unique documents with their digest and split."""
+
+    files: list[SourceFile]
+    text_field: str
+    heldout_frac: float
+    max_docs: int | None
+    demo: bool
+    stats: SourceStats = field(default_factory=SourceStats)
+    duplicates: int = 0
+
+    def __iter__(self) -> Iterator[tuple[bool, bytes, str]]:
+        self.stats, self.duplicates, seen = SourceStats(), 0, set()
+        docs = iter_documents(self.files, self.text_field, skip_undecodable=self.demo,
+                              stats=self.stats)
+        for count, (_, text) in enumerate(docs):
+            if self.max_docs is not None and count >= self.max_docs:
+                break
+            digest = hashlib.sha256(text.encode("utf-8")).digest()
+            if digest in seen:
+                self.duplicates += 1
+                continue
+            seen.add(digest)
+            yield is_heldout(digest, self.heldout_frac), digest, text
+
+
+class _SplitWriter:
+    """Appends one split's documents (tokens + EOS) and collects their offsets and digests."""
+
+    def __init__(self, root: Path, name: str, dtype: type[np.unsignedinteger]) -> None:
+        self.name, self.root, self.dtype = name, root, dtype
+        self.file = open(root / f"{name}.bin", "wb")  # closed in finish()
+        self.lengths: list[int] = []
+        self.digests: list[bytes] = []
+
+    def add(self, docs: list[np.ndarray], digests: list[bytes]) -> None:
+        if docs:
+            self.file.write(np.concatenate(docs).tobytes())
+            self.lengths.extend(len(d) for d in docs)
+            self.digests.extend(digests)
+
+    def finish(self) -> dict[str, Any]:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        offsets = np.cumsum(lengths) - lengths
+        np.save(self.root / f"{self.name}.docs.npy", np.stack([offsets, lengths], axis=1))
+        digests = np.frombuffer(b"".join(self.digests), dtype=np.uint8).reshape(-1, 32)
+        np.save(self.root / f"{self.name}.sha256.npy", digests)
+        return {"file": f"{self.name}.bin", "tokens": int(lengths.sum()),
+                "documents": len(self.lengths), "doc_offsets": f"{self.name}.docs.npy",
+                "doc_hashes": f"{self.name}.sha256.npy"}
+
+
+def _chunks(corpus: _Corpus) -> Iterator[list[tuple[bool, bytes, str]]]:
+    chunk: list[tuple[bool, bytes, str]] = []
+    chars = 0
+    for doc in corpus:
+        chunk.append(doc)
+        chars += len(doc[2])
+        if len(chunk) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encode(tok: Any, corpus: _Corpus, writers: dict[bool, _SplitWriter], eos_id: int,
+            progress: bool) -> None:
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    dtype = writers[False].dtype
+    bar = tqdm(desc="tokenizing", unit="doc", disable=None if progress else True,
+               file=sys.stderr, dynamic_ncols=True)
+    total = 0
+    with bar:
+        for chunk in _chunks(corpus):
+            encodings = encode([text for _, _, text in chunk], add_special_tokens=False)
+            out: dict[bool, tuple[list[np.ndarray], list[bytes]]] = {False: ([], []),
+                                                                    True: ([], [])}
+            for (heldout, digest, _), enc in zip(chunk, encodings, strict=True):
+                ids = enc.ids
+                arr = np.empty(len(ids) + 1, dtype=dtype)
+                arr[:-1] = ids
+                arr[-1] = eos_id
+                out[heldout][0].append(arr)
+                out[heldout][1].append(digest)
+                total += arr.size
+            for heldout, (docs, digests) in out.items():
+                writers[heldout].add(docs, digests)
+            bar.update(len(chunk))
+            bar.set_postfix_str(f"{total / 1e6:.1f}M tokens", refresh=False)
+
+
+# ---- the command -----------------------------------------------------------------------------
+
+def _check_out(out: Path) -> None:
+    if "://" in str(out):
+        raise DataError(f"--out {out}: must be a local directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"--out {out} already exists and is not empty; prepare never "
+                        "overwrites, choose a new directory")
+
+
+def prepare(sources: Sequence[str] | None, out: str | os.PathLike[str], tokenizer: str, *,
+            text_field: str = "text", heldout_frac: float = 0.05, max_docs: int | None = None,
+            eos_token: str | None = None, progress: bool = False) -> PrepareResult:
+    """Tokenize `sources` (None: the demo corpus) into the data directory `out`."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    if not 0 <= heldout_frac < 1:
+        raise DataError(f"--heldout-frac {heldout_frac}: expected a fraction in [0, 1)")
+    if max_docs is not None and max_docs < 1:
+        raise DataError(f"--max-docs {max_docs}: expected an integer >= 1")
+    _check_out(out)
+    tok_source = _tokenizer_source(tokenizer)
+    if isinstance(tok_source, Path):  # fail on a bad tokenizer before reading any data
+        _eos_id(_load_tokenizer(tok_source), tok_source, eos_token)
+    demo = sources is None
+    files = demo_files() if demo else resolve(sources)
+    corpus = _Corpus(files, text_field, heldout_frac, max_docs, demo)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        tok_file = tmp / TOKENIZER_FILE
+        tok_seconds = 0.0
+        if isinstance(tok_source, int):
+            t = time.perf_counter()
+            texts = (text for heldout, _, text in tqdm(
+                corpus, desc="training BPE", unit="doc", disable=None if progress else True,
+                file=sys.stderr, dynamic_ncols=True) if not heldout)
+            _train_bpe(tok_source, texts, tok_file)
+            tok_seconds = time.perf_counter() - t
+        else:
+            shutil.copyfile(tok_source, tok_file)
+        tok = _load_tokenizer(tok_file)
+        eos_name, eos_id = _eos_id(tok, tok_file, eos_token)
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        dtype = np.uint16 if vocab <= 2**16 else np.uint32
+        writers = {False: _SplitWriter(tmp, "train", dtype), True: _SplitWriter(tmp, "heldout",
+                                                                               dtype)}
+        try:
+            _encode(tok, corpus, writers, eos_id, progress)
+        except BaseException:
+            for w in writers.values():
+                w.file.close()
+            raise
+        splits = {w.name: w.finish() for w in writers.values()}
+        documents = {name: s["documents"] for name, s in splits.items()}
+        _check_documents(documents, corpus, heldout_frac)
+        files_meta = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                      for p in sorted(tmp.iterdir())}
+        fingerprint = hashlib.sha256(json.dumps(
+            {"format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
+             "files": files_meta, "splits": splits}, sort_keys=True).encode()).hexdigest()
+        index = {
+            "format_version": FORMAT_VERSION,
+            "dtype": np.dtype(dtype).name,
+            "fingerprint": fingerprint,
+            "tokenizer": {"file": TOKENIZER_FILE, "sha256": files_meta[TOKENIZER_FILE]["sha256"],
+                          "vocab_size": vocab, "eos_id": eos_id, "eos_token": eos_name,
+                          "pad_id": tok.token_to_id(PAD_TOKEN), "source": tokenizer},
+            "splits": splits,
+            "files": files_meta,
+            "heldout_frac": heldout_frac,
+            "split_rule": SPLIT_RULE,
+            "sources": [f"demo: {demo_root()}/**/*.py (Python {platform.python_version()})"]
+            if demo else list(sources),
+            "text_field": text_field,
+            "max_docs": max_docs,
+            "duplicates": corpus.duplicates,
+            "skipped_empty": corpus.stats.empty,
+            "skipped_files": corpus.stats.undecodable,
+            "created_by": f"relaytrain {__version__}",
+        }
+        with open(tmp / INDEX, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _check_out(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PrepareResult(
+        out=str(out), documents=documents,
+        tokens={name: s["tokens"] for name, s in splits.items()}, duplicates=corpus.duplicates,
+        skipped_empty=corpus.stats.empty, skipped_files=corpus.stats.undecodable,
+        seconds=time.perf_counter() - t0, tokenizer_seconds=tok_seconds,
+        dtype=np.dtype(dtype).name, vocab_size=vocab, fingerprint=fingerprint)
+
+
+def _check_documents(documents: dict[str, int], corpus: _Corpus, heldout_frac: float) -> None:
+    total = documents["train"] + documents["heldout"]
+    if total == 0:
+        raise DataError(f"the sources have no usable documents ({corpus.stats.empty} empty, "
+                        f"{len(corpus.stats.undecodable)} unreadable files skipped); expected "
+                        "non-empty UTF-8 text")
+    if documents["train"] == 0:
+        raise DataError(f"all {total} unique documents fell into the held-out split "
+                        f"(--heldout-frac {heldout_frac}); add documents or lower --heldout-frac")
+
+
+def cli_prepare(args: argparse.Namespace) -> int:
+    if args.workers > 0:  # the Rust encoder's thread pool; read when it first starts
+        os.environ["RAYON_NUM_THREADS"] = str(args.workers)
+    result = prepare(None if args.demo else args.source, args.out, args.tokenizer,
+                     text_field=args.text_field, heldout_frac=args.heldout_frac,
+                     max_docs=args.max_docs, eos_token=args.eos_token, progress=True)
+    if result.skipped_files:
+        shown = ", ".join(result.skipped_files[:3])
+        more = f" and {len(result.skipped_files) - 3} more" if len(result.skipped_files) > 3 else ""
+        print(f"relaytrain: warning: skipped {len(result.skipped_files)} files that are not "
+              f"UTF-8 text: {shown}{more}", file=sys.stderr)
+    if result.documents["heldout"] == 0:
+        print("relaytrain: warning: the held-out split is empty; held-out evaluation will fail "
+              "(raise --heldout-frac)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    d, t = result.documents, result.tokens
+    print(f"prepared {result.out}: train {d['train']:,} documents / {t['train']:,} tokens, "
+          f"held-out {d['heldout']:,} documents / {t['heldout']:,} tokens "
+          f"({result.dtype}, vocabulary {result.vocab_size:,})")
+    print(f"dropped {result.duplicates:,} duplicate documents, skipped {result.skipped_empty:,} "
+          f"empty documents and {len(result.skipped_files):,} unreadable files")
+    trained = f", BPE training {result.tokenizer_seconds:.1f} s" if result.tokenizer_seconds else ""
+    print(f"{result.seconds:.1f} s{trained}, {result.tokens_per_s:,.0f} tokens/s")
+    return 0

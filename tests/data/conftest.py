@@ -1,0 +1,55 @@
+"""A small synthetic corpus and one data directory prepared from it, shared by the data tests."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from relaytrain.data.prepare import prepare
+
+# No word contains "q", so a test can recognise text that only a held-out document has.
+WORDS = ("alpha beta gamma delta river stone cloud light paper garden window silver orange market "
+         "winter summer forest engine signal thread number letter bridge castle planet rocket "
+         "socket button camera pencil def class return import yield lambda").split()
+N_DOCS = 40
+
+
+def make_doc(rng: random.Random, words: int) -> str:
+    lines, line = [], []
+    for _ in range(words):
+        line.append(rng.choice(WORDS))
+        if len(line) >= rng.randint(4, 12):
+            lines.append(" ".join(line))
+            line = []
+    return "\n".join(lines + [" ".join(line)]).strip() + "\n"
+
+
+def write_corpus(root: Path, n_docs: int = N_DOCS, seed: int = 0) -> list[Path]:
+    """n_docs distinct text documents, plus one exact duplicate and one empty file."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n_docs):
+        p = root / f"doc_{i:02d}.txt"
+        p.write_text(f"document {i}\n" + make_doc(rng, rng.randint(80, 300)), encoding="utf-8")
+        paths.append(p)
+    (root / "zz_duplicate.txt").write_text(paths[3].read_text(encoding="utf-8"), encoding="utf-8")
+    (root / "zz_empty.txt").write_text("", encoding="utf-8")
+    return paths
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    write_corpus(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def prepared(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The corpus tokenized with a 300-token BPE, 20% held out."""
+    out = tmp_path_factory.mktemp("prepared") / "data"
+    prepare([str(corpus / "*.txt")], out, "bpe:300", heldout_frac=0.2)
+    return out
