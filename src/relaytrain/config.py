@@ -88,6 +88,7 @@ class ParallelSection:
     pp: int = 1
     schedule: Literal["gpipe", "1f1b", "pipedream", "paci"] = "1f1b"
     stage_layers: list[int] | None = None  # layers per stage; None: balanced by cost
+    span: int = 8  # steps per dispatch for asynchronous schedules (the pipeline drains at ends)
     paci: PaciSection = field(default_factory=PaciSection)
 
 
@@ -97,7 +98,8 @@ class RuntimeSection:
     address: str | None = None  # Ray cluster address; None: a private local cluster
     threads_per_worker: int = 1  # torch threads in each worker (same count => same kernels)
     cpus_per_worker: float = 1.0  # Ray CPU share reserved per worker
-    call_timeout: float = 120.0  # seconds any remote call may take
+    call_timeout: float = 120.0  # seconds any remote call (per step) may take: hang detection
+    collective_timeout: float = 30.0  # process-group timeout inside the workers
     setup_timeout: float = 120.0
 
 
@@ -121,6 +123,7 @@ class FaultsSection:
     fail_checkpoint_at: list[int] = field(default_factory=list)
     random_kills: int = 0  # that many kills at random steps (from the seed)
     random_hangs: int = 0
+    hold_capacity_s: float = 0.0  # after a failure, keep its slot occupied this long
 
 
 @dataclass

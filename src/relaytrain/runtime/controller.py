@@ -12,20 +12,37 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from relaytrain.checkpoint.store import CheckpointStore
+from relaytrain.checkpoint.store import CheckpointStore, CheckpointWarning
 from relaytrain.config import RunConfig, load_config
 from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.ledger import (
+    LedgerWriter,
+    header_record,
+    read_ledger,
+    rollback_record,
+    step_record,
+)
 from relaytrain.data.order import heldout_ids
-from relaytrain.errors import ConfigError, UserError
+from relaytrain.errors import CheckpointError, ConfigError, UserError
 from relaytrain.model.accounting import flops_per_token
 from relaytrain.runtime.engines.base import Engine
-from relaytrain.runtime.ledger import Ledger
+from relaytrain.runtime.failures import (
+    NodeLost,
+    RecoveryLimitExceeded,
+    WorkerDied,
+    WorkerFailure,
+    WorkerHung,
+    WorkerRaised,
+)
+from relaytrain.runtime.faults import FaultInjector, plan_faults
 from relaytrain.runtime.worker import Placement, pick_device
+from relaytrain.train.evaluate import mean_loss
 from relaytrain.train.metrics import (
     MemorisationAlarm,
     MetricsLog,
@@ -40,6 +57,9 @@ from relaytrain.train.optim import lr_at
 RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "train.spike_factor",
                      "parallel.", "runtime.", "elastic.", "faults.", "log.", "checkpoint.",
                      "eval.", "data.prefetch", "data.path", "run_dir")
+
+
+ASYNC_SCHEDULES = ("pipedream", "paci")
 
 
 class TrainingStopped(Exception):
@@ -113,7 +133,16 @@ class Controller:
                                      os.path.join(cfg.run_dir, "checkpoints"),
                                      keep_last=cfg.checkpoint.keep_last)
         self.engine: Engine | None = None
-        self.ranks = list(range(cfg.world_size))
+        self.members: list[int] = []  # worker id of each rank
+        self.dp = self.target_dp = cfg.parallel.dp
+        self.generation = -1
+        self.faults = FaultInjector(plan_faults(cfg.faults, cfg.seed, cfg.train.max_steps,
+                                                cfg.world_size), cfg.faults.slow_seconds)
+        self.blockers: list[str] = []
+        self.recovery_times: list[float] = []
+        self.recovery_log: list[dict[str, Any]] = []
+        self._pending_recovery: dict[str, Any] | None = None
+        self.productive_s = 0.0
         self.pending: list[PendingCheckpoint] = []
         self.last_committed = 0
         self.spikes = SpikeDetector(cfg.train.spike_factor)
@@ -126,9 +155,8 @@ class Controller:
         """Create or reopen the run directory; the step to resume from (0: a fresh run)."""
         os.makedirs(self.cfg.run_dir, exist_ok=True)
         start = 0
-        got = self.store.load_latest_good()
-        if got is not None:
-            manifest, _ = got
+        manifest = self._newest_good_manifest()
+        if manifest is not None:
             if manifest.get("config"):
                 check_resume_compatible(manifest["config"], self.cfg)
             fp = manifest.get("data", {}).get("fingerprint")
@@ -145,57 +173,77 @@ class Controller:
             yaml.safe_dump(self.cfg.to_dict(), f, sort_keys=False)
         return start
 
-    def _ledger_last_step(self, path: str) -> int:
+    def _newest_good_manifest(self) -> dict[str, Any] | None:
+        """The newest committed checkpoint whose files all verify; broken ones are skipped
+        with a warning naming the file."""
+        for step in reversed(self.store.committed_steps()):
+            try:
+                return self.store.verify(step)
+            except CheckpointError as e:
+                warnings.warn(f"skipping checkpoint step {step}: {e}", CheckpointWarning,
+                              stacklevel=2)
+        return None
+
+    @staticmethod
+    def _ledger_last_step(path: str) -> int:
+        """The last step the ledger holds as consumed (after its rollbacks)."""
         last = 0
         if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if rec.get("kind") == "step":
-                        last = max(last, rec["step"])
-                    elif rec.get("kind") == "rollback":
-                        last = rec["to_step"]
+            for rec in read_ledger(path).records:
+                if rec.get("kind") == "step":
+                    last = max(last, rec["step"])
+                elif rec.get("kind") == "rollback":
+                    last = rec["to_step"]
         return last
 
     # ---- layout ----------------------------------------------------------------------------
     def placements(self) -> dict[int, Placement]:
-        dp, pp = self.cfg.parallel.dp, self.cfg.parallel.pp
-        return {r: Placement(rank=r, world=dp * pp, dp_rank=r % dp, dp=dp, stage=r // dp, pp=pp)
-                for r in self.ranks}
+        """Worker id -> its place: rank r is DP rank r % dp of stage r // dp."""
+        dp, pp = self.dp, self.cfg.parallel.pp
+        return {wid: Placement(rank=r, world=dp * pp, dp_rank=r % dp, dp=dp, stage=r // dp,
+                               pp=pp) for r, wid in enumerate(self.members)}
 
     def writer_parts(self) -> dict[int, str]:
-        """Rank -> checkpoint part: DP rank 0 of every stage writes its stage's tensors."""
-        return {r: f"stage{p.stage}" for r, p in self.placements().items() if p.dp_rank == 0}
+        """Worker id -> checkpoint part: DP rank 0 of every stage writes its stage's tensors."""
+        return {w: f"stage{p.stage}" for w, p in self.placements().items() if p.dp_rank == 0}
+
+    def _span(self, step: int) -> int:
+        """Steps per dispatch: one, or for asynchronous pipeline schedules a span that ends at
+        the next evaluation, checkpoint or fault (the pipeline drains at span ends)."""
+        cfg = self.cfg
+        if cfg.parallel.pp == 1 or cfg.parallel.schedule not in ASYNC_SCHEDULES:
+            return 1
+        end = min(step + cfg.parallel.span, cfg.train.max_steps)
+        for every in (cfg.eval.every, cfg.checkpoint.every):
+            if every:
+                end = min(end, (step // every + 1) * every)
+        return max(1, end - step)
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         start = self._prepare_run_dir()
-        metrics = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl"))
+        self.metrics = metrics = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl"))
         tb = TensorBoard(os.path.join(cfg.run_dir, "tensorboard")) if cfg.log.tensorboard \
             else None
         ledger_path = os.path.join(cfg.run_dir, "ledger.jsonl")
         ledger_last = self._ledger_last_step(ledger_path)
-        ledger = Ledger(ledger_path)
-        ledger.rollback(list(range(start + 1, ledger_last + 1)), start)
-        ledger.header(seed=cfg.seed, global_batch=cfg.train.global_batch,
-                      micro_batch=cfg.train.micro_batch, seq_len=cfg.seq_len,
-                      n_instances=self.n_train, fingerprint=self.dataset.fingerprint,
-                      data_path=os.path.abspath(cfg.data.path), dp=cfg.parallel.dp,
-                      start_step=start)
+        self.ledger = ledger = LedgerWriter(cfg.run_dir)
+        if ledger_last > start:
+            ledger.write(rollback_record(range(start + 1, ledger_last + 1), start))
+        self._ledger_header(start)
         if start > 0:
             metrics.write("restart", step=start)
         self.engine = make_engine(cfg)
-        summary: dict[str, Any] = {}
         bar = None
+        t_run = time.perf_counter()
         try:
-            t_setup = time.perf_counter()
-            self.engine.start(self.ranks, (cfg.to_dict(), self.dataset.vocab_size))
-            self._form_generation(0, start)
-            setup_s = time.perf_counter() - t_setup
+            args = self._worker_args()
+            self.members = [self.engine.spawn(args, cfg.runtime.setup_timeout)
+                            for _ in range(cfg.world_size)]
+            self.initial_pids = {w: self.engine.pid(w) for w in self.members}
+            self._form_generation(start)
+            setup_s = time.perf_counter() - t_run
             device = pick_device(cfg.train.device)
             peak, peak_src = peak_flops(device, cfg.runtime.threads_per_worker)
             peak *= cfg.world_size
@@ -205,59 +253,81 @@ class Controller:
 
                 bar = tqdm(total=cfg.train.max_steps, initial=start, unit="step",
                            dynamic_ncols=True, file=sys.stderr, desc="train")
-            last = {"loss": math.nan}
+            last: dict[str, Any] = {"loss": math.nan}
             heldout = math.nan
-            for step in range(start + 1, cfg.train.max_steps + 1):
+            step = start
+            while step < cfg.train.max_steps:
+                count = self._span(step)
                 t0 = time.perf_counter()
-                results = self.engine.call_all(self.ranks, "run_step", step,
-                                               timeout=cfg.runtime.call_timeout)
-                t1 = time.perf_counter()
-                rec = self._combine(step, results)
-                ledger.step(step, self._parts(results))
-                if not rec["finite"]:
-                    metrics.write("nan", step=step, message=f"non-finite loss/gradient at step "
-                                  f"{step}: loss={rec['loss']} grad_norm={rec['grad_norm']}")
-                    raise TrainingStopped(
-                        f"training diverged at step {step} (loss {rec['loss']}, grad norm "
-                        f"{rec['grad_norm']}); the update was skipped and the last good "
-                        f"checkpoint (step {self.last_committed}) is intact")
+                try:
+                    self._inject(step + 1, step + count)
+                    results = self.engine.call_all(self.members, "run_steps", step + 1, count,
+                                                   timeout=cfg.runtime.call_timeout * count)
+                except WorkerFailure as failure:
+                    step = self._recover(failure, step)
+                    if bar is not None:
+                        bar.n = step
+                    continue
+                elapsed = (time.perf_counter() - t0) / count
+                for i in range(count):
+                    step += 1
+                    per = {w: r[i] for w, r in results.items()}
+                    rec = self._combine(step, per)
+                    ledger.write(step_record(step, self._parts(per)))
+                    if not rec.pop("finite"):
+                        metrics.write("nan", step=step, message=f"non-finite loss/gradient at "
+                                      f"step {step}: loss={rec['loss']} grad_norm="
+                                      f"{rec['grad_norm']}")
+                        raise TrainingStopped(
+                            f"training diverged at step {step} (loss {rec['loss']}, grad norm "
+                            f"{rec['grad_norm']}); the update was skipped and the last good "
+                            f"checkpoint (step {self.last_committed}) is intact")
+                    tps = self.tokens_per_step / elapsed
+                    last = metrics.write(
+                        "step", step=step, **rec, tokens=step * self.tokens_per_step,
+                        tokens_per_s=tps, mfu=(tps * fpt / peak) if peak else 0.0,
+                        time_data=max(r["time_data"] for r in per.values()),
+                        time_compute=max(r["time_compute"] for r in per.values()),
+                        time_checkpoint=0.0)
+                    self.productive_s += elapsed
+                    if tb:
+                        tb.write(last)
+                    spike = self.spikes.check(rec["loss"])
+                    if spike:
+                        metrics.write("spike", step=step, message=spike)
+                        warn(f"step {step}: {spike}")
+                    self.recent_losses.append(rec["loss"])
+                self._recovered(step)
                 self._absorb_writes(results)
-                t_ckpt = 0.0
-                due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) \
-                    or step == cfg.train.max_steps
-                if due:
-                    t_ckpt = self._save(step)
-                elapsed = time.perf_counter() - t0
-                tps = self.tokens_per_step / elapsed
-                rec.pop("finite")
-                last = metrics.write(
-                    "step", step=step, **rec, tokens=step * self.tokens_per_step,
-                    tokens_per_s=tps, mfu=(tps * fpt / peak) if peak else 0.0,
-                    time_data=max(r["time_data"] for r in results.values()),
-                    time_compute=t1 - t0, time_checkpoint=t_ckpt)
-                if tb:
-                    tb.write(last)
-                spike = self.spikes.check(rec["loss"])
-                if spike:
-                    metrics.write("spike", step=step, message=spike)
-                    warn(f"step {step}: {spike}")
-                self.recent_losses.append(rec["loss"])
-                if self.eval_ids and (step % cfg.eval.every == 0 or
-                                      step == cfg.train.max_steps):
-                    heldout = self._evaluate(step, metrics, tb)
+                try:
+                    if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) \
+                            or step == cfg.train.max_steps:
+                        self._save(step)
+                    if self.eval_ids and (step % cfg.eval.every == 0
+                                          or step == cfg.train.max_steps):
+                        heldout = self._evaluate(step, metrics, tb)
+                    self._maybe_grow(step)
+                except WorkerFailure as failure:
+                    step = self._recover(failure, step)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", heldout=f"{heldout:.3f}",
-                                    tok_s=f"{tps:,.0f}", refresh=False)
-                    bar.update(1)
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", heldout=f"{heldout:.3f}",
+                                    tok_s=f"{last.get('tokens_per_s', 0):,.0f}", refresh=False)
+                    bar.n = step
+                    bar.refresh()
             self._finish_writes()
-            summary = {"run_dir": cfg.run_dir, "steps": cfg.train.max_steps,
-                       "resumed_from": start, "final_loss": last.get("loss"),
-                       "final_heldout_loss": heldout, "checkpoint_step": self.last_committed,
-                       "setup_s": setup_s, "peak_flops": peak, "peak_source": peak_src,
-                       "metrics": os.path.join(cfg.run_dir, "metrics.jsonl"),
-                       "checkpoints": self.store.url}
-            return summary
+            wall = time.perf_counter() - t_run
+            pids = {w: self.engine.pid(w) for w in self.members}
+            return {"run_dir": cfg.run_dir, "steps": cfg.train.max_steps,
+                    "resumed_from": start, "final_loss": last.get("loss"),
+                    "final_heldout_loss": heldout, "checkpoint_step": self.last_committed,
+                    "setup_s": setup_s, "peak_flops": peak, "peak_source": peak_src,
+                    "recoveries": self.recovery_log, "goodput": self.productive_s / wall,
+                    "wall_s": wall, "dp": self.dp, "generation": self.generation,
+                    "pids": pids, "initial_pids": self.initial_pids,
+                    "metrics": os.path.join(cfg.run_dir, "metrics.jsonl"),
+                    "checkpoints": self.store.url}
         finally:
+            self.faults.cancel()
             if bar is not None:
                 bar.close()
             metrics.close()
@@ -266,20 +336,200 @@ class Controller:
                 tb.close()
             self.engine.shutdown()
 
-    def _form_generation(self, generation: int, restore_step: int) -> None:
+    def _worker_args(self) -> tuple:
+        return (self.cfg.to_dict(), self.dataset.vocab_size)
+
+    def _ledger_header(self, start: int) -> None:
+        """At every start, resume and resize: the facts the audit recomputes the order from."""
+        cfg = self.cfg
+        self.ledger.write(header_record(
+            seed=cfg.seed, global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch,
+            seq_len=cfg.seq_len, n_instances=self.n_train, fingerprint=self.dataset.fingerprint,
+            data_path=os.path.abspath(cfg.data.path), dp=self.dp))
+
+    def _form_generation(self, step: int,
+                         tensors: dict[int, dict[str, Any]] | None = None) -> None:
+        """Join every member into a new process-group generation holding the state of `step`.
+
+        `tensors` gives a state to some workers (replacements pulling a peer's snapshot); the
+        others restore their own snapshot of `step`, or the checkpoint."""
         assert self.engine is not None
+        self.generation += 1
         timeout = self.cfg.runtime.setup_timeout
-        store = None
         host, port = self.engine.store_host(), None
-        if len(self.ranks) > 1:
+        if len(self.members) > 1:
             import torch.distributed as dist
 
-            store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            port = store.port
-        self._store = store  # keep the TCPStore alive as long as the generation
-        self.engine.call({r: ("setup", (generation, p, host, port, timeout))
-                          for r, p in self.placements().items()}, timeout)
-        self.engine.call_all(self.ranks, "build", restore_step, timeout=timeout)
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port = self._store.port
+        self.engine.call({w: ("setup", (self.generation, p, host, port,
+                                        self.cfg.runtime.collective_timeout))
+                          for w, p in self.placements().items()}, timeout)
+        self.engine.call({w: ("build", (step, (tensors or {}).get(w)))
+                          for w in self.members}, timeout)
+
+    # ---- faults and recovery ---------------------------------------------------------------
+    def _inject(self, first: int, last: int) -> None:
+        assert self.engine is not None
+        for fault in self.faults.due(first, last, ("fail_checkpoint",)):
+            blocker = FaultInjector.block_checkpoint_dir(self.store.url, fault.step)
+            if blocker:
+                self.blockers.append(blocker)
+        for fault in self.faults.due(first, last, ("kill", "hang", "slow")):
+            wid = self.members[fault.rank % len(self.members)]
+            self.faults.signal_later(self.engine.pid(wid), fault.kind)
+
+    def _recover(self, failure: WorkerFailure, done: int) -> int:
+        """Replace what failed, re-form, restore the newest consistent state; the step to
+        continue from (DESIGN.md "Recovery protocol")."""
+        assert self.engine is not None
+        t_detect = time.time()
+        cfg = self.cfg
+        rank = self.members.index(failure.wid) if failure.wid in self.members else -1
+        fired = self.faults.fired_at.get(self.engine.pid(failure.wid)) \
+            if failure.wid in self.members else None
+        warn(f"step {done + 1}: worker rank {rank} (pid "
+             f"{self.engine.pid(failure.wid) if failure.wid in self.members else '?'}) "
+             f"{failure.kind}: {failure.message}")
+        self.recovery_times.append(t_detect)
+        window = [t for t in self.recovery_times if t > t_detect - cfg.elastic.recovery_window]
+        if len(window) > cfg.elastic.max_recoveries:
+            raise RecoveryLimitExceeded(
+                f"{len(window)} recoveries within {cfg.elastic.recovery_window:.0f}s exceed "
+                f"elastic.max_recoveries={cfg.elastic.max_recoveries}: stopping a crash loop "
+                f"(last failure: rank {rank} {failure.kind}: {failure.message})")
+        failed = {failure.wid}
+        if not isinstance(failure, WorkerRaised):
+            self.engine.kill(failure.wid)  # a hung peer must go before its partners unblock
+        for wid, err in self.engine.settle(cfg.runtime.collective_timeout + 5).items():
+            if isinstance(err, WorkerDied | WorkerHung | NodeLost):
+                failed.add(wid)
+        for wid in failed:
+            self.engine.kill(wid)
+        if cfg.faults.hold_capacity_s > 0:
+            self.engine.hold_capacity(cfg.faults.hold_capacity_s)
+        t_replace0 = time.time()
+        survivors = [w for w in self.members if w not in failed]
+        old = self.placements()
+        # The newest consistent state: every survivor's snapshot of the last completed step
+        # (taken at the start of the failed step), if each stage still has one; else storage.
+        snaps = self.engine.call_all(survivors, "snapshot_step",
+                                     timeout=cfg.runtime.call_timeout) if survivors else {}
+        stages_left = {old[w].stage for w in survivors}
+        memory_ok = (len(set(snaps.values())) == 1 and None not in snaps.values()
+                     and stages_left == set(range(cfg.parallel.pp)))
+        restore_step = next(iter(snaps.values())) if memory_ok else \
+            (self.store.latest_step() or 0)
+        source = "memory" if memory_ok else "checkpoint"
+        if not memory_ok:
+            warn(f"no complete in-memory snapshot survived; restoring checkpoint step "
+                 f"{restore_step} from {self.store.url}")
+        new_members = list(self.members)
+        replaced: dict[int, int] = {}  # new wid -> the old wid whose rank it takes
+        shrunk = False
+        for wid in [w for w in self.members if w in failed]:
+            try:
+                new = self.engine.spawn(self._worker_args(), cfg.elastic.replace_timeout)
+            except WorkerFailure:
+                shrunk = True
+                break
+            new_members[new_members.index(wid)] = new
+            replaced[new] = wid
+        if shrunk:
+            for new in replaced:
+                self.engine.kill(new)
+            new_members, replaced = self._shrink(survivors), {}
+        self.members = new_members
+        t_reform0 = time.time()
+        tensors: dict[int, dict[str, Any]] = {}
+        if memory_ok:
+            for new, wid in replaced.items():
+                donor = next(w for w in survivors if old[w].stage == old[wid].stage)
+                tensors[new] = self.engine.call({donor: ("snapshot_tensors", (restore_step,))},
+                                                cfg.runtime.call_timeout)[donor]
+        t_restore0 = time.time()
+        self._form_generation(restore_step, tensors)
+        t_done = time.time()
+        lost = list(range(restore_step + 1, done + 1))
+        if lost:
+            self.ledger.write(rollback_record(lost, restore_step))
+        if shrunk:
+            self._ledger_header(restore_step)
+        self.pending = [p for p in self.pending if p.step <= restore_step]
+        self._pending_recovery = {
+            "failed_step": done + 1, "rank": rank, "cause": failure.kind,
+            "message": failure.message, "source": source, "dp": self.dp,
+            "lost_steps": len(lost) + 1, "restored_step": restore_step,
+            "phases": {"detect": t_detect - fired if fired else None,
+                       "replace": t_reform0 - t_replace0, "reform": t_restore0 - t_reform0,
+                       "restore": t_done - t_restore0},
+            "t_fault": fired or t_detect, "t_ready": t_done}
+        return restore_step
+
+    def _recovered(self, step: int) -> None:
+        """After the first step following a recovery: record its timeline."""
+        rec, self._pending_recovery = self._pending_recovery, None
+        if rec is None:
+            return
+        now = time.time()
+        rec["phases"]["first_step"] = now - rec.pop("t_ready")
+        rec["total_s"] = now - rec.pop("t_fault")
+        self.recovery_log.append(self.metrics.write("recovery", step=step, **rec))
+
+    def _shrink(self, survivors: list[int]) -> list[int]:
+        """Continue on fewer workers with the same global batch: the largest DP size the
+        survivors allow that splits the micro-batches evenly."""
+        cfg = self.cfg
+        if cfg.parallel.pp > 1:
+            raise RecoveryLimitExceeded("no replacement could be placed within "
+                                        f"elastic.replace_timeout={cfg.elastic.replace_timeout}s"
+                                        " and a pipeline cannot run with a stage missing")
+        fits = [d for d in range(len(survivors), 0, -1)
+                if cfg.micro_batches % d == 0 and d >= cfg.elastic.min_workers]
+        if not fits:
+            raise RecoveryLimitExceeded(
+                f"only {len(survivors)} worker(s) left and no replacement within "
+                f"elastic.replace_timeout={cfg.elastic.replace_timeout}s; elastic.min_workers="
+                f"{cfg.elastic.min_workers}")
+        keep, extra = survivors[: fits[0]], survivors[fits[0]:]
+        for wid in extra:
+            self.engine.kill(wid)
+        warn(f"no replacement within {cfg.elastic.replace_timeout:.0f}s: continuing on "
+             f"{fits[0]} worker(s) with the same global batch")
+        self.dp = fits[0]
+        return keep
+
+    def _maybe_grow(self, step: int) -> None:
+        """Grow back to the configured DP size at a step boundary once capacity returns."""
+        assert self.engine is not None
+        if self.dp >= self.target_dp or step >= self.cfg.train.max_steps:
+            return
+        if not self.engine.has_capacity(0.2):
+            return
+        t0 = time.time()
+        self.engine.call_all(self.members, "take_snapshot", step,
+                             timeout=self.cfg.runtime.call_timeout)
+        donor = self.members[0]
+        state = self.engine.call({donor: ("snapshot_tensors", (step,))},
+                                 self.cfg.runtime.call_timeout)[donor]
+        added = []
+        while len(self.members) + len(added) < self.target_dp * self.cfg.parallel.pp:
+            try:
+                added.append(self.engine.spawn(self._worker_args(), 0.2))
+            except WorkerFailure:
+                break
+        d = max(x for x in range(1, len(self.members) + len(added) + 1)
+                if self.cfg.micro_batches % x == 0)
+        for wid in added[d - len(self.members):]:
+            self.engine.kill(wid)
+        added = added[: d - len(self.members)]
+        if not added:
+            return
+        self.members += added
+        self.dp = d
+        self._form_generation(step, {w: state for w in added})
+        self._ledger_header(step)
+        self.metrics.write("resize", step=step, dp=self.dp, seconds=time.time() - t0)
 
     def _combine(self, step: int, results: dict[int, dict]) -> dict[str, Any]:
         """Step loss from every micro-batch's loss, summed in micro-batch order so the number
@@ -292,17 +542,19 @@ class Controller:
         total = math.fsum(v[0] for v in order) / m
         ce = math.fsum(v[1] for v in order) / m
         z = math.fsum(v[2] for v in order) / m
-        first = results[self.ranks[0]]
+        last_stage = [w for w, p in self.placements().items()
+                      if p.stage == self.cfg.parallel.pp - 1]
+        first = results[last_stage[0]]
         return {"loss": total, "ce_loss": ce, "z_loss": z, "grad_norm": first["grad_norm"],
                 "lr": lr_at(step, self.cfg.optim, self.cfg.train.max_steps),
                 "finite": all(r["finite"] for r in results.values())}
 
     def _parts(self, results: dict[int, dict]) -> list[list[int]]:
         parts: dict[int, list[int]] = {}
-        for r, p in self.placements().items():
+        for w, p in self.placements().items():
             if p.stage == 0:
-                parts[p.dp_rank] = results[r]["ids"]
-        return [parts[i] for i in range(self.cfg.parallel.dp)]
+                parts[p.dp_rank] = results[w]["ids"]
+        return [parts[i] for i in range(self.dp)]
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _save(self, step: int) -> float:
@@ -316,9 +568,9 @@ class Controller:
             self._finish_writes()
         return time.perf_counter() - t0
 
-    def _absorb_writes(self, results: dict[int, dict]) -> None:
+    def _absorb_writes(self, results: dict[int, list[dict]]) -> None:
         for r in results.values():
-            for w in r.get("written", []):
+            for w in r[-1]["written"]:
                 self._record_write(w)
         self._commit_ready()
 
@@ -327,10 +579,17 @@ class Controller:
             if p.step == w["step"]:
                 if "error" in w:
                     p.failed = True
+                    self._unblock(p.step)
                     warn(f"checkpoint step {p.step}: writing part {w['part']} failed "
                          f"({w['error']}); it will not be committed")
                 else:
                     p.parts[w["part"]] = w["info"]
+
+    def _unblock(self, step: int) -> None:
+        """Remove an injected checkpoint-write fault once it has done its job."""
+        for path in [b for b in self.blockers if b.endswith(f"step_{step:08d}")]:
+            os.remove(path)
+            self.blockers.remove(path)
 
     def _commit_ready(self) -> None:
         keep = []
@@ -365,12 +624,12 @@ class Controller:
     # ---- evaluation ------------------------------------------------------------------------
     def _evaluate(self, step: int, metrics: MetricsLog, tb: TensorBoard | None) -> float:
         assert self.engine is not None
-        results = self.engine.call_all(self.ranks, "evaluate", self.eval_ids,
+        results = self.engine.call_all(self.members, "evaluate", self.eval_ids,
                                        timeout=self.cfg.runtime.call_timeout)
         losses: dict[int, float] = {}
         for r in results.values():
             losses.update({int(k): v for k, v in r.items()})
-        heldout = math.fsum(losses[i] for i in self.eval_ids) / len(self.eval_ids)
+        heldout = mean_loss(losses, self.eval_ids)
         recent = self.recent_losses[-max(1, self.cfg.eval.every):]
         train_loss = math.fsum(recent) / len(recent)
         rec = metrics.write("eval", step=step, tokens=step * self.tokens_per_step,
@@ -391,7 +650,7 @@ def cli_train(args: Any) -> int:
     cfg = load_config(args.config, args.overrides)
     try:
         summary = Controller(cfg, quiet=args.json).run()
-    except TrainingStopped as e:
+    except (TrainingStopped, RecoveryLimitExceeded) as e:
         print(f"relaytrain: {e}", file=sys.stderr)
         return 1
     if args.json:

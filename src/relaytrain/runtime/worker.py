@@ -76,6 +76,7 @@ class Worker:
         self.store = CheckpointStore(self.checkpoint_url())
         self.writer = AsyncCheckpointWriter(self.store)
         self._pending: list[tuple[int, str, Any]] = []
+        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def checkpoint_url(self) -> str:
         return self.cfg.checkpoint.url or os.path.join(self.cfg.run_dir, "checkpoints")
@@ -104,6 +105,10 @@ class Worker:
         self.loader = Loader(self.train_split, self.cfg.seq_len, self.cfg.seed, t.global_batch,
                              t.micro_batch, placement.dp_rank, placement.dp,
                              prefetch=self.cfg.data.prefetch)
+        if placement.world > 1:
+            print(f"[rank {placement.rank}] joined generation {generation}: dp rank "
+                  f"{placement.dp_rank}/{placement.dp}, stage {placement.stage}/{placement.pp}, "
+                  f"pid {os.getpid()}, {self.device}", flush=True)
         return self.info()
 
     def leave(self) -> None:
@@ -116,20 +121,43 @@ class Worker:
         return dist.group.WORLD if dist.is_initialized() else None
 
     # ---- state -----------------------------------------------------------------------------
-    def build(self, step: int) -> None:
-        """Fresh model and optimizer, restored from checkpoint `step` (0: from the seed)."""
-        torch.manual_seed(self.cfg.seed)  # nothing should draw from it; keeps strays repeatable
+    def build(self, step: int, tensors: dict[str, torch.Tensor] | None = None) -> int:
+        """Fresh model and optimizer for this generation, holding the state after `step`.
+
+        The state comes from `tensors` (a peer's in-memory snapshot, for a replacement), else
+        this worker's own snapshot if it is of `step`, else checkpoint `step` from storage, else
+        (step 0) the seed. Returns the step restored."""
         model = Olmo3(self.model_cfg)
         init_weights(model, self.cfg.seed)
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, self.cfg.optim,
                                          fused=self.device.type == "cuda")
-        if step > 0:
-            manifest, tensors = self.store.read(step)
+        if tensors is None and self._snapshot is not None and self._snapshot[0] == step:
+            tensors = self._snapshot[1]
+        if tensors is None and step > 0:
+            _, tensors = self.store.read(step)
+        if tensors is not None:
             self.load_tensors(tensors)
         self.reducer = GradReducer(list(self.model.parameters()), self._group(),
                                    exact=self.cfg.determinism == "exact",
                                    total_micro_batches=self.cfg.micro_batches)
+        return step
+
+    def snapshot_step(self) -> int | None:
+        return None if self._snapshot is None else self._snapshot[0]
+
+    def snapshot_tensors(self, step: int) -> dict[str, torch.Tensor]:
+        """The in-memory snapshot of `step`, for a replacement worker to pull."""
+        if self._snapshot is None or self._snapshot[0] != step:
+            raise LookupError(f"no in-memory snapshot of step {step} "
+                              f"(have {self.snapshot_step()})")
+        return self._snapshot[1]
+
+    def take_snapshot(self, step: int) -> None:
+        """Keep the current state (after `step`) in RAM: a recovery restores it, losing at
+        most the step in progress, without reading storage."""
+        previous = self._snapshot[1] if self._snapshot is not None else None
+        self._snapshot = (step, snapshot_to_host(self.state_tensors(), out=previous))
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         assert self.model is not None and self.optimizer is not None
@@ -149,9 +177,22 @@ class Worker:
         return out
 
     # ---- training --------------------------------------------------------------------------
-    def run_step(self, step: int) -> dict[str, Any]:
-        """Optimizer step `step` (1-based) on global batch `step - 1`."""
-        assert self.model is not None and self.loader is not None and self.reducer is not None
+    def run_steps(self, first: int, count: int) -> list[dict[str, Any]]:
+        """Optimizer steps first .. first+count-1 (1-based; step k trains global batch k-1).
+
+        One call may cover several steps: tiny steps amortise the call, and asynchronous
+        pipeline schedules need a span to keep the pipeline full. A span ends drained, so its
+        end is a consistent cut (the state a snapshot or checkpoint captures)."""
+        # Only a worker with a DP peer benefits: the peer's copy outlives this process.
+        every = self.cfg.elastic.snapshot_every
+        if self.placement.dp > 1 and every and (first - 1) % every == 0:
+            self.take_snapshot(first - 1)
+        out = [self._step(step) for step in range(first, first + count)]
+        out[-1]["written"] = self._collect(wait=False)
+        return out
+
+    def _step(self, step: int) -> dict[str, Any]:
+        assert self.loader is not None and self.reducer is not None
         t0 = time.perf_counter()
         batch = self.loader.get(step - 1)
         t1 = time.perf_counter()
@@ -165,7 +206,7 @@ class Worker:
         t2 = time.perf_counter()
         return {"step": step, "losses": out.losses, "grad_norm": out.grad_norm,
                 "finite": out.finite, "ids": batch.ids.tolist(), "time_data": t1 - t0,
-                "time_compute": t2 - t1, "written": self._collect(wait=False)}
+                "time_compute": t2 - t1, "written": []}
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, step: int, part: str) -> float:

@@ -1,5 +1,6 @@
 """What the controller needs from an engine: start workers, call them with a deadline, stop
-them. Failures come back as `WorkerFailure` exceptions naming the rank."""
+them. Workers are named by an id the engine hands out (a rank can move to another worker after a
+resize); failures come back as `WorkerFailure` exceptions naming the worker."""
 
 from __future__ import annotations
 
@@ -9,31 +10,50 @@ from typing import Any
 
 class Engine(ABC):
     @abstractmethod
-    def start(self, ranks: list[int], worker_args: tuple) -> None:
-        """Create one worker per rank, each constructed with `worker_args`."""
+    def spawn(self, worker_args: tuple, wait: float) -> int:
+        """Create one worker constructed with `worker_args`; its id. Raises `WorkerFailure` when
+        it cannot be placed within `wait` seconds."""
 
     @abstractmethod
     def call(self, calls: dict[int, tuple[str, tuple]], timeout: float) -> dict[int, Any]:
-        """Run `method(*args)` on each rank concurrently; results by rank.
+        """Run `method(*args)` on each worker concurrently; results by worker id.
 
-        Raises the first `WorkerFailure` seen; every call has finished or been abandoned when it
-        returns.
-        """
+        Raises the first `WorkerFailure` seen; the other calls may still be running
+        (`settle` waits for them)."""
 
-    def call_all(self, ranks: list[int], method: str, *args: Any, timeout: float) -> dict[int, Any]:
-        return self.call({r: (method, args) for r in ranks}, timeout)
+    def call_all(self, wids: list[int], method: str, *args: Any, timeout: float
+                 ) -> dict[int, Any]:
+        return self.call({w: (method, args) for w in wids}, timeout)
+
+    def settle(self, timeout: float) -> dict[int, BaseException | None]:
+        """Wait for calls still running after a failure: per worker, None if it finished, the
+        failure if it failed or did not finish in time."""
+        return {}
+
+    def has_capacity(self, wait: float) -> bool:
+        """Whether one more worker could be placed now (for growing back after a shrink)."""
+        return False
+
+    def hold_capacity(self, seconds: float) -> None:
+        """Occupy one worker's worth of resources for `seconds` (fault injection: a lost node
+        whose capacity does not come back at once)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold capacity")
+
+    @abstractmethod
+    def pid(self, wid: int) -> int:
+        """The worker's process id (to deliver real signals in fault injection)."""
+
+    @abstractmethod
+    def kill(self, wid: int) -> None:
+        """Forcefully end a worker (a hung one, or one being replaced)."""
+
+    def alive(self) -> list[int]:
+        """Ids of the workers the engine still holds."""
+        return []
 
     @abstractmethod
     def store_host(self) -> str:
         """The address workers use to reach the controller's TCPStore."""
-
-    @abstractmethod
-    def pids(self) -> dict[int, int]:
-        """Worker process ids by rank."""
-
-    @abstractmethod
-    def kill(self, rank: int) -> None:
-        """Forcefully end a worker (a hung one, or one being replaced)."""
 
     @abstractmethod
     def shutdown(self) -> None:

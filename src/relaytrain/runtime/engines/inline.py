@@ -13,24 +13,28 @@ class InlineEngine(Engine):
     def __init__(self) -> None:
         self.worker: Worker | None = None
 
-    def start(self, ranks: list[int], worker_args: tuple) -> None:
-        if ranks != [0]:
-            raise ValueError("the inline engine runs exactly one worker (rank 0)")
+    def spawn(self, worker_args: tuple, wait: float) -> int:
+        if self.worker is not None:
+            raise RuntimeError("the inline engine runs exactly one worker")
         self.worker = Worker(*worker_args)
+        return 0
 
     def call(self, calls: dict[int, tuple[str, tuple]], timeout: float) -> dict[int, Any]:
         # In-process calls cannot be abandoned; a failure is an ordinary exception here.
         assert self.worker is not None
-        return {r: getattr(self.worker, m)(*a) for r, (m, a) in calls.items()}
+        return {w: getattr(self.worker, m)(*a) for w, (m, a) in calls.items()}
+
+    def pid(self, wid: int) -> int:
+        return os.getpid()
+
+    def kill(self, wid: int) -> None:
+        raise RuntimeError("the inline engine cannot kill its only worker (use runtime.engine=ray)")
+
+    def alive(self) -> list[int]:
+        return [0] if self.worker is not None else []
 
     def store_host(self) -> str:
         return "127.0.0.1"
-
-    def pids(self) -> dict[int, int]:
-        return {0: os.getpid()}
-
-    def kill(self, rank: int) -> None:
-        raise RuntimeError("the inline engine cannot kill its only worker")
 
     def shutdown(self) -> None:
         if self.worker is not None:

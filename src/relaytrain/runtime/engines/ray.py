@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import threading
 import time
 from typing import Any
 
@@ -29,14 +30,15 @@ PING_TIMEOUT = 2.0
 
 
 class _RankedWorker(Worker):
-    """The worker as a Ray actor; Ray prefixes its log lines with this repr (the rank)."""
+    """The worker as a Ray actor; Ray prefixes its log lines with this repr (id and rank)."""
 
-    def __init__(self, rank: int, *args: Any):
-        self.rank = rank
+    def __init__(self, wid: int, *args: Any):
+        self.wid = wid
         super().__init__(*args)
 
     def __repr__(self) -> str:
-        return f"Worker(rank={self.rank})"
+        rank = self.placement.rank if getattr(self, "placement", None) else "?"
+        return f"Worker(id={self.wid}, rank={rank})"
 
     def ping(self) -> int:
         return os.getpid()
@@ -87,6 +89,9 @@ class RayEngine(Engine):
         self.actors: dict[int, Any] = {}
         self.groups: dict[int, Any] = {}
         self._pids: dict[int, int] = {}
+        self._next_id = 0
+        self._reserved: Any = None  # a placement group proven placeable by has_capacity()
+        self._outstanding: dict[Any, int] = {}
         self._owns_cluster = False
         self._connect()
 
@@ -108,53 +113,91 @@ class RayEngine(Engine):
                      configure_logging=False)
         self._owns_cluster = True
 
-    def start(self, ranks: list[int], worker_args: tuple) -> None:
-        for rank in ranks:
-            self._spawn(rank, worker_args)
-        # Constructing the worker opens the data; wait so errors surface here, per rank.
-        self.call_all(ranks, "info", timeout=self.cfg.runtime.setup_timeout)
-
-    def _spawn(self, rank: int, worker_args: tuple) -> None:
-        rt = self.cfg.runtime
+    def _bundle(self) -> dict[str, float]:
         gpus = 1 if self.cfg.train.device == "cuda" else 0
-        bundle = {"CPU": rt.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        pg = placement_group([bundle], strategy="PACK")
-        ready, _ = ray.wait([pg.ready()], timeout=self.cfg.elastic.replace_timeout)
+        return {"CPU": self.cfg.runtime.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+
+    def _placement(self, wait: float) -> Any:
+        pg = placement_group([self._bundle()], strategy="PACK")
+        ready, _ = ray.wait([pg.ready()], timeout=wait)
         if not ready:
             remove_placement_group(pg)
-            raise WorkerDied(rank, f"no capacity to place a worker ({bundle}) within "
-                             f"elastic.replace_timeout={self.cfg.elastic.replace_timeout}s")
+            return None
+        return pg
+
+    def spawn(self, worker_args: tuple, wait: float) -> int:
+        wid = self._next_id
+        self._next_id += 1
+        pg, self._reserved = self._reserved or self._placement(wait), None
+        if pg is None:
+            raise WorkerDied(wid, f"no capacity to place a worker ({self._bundle()}) within "
+                             f"{wait:.0f}s")
+        rt = self.cfg.runtime
         actor_cls = ray.remote(_RankedWorker).options(
-            num_cpus=rt.cpus_per_worker, num_gpus=gpus, max_restarts=0, max_task_retries=0,
+            num_cpus=rt.cpus_per_worker, num_gpus=self._bundle().get("GPU", 0), max_restarts=0,
+            max_task_retries=0,
             max_concurrency=2,  # one thread answers ping() while another runs a step
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=0))
-        self.groups[rank] = pg
-        self.actors[rank] = actor_cls.remote(rank, *worker_args)
+        self.groups[wid] = pg
+        self.actors[wid] = actor_cls.remote(wid, *worker_args)
+        # Construction opens the data: wait, so its errors surface here, naming the worker.
+        self._pids[wid] = int(self.call({wid: ("ping", ())}, self.cfg.runtime.setup_timeout)[wid])
+        return wid
+
+    def has_capacity(self, wait: float) -> bool:
+        if self._reserved is None:
+            self._reserved = self._placement(wait)
+        return self._reserved is not None
+
+    def hold_capacity(self, seconds: float) -> None:
+        pg = placement_group([self._bundle()], strategy="PACK")
+        timer = threading.Timer(seconds, remove_placement_group, (pg,))
+        timer.daemon = True
+        timer.start()
 
     def call(self, calls: dict[int, tuple[str, tuple]], timeout: float) -> dict[int, Any]:
-        refs = {getattr(self.actors[r], m).remote(*a): r for r, (m, a) in calls.items()}
+        refs = {getattr(self.actors[w], m).remote(*a): w for w, (m, a) in calls.items()}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         pending = list(refs)
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
+                self._outstanding = {p: refs[p] for p in pending}
                 raise self._diagnose_hang([refs[p] for p in pending], timeout)
             done, pending = ray.wait(pending, num_returns=1, timeout=left)
             for ref in done:
                 try:
                     results[refs[ref]] = ray.get(ref)
                 except Exception as e:  # the first failure surfaces at once
+                    self._outstanding = {p: refs[p] for p in pending}
                     raise _failure(refs[ref], e) from e
         return results
 
-    def _diagnose_hang(self, ranks: list[int], timeout: float) -> WorkerFailure:
-        """Which of the late ranks is hung, and which is only waiting on it in a collective?
+    def settle(self, timeout: float) -> dict[int, BaseException | None]:
+        out: dict[int, BaseException | None] = {}
+        refs, self._outstanding = self._outstanding, {}
+        if not refs:
+            return out
+        done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        for ref in done:
+            try:
+                ray.get(ref)
+                out[refs[ref]] = None
+            except Exception as e:
+                out[refs[ref]] = _failure(refs[ref], e)
+        for ref in late:
+            out[refs[ref]] = WorkerHung(refs[ref], f"still busy {timeout:.0f}s after a peer "
+                                        "failed")
+        return out
 
-        A stopped or deadlocked process cannot answer ping() on its second thread; a rank
+    def _diagnose_hang(self, wids: list[int], timeout: float) -> WorkerFailure:
+        """Which of the late workers is hung, and which is only waiting on it in a collective?
+
+        A stopped or deadlocked process cannot answer ping() on its second thread; a worker
         blocked in a collective with it can."""
-        pings = {self.actors[r].ping.remote(): r for r in ranks}
+        pings = {self.actors[w].ping.remote(): w for w in wids}
         done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=PING_TIMEOUT)
         answered = set()
         for ref in done:
@@ -163,35 +206,41 @@ class RayEngine(Engine):
                 answered.add(pings[ref])
             except Exception as e:
                 return _failure(pings[ref], e)
-        silent = [r for r in ranks if r not in answered]
-        rank = silent[0] if silent else ranks[0]
-        return WorkerHung(rank, f"no answer within the {timeout:.0f}s call deadline"
-                          + ("" if silent else " (all late ranks answer pings: a slow step)"))
+        silent = [w for w in wids if w not in answered]
+        wid = silent[0] if silent else wids[0]
+        return WorkerHung(wid, f"no answer within the {timeout:.0f}s call deadline"
+                          + ("" if silent else " (every late worker answers pings: a slow step)"))
 
     def store_host(self) -> str:
         if self.cfg.runtime.address is None:
             return "127.0.0.1"
         return ray.util.get_node_ip_address()
 
-    def pids(self) -> dict[int, int]:
-        got = self.call_all(list(self.actors), "ping", timeout=self.cfg.runtime.call_timeout)
-        return {r: int(p) for r, p in got.items()}
+    def pid(self, wid: int) -> int:
+        return self._pids[wid]
 
-    def kill(self, rank: int) -> None:
-        actor = self.actors.pop(rank, None)
+    def alive(self) -> list[int]:
+        return sorted(self.actors)
+
+    def kill(self, wid: int) -> None:
+        actor = self.actors.pop(wid, None)
         if actor is not None:
             ray.kill(actor, no_restart=True)
-        pg = self.groups.pop(rank, None)
+        pg = self.groups.pop(wid, None)
         if pg is not None:
             remove_placement_group(pg)
+        self._outstanding = {r: w for r, w in self._outstanding.items() if w != wid}
 
     def shutdown(self) -> None:
-        for rank in list(self.actors):
+        for wid in list(self.actors):
             try:
-                ray.get(self.actors[rank].close.remote(), timeout=10)
+                ray.get(self.actors[wid].close.remote(), timeout=10)
             except Exception:  # a dead or hung worker has nothing to flush
                 pass
-            self.kill(rank)
+            self.kill(wid)
+        if self._reserved is not None:
+            remove_placement_group(self._reserved)
+            self._reserved = None
         if self._owns_cluster:
             ray.shutdown()
             self._owns_cluster = False
