@@ -43,3 +43,36 @@ def step_records(run_dir: Path | str) -> dict[int, dict]:
         if rec["kind"] == "step":
             out[rec["step"]] = rec
     return out
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One private Ray cluster per test module, 4 CPUs (one per worker), token-authenticated.
+
+    The Ray engine uses an initialised Ray as it finds it, so runs in the module skip the
+    cluster start-up."""
+    import os
+    import secrets
+
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             configure_logging=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+def final_state(run_dir: Path | str):
+    """The tensors of the run's newest checkpoint."""
+    from relaytrain.checkpoint.store import open_checkpoint
+
+    return open_checkpoint(str(run_dir))[1]
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
