@@ -288,7 +288,7 @@ class Controller:
                         tokens_per_s=tps, mfu=(tps * fpt / peak) if peak else 0.0,
                         time_data=max(r["time_data"] for r in per.values()),
                         time_compute=max(r["time_compute"] for r in per.values()),
-                        time_checkpoint=0.0)
+                        time_checkpoint=0.0, **self._pipeline(per))
                     self.productive_s += elapsed
                     if tb:
                         tb.write(last)
@@ -555,6 +555,13 @@ class Controller:
             if p.stage == 0:
                 parts[p.dp_rank] = results[w]["ids"]
         return [parts[i] for i in range(self.dp)]
+
+    def _pipeline(self, results: dict[int, dict]) -> dict[str, Any]:
+        """pp > 1: every stage's pipeline measurements (its DP rank 0's) for the step record."""
+        if self.cfg.parallel.pp == 1:
+            return {}
+        return {"pipeline": {str(p.stage): results[w]["pipeline"]
+                             for w, p in self.placements().items() if p.dp_rank == 0}}
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _save(self, step: int) -> float:

@@ -8,9 +8,9 @@ class WorkerFailure(Exception):
 
     kind = "failed"
 
-    def __init__(self, rank: int, message: str):
-        super().__init__(f"worker {rank} {self.kind}: {message}")
-        self.rank = rank
+    def __init__(self, wid: int, message: str):
+        super().__init__(f"worker {wid} {self.kind}: {message}")
+        self.wid = wid  # the engine's worker id (the controller maps it to a rank)
         self.message = message
 
 

@@ -24,9 +24,13 @@ from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.loader import Loader
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
+from relaytrain.model.stages import build_stage, partition_layers
+from relaytrain.parallel.groups import PipelineGroups, form_groups
+from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.evaluate import heldout_losses
 from relaytrain.train.optim import (
+    OPTIM_PREFIX,
     build_optimizer,
     load_optimizer_state,
     lr_at,
@@ -57,6 +61,13 @@ def pick_device(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
+def tensor_param(key: str) -> str:
+    """The parameter a checkpoint tensor belongs to: `model.<name>` or `optim.<name>.<state>`."""
+    if key.startswith(MODEL_PREFIX):
+        return key[len(MODEL_PREFIX):]
+    return key[len(OPTIM_PREFIX):].rsplit(".", 1)[0]
+
+
 class Worker:
     """State lives here between the controller's coarse calls (setup, run_step, save, ...)."""
 
@@ -73,6 +84,8 @@ class Worker:
         self.optimizer: torch.optim.Optimizer | None = None
         self.loader: Loader | None = None
         self.reducer: GradReducer | None = None
+        self.groups: PipelineGroups | None = None  # pp > 1: this generation's groups
+        self.pipeline: StageRunner | None = None  # pp > 1: this stage's schedule runner
         self.store = CheckpointStore(self.checkpoint_url())
         self.writer = AsyncCheckpointWriter(self.store)
         self._pending: list[tuple[int, str, Any]] = []
@@ -99,6 +112,9 @@ class Worker:
             dist.init_process_group(backend, store=store, rank=placement.rank,
                                     world_size=placement.world,
                                     timeout=timedelta(seconds=timeout_s))
+        if placement.pp > 1:
+            self.groups = form_groups(placement.stage, placement.dp_rank, placement.dp,
+                                      placement.pp, timedelta(seconds=timeout_s))
         if self.loader is not None:
             self.loader.close()
         t = self.cfg.train
@@ -114,8 +130,9 @@ class Worker:
     def leave(self) -> None:
         """Drop the current generation's process group (a no-op if there is none)."""
         if dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # and the pipeline's groups with it
         self.reducer = None
+        self.groups = self.pipeline = None
 
     def _group(self) -> dist.ProcessGroup | None:
         return dist.group.WORLD if dist.is_initialized() else None
@@ -127,7 +144,7 @@ class Worker:
         The state comes from `tensors` (a peer's in-memory snapshot, for a replacement), else
         this worker's own snapshot if it is of `step`, else checkpoint `step` from storage, else
         (step 0) the seed. Returns the step restored."""
-        model = Olmo3(self.model_cfg)
+        model = self._new_module()
         init_weights(model, self.cfg.seed)
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, self.cfg.optim,
@@ -135,12 +152,15 @@ class Worker:
         if tensors is None and self._snapshot is not None and self._snapshot[0] == step:
             tensors = self._snapshot[1]
         if tensors is None and step > 0:
-            _, tensors = self.store.read(step)
+            names = {n for n, _ in self.model.named_parameters()}
+            _, tensors = self.store.read(step, keys=lambda k: tensor_param(k) in names)
         if tensors is not None:
             self.load_tensors(tensors)
-        self.reducer = GradReducer(list(self.model.parameters()), self._group(),
+        group = self.groups.dp if self.groups is not None else self._group()
+        self.reducer = GradReducer(list(self.model.parameters()), group,
                                    exact=self.cfg.determinism == "exact",
                                    total_micro_batches=self.cfg.micro_batches)
+        self.pipeline = self._stage_runner() if self.groups is not None else None
         return step
 
     def snapshot_step(self) -> int | None:
@@ -187,7 +207,10 @@ class Worker:
         every = self.cfg.elastic.snapshot_every
         if self.placement.dp > 1 and every and (first - 1) % every == 0:
             self.take_snapshot(first - 1)
-        out = [self._step(step) for step in range(first, first + count)]
+        if self.pipeline is not None:
+            out = self._run_span(first, count)
+        else:
+            out = [self._step(step) for step in range(first, first + count)]
         out[-1]["written"] = self._collect(wait=False)
         return out
 
@@ -207,6 +230,40 @@ class Worker:
         return {"step": step, "losses": out.losses, "grad_norm": out.grad_norm,
                 "finite": out.finite, "ids": batch.ids.tolist(), "time_data": t1 - t0,
                 "time_compute": t2 - t1, "written": []}
+
+    # ---- pipeline parallelism (parallel.pp > 1) ----------------------------------------------
+    def _new_module(self) -> Olmo3:
+        """The whole model, or this rank's stage of it (global parameter names either way)."""
+        p = self.placement
+        if p.pp == 1:
+            return Olmo3(self.model_cfg)
+        ranges = partition_layers(self.model_cfg, p.pp, self.cfg.parallel.stage_layers,
+                                  self.cfg.seq_len)
+        return build_stage(self.model_cfg, p.stage, p.pp, ranges)
+
+    def _stage_runner(self) -> StageRunner:
+        assert self.groups is not None and self.placement is not None
+        spec = StageSpec.from_config(self.cfg, self.placement.stage, self.model_cfg.d_model)
+        return StageRunner(self.model, self.optimizer, self.reducer, spec,
+                           Transport(self.device), self.groups.prev, self.groups.next,
+                           self.groups.pipe,
+                           lambda step: lr_at(step, self.cfg.optim, self.cfg.train.max_steps),
+                           self.device)
+
+    def _run_span(self, first: int, count: int) -> list[dict[str, Any]]:
+        """Steps first .. first+count-1 as one pipeline span (one step for flush schedules)."""
+        assert self.loader is not None and self.pipeline is not None
+        t0 = time.perf_counter()
+        batches = [self.loader.get(step - 1) for step in range(first, first + count)]
+        t1 = time.perf_counter()
+        out = self.pipeline.run_span(first, batches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        for rec, batch in zip(out, batches, strict=True):
+            rec.update(ids=batch.ids.tolist(), time_data=(t1 - t0) / count,
+                       time_compute=(t2 - t1) / count, written=[])
+        return out
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, step: int, part: str) -> float:
@@ -235,6 +292,9 @@ class Worker:
     # ---- evaluation ------------------------------------------------------------------------
     def evaluate(self, ids: list[int]) -> dict[int, float]:
         assert self.model is not None and self.placement is not None
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(self.dataset.split("heldout"), ids,
+                                          self.placement.dp_rank)
         return heldout_losses(self.model, self.dataset.split("heldout"), ids, self.cfg.seq_len,
                               self.cfg.train.micro_batch, self.device, self.placement.dp_rank,
                               self.placement.dp)

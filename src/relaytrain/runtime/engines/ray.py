@@ -60,6 +60,14 @@ def _import_ray(private_cluster: bool) -> None:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
+def _reason(text: str) -> str:
+    """The informative line of Ray's multi-line actor-death message."""
+    for line in text.splitlines():
+        if "because" in line:
+            return line.strip().split(". ")[0][:200]
+    return text.splitlines()[0][:200] if text else "unknown"
+
+
 def _failure(rank: int, err: Exception) -> WorkerFailure:
     """Map Ray's exceptions to the controller's typed failures."""
     from ray.exceptions import (
@@ -75,11 +83,13 @@ def _failure(rank: int, err: Exception) -> WorkerFailure:
         return WorkerRaised(rank, f"{type(cause).__name__}: {str(cause).splitlines()[0]}"
                             if str(cause) else type(cause).__name__)
     text = str(err)
+    # Ray says "The actor is dead because its node has died" when the node went away, and
+    # "... because its worker process has died" when only the process did.
     if isinstance(err, NodeDiedError) or (isinstance(err, RayActorError)
-                                          and "node" in text.lower() and "died" in text.lower()):
-        return NodeLost(rank, text.splitlines()[0][:200])
+                                          and "because its node has died" in text):
+        return NodeLost(rank, _reason(text))
     if isinstance(err, ActorDiedError | RayActorError | ActorUnavailableError):
-        return WorkerDied(rank, str(err).splitlines()[0][:200])
+        return WorkerDied(rank, _reason(text))
     return WorkerRaised(rank, f"{type(err).__name__}: {err}")
 
 
