@@ -109,7 +109,8 @@ class ElasticSection:
     min_workers: int = 1
     max_recoveries: int = 10
     recovery_window: float = 3600.0  # seconds over which max_recoveries counts
-    snapshot_every: int = 1
+    snapshot_every: int = 1  # steps between in-memory snapshots (workers with a DP peer)
+    spares: int = 0  # warm standby workers (Ray): a replacement is then a promotion, not a start
 
 
 @dataclass

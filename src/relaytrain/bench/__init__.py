@@ -1,1 +1,40 @@
+"""`relaytrain bench NAME`: benchmarks that measure against a baseline run side by side in the
+same process or run, and print ratios (never thresholds in unit tests)."""
 
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any
+
+from relaytrain.errors import UserError
+
+# name -> (module, function); the module may define format_report(result) -> str.
+BENCHES = {
+    "train-throughput": ("relaytrain.bench.train_throughput", "bench_train_throughput"),
+    "dp-scaling": ("relaytrain.bench.dp_scaling", "bench_dp_scaling"),
+    "recovery": ("relaytrain.bench.recovery", "bench_recovery"),
+    "pipeline": ("relaytrain.bench.pipeline", "bench_pipeline"),
+    "checkpoint": ("relaytrain.bench.checkpoint", "bench_checkpoint_local"),
+    "checkpoint-remote": ("relaytrain.bench.storage", "bench_checkpoint_remote"),
+    "prepare": ("relaytrain.bench.data", "bench_prepare"),
+    "loader": ("relaytrain.bench.loader_vs_training", "bench_loader_vs_training"),
+}
+
+
+def cli_bench(args: Any) -> int:
+    if args.name not in BENCHES:
+        raise UserError(f"unknown benchmark {args.name!r}; available: {', '.join(BENCHES)}")
+    module_name, func = BENCHES[args.name]
+    module = importlib.import_module(module_name)
+    kwargs: dict[str, Any] = {"quick": args.quick}
+    if args.name == "train-throughput":
+        kwargs["device"] = args.device
+    result = getattr(module, func)(**kwargs)
+    if args.json:
+        print(json.dumps(result, default=str))
+    elif hasattr(module, "format_report"):
+        print(module.format_report(result))
+    else:
+        print(json.dumps(result, indent=2, default=str))
+    return 0

@@ -239,8 +239,8 @@ class Controller:
         t_run = time.perf_counter()
         try:
             args = self._worker_args()
-            self.members = [self.engine.spawn(args, cfg.runtime.setup_timeout)
-                            for _ in range(cfg.world_size)]
+            self.members = self.engine.spawn_many(cfg.world_size, args,
+                                                  cfg.runtime.setup_timeout)
             self.initial_pids = {w: self.engine.pid(w) for w in self.members}
             self._form_generation(start)
             setup_s = time.perf_counter() - t_run
@@ -348,11 +348,12 @@ class Controller:
             data_path=os.path.abspath(cfg.data.path), dp=self.dp))
 
     def _form_generation(self, step: int,
-                         tensors: dict[int, dict[str, Any]] | None = None) -> None:
+                         tensors: dict[int, dict[str, Any]] | None = None) -> float:
         """Join every member into a new process-group generation holding the state of `step`.
 
         `tensors` gives a state to some workers (replacements pulling a peer's snapshot); the
-        others restore their own snapshot of `step`, or the checkpoint."""
+        others restore their own snapshot of `step`, or the checkpoint. Returns when the
+        groups were formed (the rest is restoring state)."""
         assert self.engine is not None
         self.generation += 1
         timeout = self.cfg.runtime.setup_timeout
@@ -365,8 +366,10 @@ class Controller:
         self.engine.call({w: ("setup", (self.generation, p, host, port,
                                         self.cfg.runtime.collective_timeout))
                           for w, p in self.placements().items()}, timeout)
+        formed = time.time()
         self.engine.call({w: ("build", (step, (tensors or {}).get(w)))
                           for w in self.members}, timeout)
+        return formed
 
     # ---- faults and recovery ---------------------------------------------------------------
     def _inject(self, first: int, last: int) -> None:
@@ -398,6 +401,7 @@ class Controller:
                 f"{len(window)} recoveries within {cfg.elastic.recovery_window:.0f}s exceed "
                 f"elastic.max_recoveries={cfg.elastic.max_recoveries}: stopping a crash loop "
                 f"(last failure: rank {rank} {failure.kind}: {failure.message})")
+        t_replace0 = time.time()
         failed = {failure.wid}
         if not isinstance(failure, WorkerRaised):
             self.engine.kill(failure.wid)  # a hung peer must go before its partners unblock
@@ -408,7 +412,6 @@ class Controller:
             self.engine.kill(wid)
         if cfg.faults.hold_capacity_s > 0:
             self.engine.hold_capacity(cfg.faults.hold_capacity_s)
-        t_replace0 = time.time()
         survivors = [w for w in self.members if w not in failed]
         old = self.placements()
         # The newest consistent state: every survivor's snapshot of the last completed step
@@ -440,15 +443,14 @@ class Controller:
                 self.engine.kill(new)
             new_members, replaced = self._shrink(survivors), {}
         self.members = new_members
-        t_reform0 = time.time()
         tensors: dict[int, dict[str, Any]] = {}
         if memory_ok:
             for new, wid in replaced.items():
                 donor = next(w for w in survivors if old[w].stage == old[wid].stage)
                 tensors[new] = self.engine.call({donor: ("snapshot_tensors", (restore_step,))},
                                                 cfg.runtime.call_timeout)[donor]
-        t_restore0 = time.time()
-        self._form_generation(restore_step, tensors)
+        t_reform0 = time.time()
+        t_restore0 = self._form_generation(restore_step, tensors)
         t_done = time.time()
         lost = list(range(restore_step + 1, done + 1))
         if lost:
@@ -460,6 +462,8 @@ class Controller:
             "failed_step": done + 1, "rank": rank, "cause": failure.kind,
             "message": failure.message, "source": source, "dp": self.dp,
             "lost_steps": len(lost) + 1, "restored_step": restore_step,
+            # detect: fault -> exception; replace: settle, kill, start replacements, pull
+            # the snapshot; reform: new process groups; restore: rebuild from the state.
             "phases": {"detect": t_detect - fired if fired else None,
                        "replace": t_reform0 - t_replace0, "reform": t_restore0 - t_reform0,
                        "restore": t_done - t_restore0},

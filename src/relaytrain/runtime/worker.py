@@ -90,6 +90,7 @@ class Worker:
         self.writer = AsyncCheckpointWriter(self.store)
         self._pending: list[tuple[int, str, Any]] = []
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._layout: tuple[int, int] | None = None
 
     def checkpoint_url(self) -> str:
         return self.cfg.checkpoint.url or os.path.join(self.cfg.run_dir, "checkpoints")
@@ -128,8 +129,15 @@ class Worker:
         return self.info()
 
     def leave(self) -> None:
-        """Drop the current generation's process group (a no-op if there is none)."""
+        """Drop the current generation's process group (a no-op if there is none).
+
+        The group is aborted first: that closes its connections now, so peers blocked on this
+        worker fail at once rather than after the collective timeout."""
         if dist.is_initialized():
+            try:
+                dist.group.WORLD.abort()
+            except (RuntimeError, NotImplementedError):  # a backend without abort
+                pass
             dist.destroy_process_group()  # and the pipeline's groups with it
         self.reducer = None
         self.groups = self.pipeline = None
@@ -144,11 +152,16 @@ class Worker:
         The state comes from `tensors` (a peer's in-memory snapshot, for a replacement), else
         this worker's own snapshot if it is of `step`, else checkpoint `step` from storage, else
         (step 0) the seed. Returns the step restored."""
-        model = self._new_module()
-        init_weights(model, self.cfg.seed)
-        self.model = model.to(self.device)
-        self.optimizer = build_optimizer(self.model, self.cfg.optim,
-                                         fused=self.device.type == "cuda")
+        layout = (self.placement.stage, self.placement.pp) if self.placement else (0, 1)
+        if self.model is None or step == 0 or self._layout != layout:
+            # A new module; a worker re-forming with the same layout keeps its own, since
+            # every restored value is overwritten below (that makes recovery cheap).
+            model = self._new_module()
+            init_weights(model, self.cfg.seed)
+            self.model = model.to(self.device)
+            self.optimizer = build_optimizer(self.model, self.cfg.optim,
+                                             fused=self.device.type == "cuda")
+            self._layout = layout
         if tensors is None and self._snapshot is not None and self._snapshot[0] == step:
             tensors = self._snapshot[1]
         if tensors is None and step > 0:
@@ -162,6 +175,17 @@ class Worker:
                                    total_micro_batches=self.cfg.micro_batches)
         self.pipeline = self._stage_runner() if self.groups is not None else None
         return step
+
+    def warm_up(self) -> None:
+        """For a standby spare: build the model now (for an unpipelined layout), so a
+        promotion only loads state."""
+        if self.cfg.parallel.pp == 1:
+            model = Olmo3(self.model_cfg)
+            init_weights(model, self.cfg.seed)
+            self.model = model.to(self.device)
+            self.optimizer = build_optimizer(self.model, self.cfg.optim,
+                                             fused=self.device.type == "cuda")
+            self._layout = (0, 1)
 
     def snapshot_step(self) -> int | None:
         return None if self._snapshot is None else self._snapshot[0]
@@ -188,6 +212,7 @@ class Worker:
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(tensors[MODEL_PREFIX + name].to(p.dtype))
+        self.optimizer.state.clear()  # nothing of the live run survives a restore
         load_optimizer_state(self.model, self.optimizer, tensors)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -207,10 +232,16 @@ class Worker:
         every = self.cfg.elastic.snapshot_every
         if self.placement.dp > 1 and every and (first - 1) % every == 0:
             self.take_snapshot(first - 1)
-        if self.pipeline is not None:
-            out = self._run_span(first, count)
-        else:
-            out = [self._step(step) for step in range(first, first + count)]
+        try:
+            if self.pipeline is not None:
+                out = self._run_span(first, count)
+            else:
+                out = [self._step(step) for step in range(first, first + count)]
+        except Exception:
+            # Close this generation's connections at once: peers blocked on this worker in a
+            # collective then fail fast instead of waiting out the collective timeout.
+            self.leave()
+            raise
         out[-1]["written"] = self._collect(wait=False)
         return out
 

@@ -14,6 +14,10 @@ class Engine(ABC):
         """Create one worker constructed with `worker_args`; its id. Raises `WorkerFailure` when
         it cannot be placed within `wait` seconds."""
 
+    def spawn_many(self, n: int, worker_args: tuple, wait: float) -> list[int]:
+        """`n` workers (an engine may start them concurrently)."""
+        return [self.spawn(worker_args, wait) for _ in range(n)]
+
     @abstractmethod
     def call(self, calls: dict[int, tuple[str, tuple]], timeout: float) -> dict[int, Any]:
         """Run `method(*args)` on each worker concurrently; results by worker id.

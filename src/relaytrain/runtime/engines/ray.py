@@ -102,6 +102,9 @@ class RayEngine(Engine):
         self._next_id = 0
         self._reserved: Any = None  # a placement group proven placeable by has_capacity()
         self._outstanding: dict[Any, int] = {}
+        self._spares: list[int] = []
+        self._warming: dict[int, Any] = {}  # spare -> its warm_up() call
+        self._worker_args: tuple | None = None
         self._owns_cluster = False
         self._connect()
 
@@ -113,7 +116,7 @@ class RayEngine(Engine):
         env = {"OMP_NUM_THREADS": str(rt.threads_per_worker),
                "MKL_NUM_THREADS": str(rt.threads_per_worker)}
         if rt.address is None:
-            need = self.cfg.world_size * rt.cpus_per_worker
+            need = (self.cfg.world_size + self.cfg.elastic.spares) * rt.cpus_per_worker
             ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
                      include_dashboard=False, _node_ip_address="127.0.0.1",
                      runtime_env={"env_vars": env}, log_to_driver=True,
@@ -136,12 +139,60 @@ class RayEngine(Engine):
         return pg
 
     def spawn(self, worker_args: tuple, wait: float) -> int:
-        wid = self._next_id
-        self._next_id += 1
+        """A worker: a warm spare when one is ready (promotion costs nothing), else a new one.
+        Spares are refilled in the background up to `elastic.spares`."""
+        self._worker_args = worker_args
+        while self._spares:
+            wid = self._spares.pop(0)
+            try:
+                self._pids[wid] = int(self.call({wid: ("ping", ())}, wait or 1.0)[wid])
+                ray.get(self._warming.pop(wid), timeout=max(wait, 1.0))
+            except (WorkerFailure, ray.exceptions.RayError):
+                self.kill(wid)
+                continue
+            self._refill()
+            return wid
+        wid = self._create(worker_args, wait)
+        if wid is None:
+            raise WorkerDied(-1, f"no capacity to place a worker ({self._bundle()}) within "
+                             f"{wait:.0f}s")
+        # Construction opens the data: wait, so its errors surface here, naming the worker.
+        self._pids[wid] = int(self.call({wid: ("ping", ())}, self.cfg.runtime.setup_timeout)[wid])
+        self._refill()
+        return wid
+
+    def spawn_many(self, n: int, worker_args: tuple, wait: float) -> list[int]:
+        """Start all at once: process start-up and imports overlap."""
+        self._worker_args = worker_args
+        wids = []
+        for _ in range(n):
+            wid = self._create(worker_args, wait)
+            if wid is None:
+                for w in wids:
+                    self.kill(w)
+                raise WorkerDied(-1, f"no capacity to place {n} workers ({self._bundle()} each) "
+                                 f"within {wait:.0f}s")
+            wids.append(wid)
+        pids = self.call({w: ("ping", ()) for w in wids}, self.cfg.runtime.setup_timeout)
+        self._pids.update({w: int(p) for w, p in pids.items()})
+        self._refill()
+        return wids
+
+    def _refill(self) -> None:
+        while len(self._spares) < self.cfg.elastic.spares and self._worker_args is not None:
+            wid = self._create(self._worker_args, 0.5)
+            if wid is None:
+                return
+            self._warming[wid] = self.actors[wid].warm_up.remote()
+            self._spares.append(wid)
+
+    def _create(self, worker_args: tuple, wait: float) -> int | None:
+        """Start an actor in its own placement group without waiting for it to come up."""
         pg, self._reserved = self._reserved or self._placement(wait), None
         if pg is None:
-            raise WorkerDied(wid, f"no capacity to place a worker ({self._bundle()}) within "
-                             f"{wait:.0f}s")
+            return None
+        wid = self._next_id
+        self._next_id += 1
         rt = self.cfg.runtime
         actor_cls = ray.remote(_RankedWorker).options(
             num_cpus=rt.cpus_per_worker, num_gpus=self._bundle().get("GPU", 0), max_restarts=0,
@@ -151,8 +202,6 @@ class RayEngine(Engine):
                 placement_group=pg, placement_group_bundle_index=0))
         self.groups[wid] = pg
         self.actors[wid] = actor_cls.remote(wid, *worker_args)
-        # Construction opens the data: wait, so its errors surface here, naming the worker.
-        self._pids[wid] = int(self.call({wid: ("ping", ())}, self.cfg.runtime.setup_timeout)[wid])
         return wid
 
     def has_capacity(self, wait: float) -> bool:
@@ -230,7 +279,7 @@ class RayEngine(Engine):
         return self._pids[wid]
 
     def alive(self) -> list[int]:
-        return sorted(self.actors)
+        return sorted(w for w in self.actors if w not in self._spares)
 
     def kill(self, wid: int) -> None:
         actor = self.actors.pop(wid, None)
@@ -240,6 +289,8 @@ class RayEngine(Engine):
         if pg is not None:
             remove_placement_group(pg)
         self._outstanding = {r: w for r, w in self._outstanding.items() if w != wid}
+        if wid in self._spares:
+            self._spares.remove(wid)
 
     def shutdown(self) -> None:
         for wid in list(self.actors):

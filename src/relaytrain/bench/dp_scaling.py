@@ -1,0 +1,59 @@
+"""`relaytrain bench dp-scaling`: throughput at dp = 1, 2 (and 4 where cores allow) on real Ray
+actors, and the cost of exact mode over fast mode, as ratios from one run."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from typing import Any
+
+from relaytrain.bench.common import demo_data, run_training
+from relaytrain.runlog import read_metrics
+
+
+def _throughput(run_dir: str, skip: int) -> float:
+    steps = read_metrics(run_dir).steps[skip:]
+    return statistics.median(r["tokens_per_s"] for r in steps)
+
+
+def bench_dp_scaling(quick: bool = False) -> dict[str, Any]:
+    steps, skip = (8, 3) if quick else (20, 5)
+    cores = os.cpu_count() or 1
+    sizes = [1, 2] + ([4] if cores >= 4 else [])
+    out: dict[str, Any] = {"cores": cores, "steps": steps, "preset": "small", "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
+        data = demo_data(tmp)
+        common = [f"data.path={data}", "model.preset=small", "data.seq_len=128",
+                  "train.global_batch=16", "train.micro_batch=4", f"train.max_steps={steps}",
+                  "runtime.engine=ray", "runtime.threads_per_worker=1"]
+        for dp in sizes:
+            for mode in ("fast", "exact"):
+                if mode == "exact" and dp not in (1, 2):
+                    continue
+                run = os.path.join(tmp, f"dp{dp}-{mode}")
+                run_training([*common, f"run_dir={run}", f"parallel.dp={dp}",
+                              f"determinism={mode}"])
+                out["runs"][f"dp{dp}-{mode}"] = _throughput(run, skip)
+    r = out["runs"]
+    out["speedup_dp2"] = r["dp2-fast"] / r["dp1-fast"]
+    if "dp4-fast" in r:
+        out["speedup_dp4"] = r["dp4-fast"] / r["dp1-fast"]
+    out["exact_over_fast_dp1"] = r["dp1-fast"] / r["dp1-exact"]
+    out["exact_over_fast_dp2"] = r["dp2-fast"] / r["dp2-exact"]
+    return out
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"dp scaling, small preset, {r['steps']} steps, {r['cores']} cores "
+             "(tokens/s, median after warm-up):"]
+    lines += [f"  {k:<10} {v:12,.0f}" for k, v in r["runs"].items()]
+    lines.append(f"  dp2 / dp1 (fast): {r['speedup_dp2']:.2f}x")
+    if "speedup_dp4" in r:
+        lines.append(f"  dp4 / dp1 (fast): {r['speedup_dp4']:.2f}x")
+    else:
+        lines.append("  dp4: skipped (fewer than 4 cores)")
+    lines.append(f"  exact-mode cost: {r['exact_over_fast_dp1']:.2f}x slower at dp1, "
+                 f"{r['exact_over_fast_dp2']:.2f}x at dp2")
+    return "\n".join(lines) + "\n" + json.dumps(r)

@@ -1,0 +1,25 @@
+"""`relaytrain bench loader`: the loader's throughput next to the rate a training step of the
+same shape consumes tokens on this machine (target: the loader >= 50x faster)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relaytrain.bench.common import train_tokens_per_s
+from relaytrain.bench.data import bench_loader
+
+
+def bench_loader_vs_training(quick: bool = False) -> dict[str, Any]:
+    shape = {"seq_len": 256, "global_batch": 16, "micro_batch": 4}
+    loader = bench_loader(quick, **shape)
+    training = train_tokens_per_s("small", 1024, **shape, steps=2 if quick else 5)
+    return {"loader": loader, "training_tokens_per_s": training,
+            "loader_over_training": loader["tokens_per_s"] / training, "target": 50.0}
+
+
+def format_report(r: dict[str, Any]) -> str:
+    return (f"loader: {r['loader']['tokens_per_s']:,.0f} tokens/s "
+            f"({r['loader']['make_ms']:.2f} ms to build a batch without read-ahead)\n"
+            f"training step (small preset, same shape): {r['training_tokens_per_s']:,.0f} "
+            f"tokens/s\nloader / training: {r['loader_over_training']:,.0f}x "
+            f"(target >= {r['target']:.0f}x)")

@@ -1,0 +1,394 @@
+"""`relaytrain bench pipeline`: the four schedules on real multi-process pipelines, and the
+schedule simulator calibrated on them for pipelines deeper than this machine can run.
+
+Two layers, kept apart so that neither hides the other:
+
+- **Real.** The `small` preset trained through the controller on the Ray engine (gloo) with
+  S = 2 and S = 4 stages (S = 2 only with `quick`), one run per schedule: time per step,
+  throughput, each stage's bubble and peak memory (as the runtime measures them,
+  `parallel/pipeline/runtime.py`), held-out loss against steps and against training time. One
+  worker per stage with one thread: on a 2-core machine S = 2 has a core per stage, S = 4 puts
+  two stages on each core. The asynchronous schedules update every `a` = M micro-batches (one
+  update per global batch, like the flush schedules, so all four take the same optimizer steps
+  on the same data and differ only in when; staleness <= 1 while a >= S - 1). With a = 1 an
+  update per micro-batch would cost as much as its forward at this model size on a CPU.
+- **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
+  measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
+  measured by a gloo ping-pong of one activation. The error against the real runs is reported
+  (the simulator is given the costs measured in that very run). For S in 4..32 the model measured
+  at S = 2 is cut into S equal stages (per-stage F, B, U = the S = 2 totals / S, the transfer
+  unchanged), in spans of `parallel.span` steps, the default dispatch (the asynchronous
+  pipelines drain at every span end). Every schedule runs the same operations, so all are
+  simulated with one set of costs: per stage, the median over the S = 2 runs (each run's own
+  costs would carry the noise of whatever else the machine ran meanwhile into the comparison).
+  `sensitivity_at_8` shows what the transfer time and the span length do to paci and 1f1b.
+
+Time to a target held-out loss at larger S = the real number of steps each schedule needed to reach
+it (in the deepest real pipeline: staleness grows with S, so the asynchronous schedules' counts are
+optimistic for deeper ones) x the simulated time per step. The target is the held-out loss every
+schedule reaches: the highest of the schedules' best held-out losses (interpolated between
+evaluations). The machine's load averages before and after are recorded: on a shared machine the
+real timings carry other people's work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from relaytrain.config import ParallelSection, load_config
+from relaytrain.data.prepare import prepare
+from relaytrain.parallel.pipeline.schedules import SCHEDULES, Schedule, build_schedule
+from relaytrain.parallel.pipeline.simulate import Costs, simulate
+
+SIM_STAGES = (4, 8, 16, 32)
+FLUSH = ("gpipe", "1f1b")
+TARGETS = {"paci_utilisation": 0.90, "paci_memory_vs_1f1b": 1.10, "paci_speedup_at_8": 1.40}
+
+
+@dataclass(frozen=True)
+class Setup:
+    stages: tuple[int, ...]  # real pipeline depths
+    steps: int
+    eval_every: int  # also the span of the asynchronous schedules
+    eval_instances: int
+    max_docs: int | None
+    seq_len: int = 64
+    vocab: int = 2048
+    global_batch: int = 8
+    micro_batch: int = 1  # M = 8 micro-batches per step
+
+
+QUICK = Setup(stages=(2,), steps=12, eval_every=4, eval_instances=8, max_docs=200)
+FULL = Setup(stages=(2, 4), steps=64, eval_every=8, eval_instances=16, max_docs=1000)
+SIM_SPAN = ParallelSection().span
+
+
+def bench_pipeline(quick: bool, out_dir: str = "runs/bench-pipeline") -> dict[str, Any]:
+    """Run every schedule for real (S = 2 and 4; S = 2 only and shorter with `quick`, < 3 min on
+    2 cores), calibrate the simulator on those runs, predict S = 4..32. Returns the measurements,
+    the predictions and the targets met or missed; writes the runs' metrics under `out_dir/runs`,
+    the plot to `out_dir/pipeline.png` and the result to `out_dir/result.json`."""
+    setup = QUICK if quick else FULL
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    out = Path(out_dir)
+    with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
+        data = Path(tmp) / "data"
+        prepare(None, data, f"bpe:{setup.vocab}", max_docs=setup.max_docs)
+        transfer = measure_transfer((setup.micro_batch, setup.seq_len, _d_model()))
+        real: dict[int, dict[str, dict[str, Any]]] = {}
+        with _private_ray():
+            for S in setup.stages:
+                real[S] = {name: _real_run(setup, S, name, str(data), out / "runs",
+                                           Path(tmp) / "ckpt") for name in SCHEDULES}
+    M = setup.global_batch // setup.micro_batch
+    for S, runs in real.items():
+        for name, r in runs.items():
+            r["predicted"] = _predict_real(r, name, S, M, transfer)
+    costs = pooled_costs(real[setup.stages[0]])
+    sim = {S: {name: _simulate_scaled(costs, name, S, M, transfer) for name in SCHEDULES}
+           for S in SIM_STAGES}
+    ttt = _time_to_target(real[setup.stages[-1]], sim, setup.stages[-1])
+    result = {
+        "bench": "pipeline", "quick": quick, "setup": setup.__dict__, "micro_per_batch": M,
+        "async_a": M, "sim_span": SIM_SPAN,
+        "tokens_per_step": setup.global_batch * setup.seq_len, "transfer_s": transfer,
+        "loadavg": {"start": load0, "end": os.getloadavg()}, "pooled_costs": costs,
+        "real": {str(S): runs for S, runs in real.items()},
+        "simulated": {str(S): v for S, v in sim.items()},
+        "sensitivity_at_8": {
+            f"transfer={tr_name},span={span}": {
+                name: _simulate_scaled(costs, name, 8, M, tr, span) for name in ("1f1b", "paci")}
+            for tr_name, tr in (("measured", transfer), ("0", 0.0)) for span in (SIM_SPAN, 32)},
+        "time_to_target": ttt,
+        "targets": _targets(real, sim, ttt, setup.stages[0]),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    result["plot"] = _plot(result, str(out / "pipeline.png"))
+    result["seconds"] = time.perf_counter() - t0
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _d_model() -> int:
+    from relaytrain.model.config import PRESETS
+
+    return PRESETS["small"].d_model
+
+
+# ---- real runs -------------------------------------------------------------------------------
+
+
+@contextmanager
+def _private_ray() -> Iterator[None]:
+    """One private token-authenticated Ray cluster for all runs (the engine reuses it)."""
+    from relaytrain.runtime.engines.ray import _import_ray
+
+    _import_ray(private_cluster=True)
+    import ray
+
+    owned = not ray.is_initialized()
+    if owned:
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                 _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        if owned:
+            ray.shutdown()
+
+
+def _real_run(setup: Setup, S: int, name: str, data: str, runs: Path, ckpt: Path
+              ) -> dict[str, Any]:
+    """One training run of schedule `name` on S stages; its measurements from metrics.jsonl."""
+    from relaytrain.runtime.controller import Controller
+
+    run_dir = runs / f"S{S}-{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # an old run there would be resumed
+    shutil.rmtree(ckpt, ignore_errors=True)
+    M = setup.global_batch // setup.micro_batch
+    asynchronous = [] if name in FLUSH else [f"parallel.paci.a={M}"]
+    cfg = load_config(None, [
+        f"run_dir={run_dir}", f"data.path={data}", "model.preset=small",
+        f"data.seq_len={setup.seq_len}", f"train.max_steps={setup.steps}",
+        f"train.global_batch={setup.global_batch}", f"train.micro_batch={setup.micro_batch}",
+        "optim.lr=3e-3", f"optim.warmup={max(1, setup.steps // 10)}",
+        f"eval.every={setup.eval_every}", f"eval.instances={setup.eval_instances}",
+        "eval.memo_gap=1e9",  # early in training held-out and training loss differ a lot
+        "checkpoint.every=0", f"checkpoint.url={ckpt}", f"parallel.pp={S}",
+        f"parallel.schedule={name}", f"parallel.span={setup.eval_every}",
+        "runtime.engine=ray", "log.progress=false", *asynchronous])
+    t0 = time.perf_counter()
+    Controller(cfg, quiet=True).run()
+    run_s = time.perf_counter() - t0
+    return {**summarise_run(run_dir, S, 1 if name in FLUSH else setup.eval_every),
+            "run_s": run_s}
+
+
+def summarise_run(run_dir: Path, S: int, span: int) -> dict[str, Any]:
+    """Time per step, throughput, per-stage bubble / memory / op costs (medians over the spans
+    after the first, which pays one-off warm-up), and the held-out curve against steps and
+    against cumulative training time (the controller's per-step time, evaluations excluded)."""
+    steps, evals = {}, {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "step":
+            steps[rec["step"]] = rec
+        elif rec["kind"] == "eval":
+            evals[rec["step"]] = rec["heldout_loss"]
+    order = sorted(steps)
+    wall = {k: steps[k]["tokens"] / k / steps[k]["tokens_per_s"] for k in order}
+    spans = [order[i] for i in range(span - 1, len(order), span)]  # last step of each span
+    later = spans[1:] or spans
+    stages = [str(i) for i in range(S)]
+
+    def per_stage(key: str, how: Any = statistics.median) -> list[float]:
+        return [how([steps[k]["pipeline"][s][key] for k in later]) for s in stages]
+
+    elapsed, curve = 0.0, []
+    for k in order:
+        elapsed += wall[k]
+        if k in evals:
+            curve.append([k, evals[k], elapsed])
+    span_time = statistics.median(max(steps[k]["pipeline"][s]["span_s"] for s in stages) / span
+                                  for k in later)
+    time_per_step = statistics.median(wall[k] for k in order if k > spans[0])
+    return {
+        "time_per_step_s": time_per_step, "pipeline_time_per_step_s": span_time,
+        "tokens_per_s": steps[order[-1]]["tokens"] / order[-1] / time_per_step,
+        "bubble": per_stage("bubble", statistics.mean),
+        "peak_memory": per_stage("peak_memory", max),
+        "weight_versions": per_stage("weight_versions", max),
+        "staleness_max": [max(max(steps[k]["pipeline"][s]["staleness"]) for k in order)
+                          for s in stages],
+        "costs": {"forward": per_stage("forward_s"), "backward": per_stage("backward_s"),
+                  "update": per_stage("update_s")},
+        "heldout": curve, "span": span,
+    }
+
+
+# ---- transfer cost ---------------------------------------------------------------------------
+
+
+def _pingpong(rank: int, port: int, shape: tuple[int, ...], repeats: int, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    buf = torch.zeros(shape)
+    for i in range(repeats + 5):  # 5 warm-up round trips
+        if i == 5:
+            t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+    if rank == 0:
+        queue.put((time.perf_counter() - t0) / (2 * repeats))
+    dist.destroy_process_group()
+
+
+def measure_transfer(shape: tuple[int, ...], repeats: int = 200) -> float:
+    """Seconds one activation tensor of `shape` (fp32) takes between two gloo processes: half
+    a blocking ping-pong round trip."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_pingpong, args=(r, store.port, shape, repeats, queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return float(queue.get(timeout=120))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+
+
+# ---- simulation ------------------------------------------------------------------------------
+
+
+def _stage_bubbles(actions: Schedule, cost: Costs) -> tuple[float, list[float]]:
+    """Makespan and each stage's idle share of its own active time (what the runtime measures:
+    a stage's span ends when its own list does)."""
+    res = simulate(actions, cost, timeline=True)
+    end = [0.0] * len(actions)
+    for span in res.timeline:
+        end[span.stage] = max(end[span.stage], span.end)
+    return res.makespan, [1 - b / e if e else 0.0 for b, e in zip(res.busy, end, strict=True)]
+
+
+def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
+    """The bench's lists: asynchronous schedules update once per global batch (a = M)."""
+    return build_schedule(name, S, M, n_batches, **({} if name in FLUSH else {"a": M}))
+
+
+def _predict_real(run: dict[str, Any], name: str, S: int, M: int, transfer: float
+                  ) -> dict[str, Any]:
+    """The simulator given this run's own per-stage costs, against what the run measured."""
+    c = run["costs"]
+    cost = Costs(tuple(c["forward"]), tuple(c["backward"]), tuple(c["update"]), transfer)
+    makespan, bubbles = _stage_bubbles(_schedule(name, S, M, run["span"]), cost)
+    per_step = makespan / run["span"]
+    return {"pipeline_time_per_step_s": per_step,
+            "error": per_step / run["pipeline_time_per_step_s"] - 1,
+            "bubble": bubbles,
+            "bubble_error": statistics.mean(bubbles) - statistics.mean(run["bubble"])}
+
+
+def pooled_costs(runs: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """Per op and stage, the median of the costs the runs measured."""
+    first = next(iter(runs.values()))["costs"]
+    return {op: [statistics.median(r["costs"][op][i] for r in runs.values())
+                 for i in range(len(per_stage))] for op, per_stage in first.items()}
+
+
+def _simulate_scaled(costs: dict[str, list[float]], name: str, S: int, M: int, transfer: float,
+                     span: int = SIM_SPAN) -> dict[str, Any]:
+    """The measured model cut into S equal stages, dispatched in spans of `span` steps (flush
+    schedules: any span gives the same time per step)."""
+    cost = Costs.uniform(S, forward=sum(costs["forward"]) / S,
+                         backward=sum(costs["backward"]) / S, update=sum(costs["update"]) / S,
+                         transfer=transfer)
+    res = simulate(_schedule(name, S, M, span), cost)
+    per_step = res.makespan / span
+    return {"time_per_step_s": per_step, "utilisation": res.utilisation,
+            "bubble": res.bubble_fraction}
+
+
+def steps_to_target(curve: list[list[float]], target: float) -> float | None:
+    """The (linearly interpolated) step at which a held-out curve first reaches `target`."""
+    prev_step, prev_loss = 0.0, math.inf
+    for step, loss, _ in curve:
+        if loss <= target:
+            if math.isinf(prev_loss):
+                return float(step)
+            return prev_step + (step - prev_step) * (prev_loss - target) / (prev_loss - loss)
+        prev_step, prev_loss = step, loss
+    return None
+
+
+def _time_to_target(runs: dict[str, dict[str, Any]], sim: dict[int, dict[str, dict[str, Any]]],
+                    real_S: int) -> dict[str, Any]:
+    target = max(min(loss for _, loss, _ in r["heldout"]) for r in runs.values())
+    steps = {name: steps_to_target(r["heldout"], target) for name, r in runs.items()}
+    seconds = {str(S): {name: (None if steps[name] is None
+                               else steps[name] * v[name]["time_per_step_s"])
+                        for name in runs} for S, v in sim.items()}
+    return {"target_heldout_loss": target, "steps_from_real_S": real_S,
+            "steps": steps, "seconds": seconds}
+
+
+def _targets(real: dict[int, dict[str, dict[str, Any]]], sim: dict[int, dict[str, Any]],
+             ttt: dict[str, Any], real_S: int) -> dict[str, Any]:
+    util = {str(S): sim[S]["paci"]["utilisation"] for S in sim}
+    util[f"real_{real_S}"] = 1 - statistics.mean(real[real_S]["paci"]["bubble"])
+    memory = {str(S): max(r["paci"]["peak_memory"]) / max(r["1f1b"]["peak_memory"])
+              for S, r in real.items()}
+    at8 = ttt["seconds"]["8"]
+    flush = [at8[n] for n in FLUSH if at8[n] is not None]
+    speedup = (min(flush) / at8["paci"]) if flush and at8["paci"] else None
+    return {
+        "paci_utilisation": {"value": util, "target": TARGETS["paci_utilisation"],
+                             "met_at_8": util["8"] >= TARGETS["paci_utilisation"]},
+        "paci_memory_vs_1f1b": {"value": memory, "target": TARGETS["paci_memory_vs_1f1b"],
+                                "met": max(memory.values()) <= TARGETS["paci_memory_vs_1f1b"]},
+        "paci_speedup_at_8": {"value": speedup, "target": TARGETS["paci_speedup_at_8"],
+                              "met": speedup is not None
+                              and speedup >= TARGETS["paci_speedup_at_8"]},
+    }
+
+
+# ---- plot ------------------------------------------------------------------------------------
+
+
+def _plot(result: dict[str, Any], path: str) -> str:
+    """Held-out loss against simulated time at S = 8 (left) and against real training time at
+    S = 2 (right), every schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_sim, ax_real) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sim8 = result["simulated"]["8"]
+    stages = result["setup"]["stages"]
+    for name in SCHEDULES:
+        curve = result["real"][str(stages[-1])][name]["heldout"]
+        per_step = sim8[name]["time_per_step_s"]
+        ax_sim.plot([s * per_step for s, _, _ in curve], [v for _, v, _ in curve], "o-", ms=3,
+                    label=name)
+        curve2 = result["real"][str(stages[0])][name]["heldout"]
+        ax_real.plot([t for _, _, t in curve2], [v for _, v, _ in curve2], "o-", ms=3,
+                     label=name)
+    target = result["time_to_target"]["target_heldout_loss"]
+    for ax in (ax_sim, ax_real):
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
+        ax.set_ylabel("held-out loss (nats)")
+        ax.legend()
+    ax_sim.set_xlabel(f"simulated time at S = 8 (s; steps from the real S = {stages[-1]} runs)")
+    ax_real.set_xlabel(f"real training time at S = {stages[0]} (s)")
+    fig.suptitle("relaytrain bench pipeline: small preset, "
+                 f"{result['micro_per_batch']} micro-batches per step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
