@@ -35,6 +35,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors import SafetensorError, safe_open
 
+from relaytrain import storage
 from relaytrain.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -74,7 +75,8 @@ class CheckpointStore:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.url = url
         self.keep_last = keep_last
-        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        # endpoints from the environment, the backend named if missing (relaytrain.storage)
+        self.fs, root = storage.filesystem(url, storage_options)
         self.root = root.rstrip("/")
         self._local = isinstance(self.fs, LocalFileSystem)
 
@@ -152,13 +154,13 @@ class CheckpointStore:
     def latest_step(self) -> int | None:
         """The newest committed step whose manifest parses and whose files have the right sizes.
 
-        Cheap (no hashing): `read`/`load_latest_good` still verify sha256 of what they load.
+        Cheap (no hashing; `read`/`load_latest_good` still verify sha256 of what they load), and
+        its cost does not grow with the number of checkpoints (see `_newest_committed`).
         """
-        for step in reversed(self.committed_steps()):
+        for step, sizes in self._newest_committed():
             try:
                 manifest = self.read_manifest(step)
                 d = self._step_dir(step)
-                sizes = self._sizes(d)
                 for name, info in manifest["files"].items():
                     if sizes.get(name) != info["size"]:
                         got = "missing" if name not in sizes else f"{sizes[name]} bytes"
@@ -199,7 +201,7 @@ class CheckpointStore:
         With `keys`, only the files read are verified: stages restoring one checkpoint together
         should agree on a step first (`latest_step` or `verify`) and then each `read(step, keys)`.
         """
-        for step in reversed(self.committed_steps()):
+        for step, _ in self._newest_committed():
             try:
                 return _load_dir(self.fs, self._step_dir(step), keys, step)
             except CheckpointError as e:
@@ -253,6 +255,19 @@ class CheckpointStore:
             return {}
         return {posixpath.basename(e["name"].rstrip("/")): e["size"] for e in entries
                 if e.get("type") == "file"}
+
+    def _newest_committed(self) -> Iterator[tuple[int, dict[str, int]]]:
+        """(step, file name -> size) of each step directory holding a manifest, newest first.
+
+        One listing of the root (on object stores a delimited listing: one request per 1000
+        steps however many parts each holds, where `committed_steps` lists every object), then
+        one listing per directory visited; directories without a manifest (a save in progress
+        or one that failed) are passed over.
+        """
+        for step in sorted(self._step_dirs(), reverse=True):
+            sizes = self._sizes(self._step_dir(step))
+            if MANIFEST in sizes:
+                yield step, sizes
 
     def _step_dirs(self) -> dict[int, str]:
         self.fs.invalidate_cache(self.root)
@@ -310,7 +325,7 @@ def open_checkpoint(path_or_url: str, keys: KeyFilter | None = None
     url = path_or_url.rstrip("/")
     if url.endswith("/" + MANIFEST):
         url = url[: -len(MANIFEST) - 1]
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = storage.filesystem(url)
     path = path.rstrip("/")
     if fs.exists(f"{path}/{MANIFEST}"):
         return _load_dir(fs, path, keys)

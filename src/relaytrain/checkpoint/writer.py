@@ -18,15 +18,10 @@ from typing import Any, TypeVar
 import torch
 
 from relaytrain.checkpoint.store import CheckpointStore
+from relaytrain.storage import is_transient, redact
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# OSErrors that another attempt cannot fix; anything else (EIO, timeouts, connection resets,
-# throttling surfaced as OSError by s3fs/gcsfs) is retried.
-PERMANENT_ERRORS: tuple[type[OSError], ...] = (
-    FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-
 
 def snapshot_to_host(tensors: dict[str, torch.Tensor],
                      out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -59,9 +54,10 @@ class AsyncCheckpointWriter:
 
     `submit` blocks while `max_pending` part writes are unfinished: each pending write holds a
     host snapshot, so this bounds memory, and a step loop that outpaces storage slows down
-    instead of piling up snapshots. Transient OSErrors are retried `attempts` times with
-    exponential backoff from `backoff_s`; a part that still fails fails its Future, `wait()`,
-    and every commit that lists it, so a failed write never becomes a committed checkpoint.
+    instead of piling up snapshots. Transient errors (`storage.is_transient`: connection
+    failures, timeouts, throttling) are retried `attempts` times with exponential backoff from
+    `backoff_s`; a part that still fails fails its Future, `wait()`, and every commit that lists
+    it, so a failed write never becomes a committed checkpoint.
     """
 
     def __init__(self, store: CheckpointStore, max_pending: int = 1, attempts: int = 4,
@@ -84,7 +80,11 @@ class AsyncCheckpointWriter:
         """
         self._slots.acquire()
         try:
-            fut = self._pool.submit(self._retry, self.store.write_part, step, part, tensors)
+            # A part write rewrites its whole file, so it may also start over after a
+            # FileNotFoundError: the only thing it can miss is an upload session (S3 multipart,
+            # GCS resumable) that a restarted server no longer knows.
+            fut = self._pool.submit(self._retry, self.store.write_part, step, part, tensors,
+                                    also=(FileNotFoundError,))
         except BaseException:
             self._slots.release()
             raise
@@ -133,16 +133,19 @@ class AsyncCheckpointWriter:
             self._futures.append(fut)
         return fut
 
-    def _retry(self, fn: Callable[..., T], *args: Any) -> T:
+    def _retry(self, fn: Callable[..., T], *args: Any,
+               also: tuple[type[Exception], ...] = ()) -> T:
         attempt = 1
         while True:
             try:
                 return fn(*args)
-            except OSError as e:
-                if isinstance(e, PERMANENT_ERRORS) or attempt == self.attempts:
+            except Exception as e:
+                # Not only OSError: s3fs lets botocore's connection errors through unchanged.
+                if not (is_transient(e) or isinstance(e, also)) or attempt == self.attempts:
                     raise
                 delay = self.backoff_s * 2 ** (attempt - 1)
                 attempt += 1
                 log.warning("checkpoint %s failed (%s: %s); attempt %d/%d in %.2fs",
-                            fn.__name__, type(e).__name__, e, attempt, self.attempts, delay)
+                            fn.__name__, type(e).__name__, redact(str(e)), attempt,
+                            self.attempts, delay)
                 time.sleep(delay)

@@ -405,6 +405,8 @@ class Controller:
         failed = {failure.wid}
         if not isinstance(failure, WorkerRaised):
             self.engine.kill(failure.wid)  # a hung peer must go before its partners unblock
+        # Survivors blocked on the failed worker inside a collective fail with it (a closed
+        # connection) or at the collective timeout: keep runtime.collective_timeout short.
         for wid, err in self.engine.settle(cfg.runtime.collective_timeout + 5).items():
             if isinstance(err, WorkerDied | WorkerHung | NodeLost):
                 failed.add(wid)

@@ -129,15 +129,8 @@ class Worker:
         return self.info()
 
     def leave(self) -> None:
-        """Drop the current generation's process group (a no-op if there is none).
-
-        The group is aborted first: that closes its connections now, so peers blocked on this
-        worker fail at once rather than after the collective timeout."""
+        """Drop the current generation's process group (a no-op if there is none)."""
         if dist.is_initialized():
-            try:
-                dist.group.WORLD.abort()
-            except (RuntimeError, NotImplementedError):  # a backend without abort
-                pass
             dist.destroy_process_group()  # and the pipeline's groups with it
         self.reducer = None
         self.groups = self.pipeline = None
@@ -232,16 +225,10 @@ class Worker:
         every = self.cfg.elastic.snapshot_every
         if self.placement.dp > 1 and every and (first - 1) % every == 0:
             self.take_snapshot(first - 1)
-        try:
-            if self.pipeline is not None:
-                out = self._run_span(first, count)
-            else:
-                out = [self._step(step) for step in range(first, first + count)]
-        except Exception:
-            # Close this generation's connections at once: peers blocked on this worker in a
-            # collective then fail fast instead of waiting out the collective timeout.
-            self.leave()
-            raise
+        if self.pipeline is not None:
+            out = self._run_span(first, count)
+        else:
+            out = [self._step(step) for step in range(first, first + count)]
         out[-1]["written"] = self._collect(wait=False)
         return out
 

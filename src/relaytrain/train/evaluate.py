@@ -22,19 +22,32 @@ def heldout_losses(model: nn.Module, split: Any, ids: list[int], seq_len: int, m
     `ids` is cut into micro-batch-sized chunks by position and the chunks are dealt to the DP
     ranks, so every instance is computed in the same batch whatever the world size.
     """
-    chunks = [ids[i: i + micro_batch] for i in range(0, len(ids), micro_batch)]
     out: dict[int, float] = {}
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for chunk in chunks[dp_rank::dp]:
+        for chunk in eval_chunks(ids, micro_batch, dp_rank, dp):
             tokens = torch.from_numpy(split.instances(chunk, seq_len)).to(device)
             with autocast_for(device):
                 logits = model(tokens[:, :-1])
-            for j, iid in enumerate(chunk):
-                _, ce, _ = lm_loss(logits[j: j + 1], tokens[j: j + 1, 1:], 0.0)
-                out[int(iid)] = float(ce)
+            out.update(instance_losses(logits, tokens, chunk))
     model.train(was_training)
+    return out
+
+
+def eval_chunks(ids: list[int], micro_batch: int, dp_rank: int, dp: int) -> list[list[int]]:
+    """This DP rank's micro-batch-sized chunks of `ids` (cut by position, dealt round-robin)."""
+    chunks = [ids[i: i + micro_batch] for i in range(0, len(ids), micro_batch)]
+    return chunks[dp_rank::dp]
+
+
+def instance_losses(logits: torch.Tensor, tokens: torch.Tensor, chunk: list[int]
+                    ) -> dict[int, float]:
+    """Mean cross-entropy of each instance of a chunk from its logits and tokens [n, T+1]."""
+    out = {}
+    for j, iid in enumerate(chunk):
+        _, ce, _ = lm_loss(logits[j: j + 1], tokens[j: j + 1, 1:], 0.0)
+        out[int(iid)] = float(ce)
     return out
 
 

@@ -1,0 +1,59 @@
+"""Process groups of a data-parallel x pipeline-parallel layout.
+
+Rank r is DP rank r % dp of stage r // dp (the controller's placement). A stage's DP replicas
+reduce their gradients together; one replica's stages agree on a global gradient norm; each rank
+exchanges activations with the same DP rank of the neighbouring stages.
+
+`torch.distributed.new_group` is collective over the whole world and must be called for every
+group in the same order on every rank, so `form_groups` creates all of them, always in the same
+order, right after the generation's process group is formed (and again in every new generation:
+destroying the default group destroys these too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """This rank's groups. A group of one rank is None (nothing to reduce); `pipe` is None when
+    the pipeline is the whole world (dp = 1), which torch.distributed reads as WORLD."""
+
+    dp: dist.ProcessGroup | None  # the DP replicas of this rank's stage
+    pipe: dist.ProcessGroup | None  # this DP replica's stages
+    prev: int | None  # global rank of the previous stage (same DP rank), None on the first
+    next: int | None  # global rank of the next stage, None on the last
+
+
+def stage_ranks(stage: int, dp: int) -> list[int]:
+    return [stage * dp + d for d in range(dp)]
+
+
+def replica_ranks(dp_rank: int, dp: int, pp: int) -> list[int]:
+    return [s * dp + dp_rank for s in range(pp)]
+
+
+def form_groups(stage: int, dp_rank: int, dp: int, pp: int,
+                timeout: timedelta | None = None) -> PipelineGroups:
+    """Create every DP group (per stage) then every pipeline group (per DP rank) and return this
+    rank's. Needs an initialised default process group of dp * pp ranks."""
+    if dist.get_world_size() != dp * pp:
+        raise ValueError(f"world of {dist.get_world_size()} ranks, layout needs dp {dp} x pp {pp}")
+    mine_dp = mine_pipe = None
+    if dp > 1:
+        for s in range(pp):
+            group = dist.new_group(stage_ranks(s, dp), timeout=timeout)
+            if s == stage:
+                mine_dp = group
+        for d in range(dp):
+            group = dist.new_group(replica_ranks(d, dp, pp), timeout=timeout)
+            if d == dp_rank:
+                mine_pipe = group
+    rank = stage * dp + dp_rank
+    return PipelineGroups(dp=mine_dp, pipe=mine_pipe,
+                          prev=rank - dp if stage > 0 else None,
+                          next=rank + dp if stage < pp - 1 else None)

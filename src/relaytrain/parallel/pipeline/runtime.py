@@ -1,0 +1,471 @@
+"""Executing one stage's action list (schedules.py) with torch.distributed point-to-point ops.
+
+One runtime serves every schedule: gpipe, 1f1b, pipedream and paci differ only in their lists, so
+the numbers are a pure function of the lists and bit-reproducible whatever the timing. Sends are
+asynchronous (`isend`, waited at the span end: the buffered sends the schedules assume), receives
+block, and the time a stage blocks is its bubble.
+
+**Weights in flight (stock PyTorch).** An optimizer step between a micro-batch's F and B updates a
+weight that autograd saved at F (e.g. W for the input gradient of x Wᵀ) in place; through the
+parameter itself, or through ``p.detach()`` (which shares the parameter's version counter), the
+backward then raises "modified by an inplace operation". So every F runs the stage through
+``torch.func.functional_call`` on *aliases* ``p.data.requires_grad_()``: leaves that share the
+parameter's storage but have a version counter of their own. Updates bump only the parameter's
+counter, the check passes, and B reads whatever the storage holds then. Gradients land on the
+aliases and are added to ``p.grad`` in list order (as AccumulateGrad would: the first one is taken
+as is, later ones added), the same code path for every schedule.
+
+What B then computes depends on the schedule:
+
+- flush schedules: no update between F and B, so the exact gradient.
+- paci, ``mode=perf`` (one weight copy): the backward of the F-time graph in which every *saved
+  activation* has its F-time value (computed from the input with the weights theta_F in effect at
+  F) and every *weight read by the backward* has its B-time value theta_B (the live weights, after
+  at most ``staleness_bound`` more updates of this stage). For y = x Wᵀ: dL/dW = gᵀ x_F (weights do
+  not enter), dL/dx = g W_B. Weight gradients of a layer thus use F-time activations and the
+  incoming gradient, while the gradient sent upstream (and to the stage's earlier layers) passes
+  through theta_B. With no update in between this is the exact gradient. tests/parallel/pipeline/
+  test_runtime.py checks it against the closed form for the SwiGLU MLP.
+- paci, ``mode=mem`` (recompute): F runs without a graph and keeps only the stage input; B reruns
+  the forward with the live weights right before the backward, so B is the exact gradient of
+  f(x_F; theta_B) at the input F received, against the gradient coming back for the output F sent
+  (computed with theta_F). The last stage keeps its graph: its F and B are adjacent (in-flight
+  limit 1), so recomputing would only double its work.
+- pipedream (weight stashing): F and B must see the same version. F always uses the live weights;
+  before an update the live parameters are moved to fresh storage (``p.data = p.data.clone()``)
+  if an in-flight micro-batch still uses them, so its graph keeps the old storage (the stashed
+  version, freed with the graph after its B) and the update applies to the copy.
+
+**Loss scale, learning rate, clipping.** Every update averages its *update group* (the B's since
+the previous update, `schedules.update_groups`) over all DP replicas: micro-batch losses are
+scaled by 1 / (group size x dp). For the flush schedules a group is a global batch, so this is
+train_step's 1 / micro-batches. The update of a group uses ``lr_at`` of the step whose global batch
+holds the group's last micro-batch (micro-batch m of a span starting at step s belongs to step
+s + m // M). Flush schedules (gpipe, 1f1b and paci with ``flush``) clip by the global norm: the
+squared norms of one DP replica's stages are summed with an all-reduce over that replica's
+pipeline group at every update (a barrier that cannot deadlock: an update's group is the same at
+every stage and its dependencies all precede that update at every stage). The asynchronous
+schedules clip each stage by its own norm, with no pipeline-wide synchronisation, and report the
+stage's norm.
+
+**Measurements** (per span): ``bubble`` = time blocked in receives and in the global-norm
+all-reduce / span time; ``staleness`` = this stage's own updates between each micro-batch's F and B
+(counted here, and an error if above `schedules.staleness_bound`); ``peak_memory`` = peak bytes
+held for in-flight micro-batches: the distinct storages autograd saved for backward (counted with
+saved-tensor hooks, weights excluded), the stage outputs kept for B, the inputs kept for recompute
+and the recompute graph of the B running, plus the extra weight copies (pipedream's stashes);
+``weight_versions`` = peak number of distinct weight storages referenced (live + stashed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.func import functional_call
+
+from relaytrain.config import RunConfig
+from relaytrain.data.loader import Batch
+from relaytrain.model.olmo3 import Olmo3
+from relaytrain.parallel.pipeline.schedules import (
+    Action,
+    build_schedule,
+    staleness_bound,
+    update_groups,
+)
+from relaytrain.parallel.reduce import GradReducer
+from relaytrain.train.evaluate import eval_chunks, instance_losses
+from relaytrain.train.loss import lm_loss
+from relaytrain.train.optim import set_lr
+from relaytrain.train.step import autocast_for
+
+FLUSH_SCHEDULES = ("gpipe", "1f1b")
+ACTIVATION_DTYPE = torch.float32  # residual stream between stages (fp32 under bf16 autocast too)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What one stage runs: its place, the schedule and its options, the loss and clip settings,
+    and the static shape of the activations it exchanges."""
+
+    schedule: str
+    stage: int
+    n_stages: int
+    micro_per_batch: int  # M: micro-batches of one global batch on one DP replica
+    dp: int
+    micro_batch: int
+    seq_len: int
+    d_model: int
+    z_loss: float
+    clip: float
+    a: int = 1
+    in_flight: int | None = None
+    flush: bool = False
+    recompute: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, stage: int, d_model: int) -> StageSpec:
+        """`parallel.paci.{a, in_flight}` set the update cadence and in-flight cap of both
+        asynchronous schedules; `flush` and `mode` are paci's only."""
+        p = cfg.parallel
+        asynchronous = p.schedule not in FLUSH_SCHEDULES
+        return cls(schedule=p.schedule, stage=stage, n_stages=p.pp,
+                   micro_per_batch=cfg.micro_batches // p.dp, dp=p.dp,
+                   micro_batch=cfg.train.micro_batch, seq_len=cfg.seq_len, d_model=d_model,
+                   z_loss=cfg.train.z_loss, clip=cfg.train.clip,
+                   a=p.paci.a if asynchronous else 1,
+                   in_flight=p.paci.in_flight if asynchronous else None,
+                   flush=p.paci.flush and p.schedule == "paci",
+                   recompute=p.paci.mode == "mem" and p.schedule == "paci")
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+    @property
+    def global_clip(self) -> bool:
+        return self.schedule in FLUSH_SCHEDULES or self.flush
+
+    def schedule_actions(self, n_batches: int) -> list[list[Action]]:
+        options: dict[str, Any] = {}
+        if self.schedule not in FLUSH_SCHEDULES:
+            options = {"a": self.a, "in_flight": self.in_flight}
+        if self.schedule == "paci":
+            options["flush"] = self.flush
+        return build_schedule(self.schedule, self.n_stages, self.micro_per_batch, n_batches,
+                              **options)
+
+    def bound(self) -> int:
+        if self.schedule in FLUSH_SCHEDULES:
+            return 0
+        return staleness_bound(self.schedule, self.stage, self.n_stages, self.a, self.in_flight)
+
+
+class Transport:
+    """Messages with the neighbouring stages. Sends are asynchronous and complete by `drain`;
+    a receive blocks, and `waited` accumulates the seconds spent blocked. Tags keep the two
+    directions and the micro-batches apart."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.waited = 0.0
+        self._pending: list[tuple[dist.Work, Tensor]] = []
+
+    def send(self, tensor: Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        self._pending.append((dist.isend(tensor, dst, tag=tag), tensor))
+
+    def recv(self, shape: Sequence[int], src: int, tag: int) -> Tensor:
+        buf = torch.empty(tuple(shape), dtype=ACTIVATION_DTYPE, device=self.device)
+        t0 = time.perf_counter()
+        dist.recv(buf, src, tag=tag)
+        self.waited += time.perf_counter() - t0
+        return buf
+
+    def drain(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+def _tag(mb: int, gradient: bool) -> int:
+    return 2 * mb + int(gradient)
+
+
+class _SavedBytes:
+    """Saved-tensor pack hook that sums the bytes of the distinct storages autograd keeps for
+    backward, skipping the weights (they are held anyway and counted as versions)."""
+
+    def __init__(self, skip: set[int]):
+        self.skip = skip
+        self.seen: set[int] = set()
+        self.nbytes = 0
+
+    def add(self, t: Tensor) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.skip and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.nbytes += storage.nbytes()
+
+    def pack(self, t: Tensor) -> Tensor:
+        self.add(t)
+        return t
+
+
+@dataclass
+class _InFlight:
+    """A micro-batch between its F and its B at this stage."""
+
+    x: Tensor  # stage input: tokens on the first stage, received activations otherwise
+    out: Tensor | None  # output (or scaled loss on the last stage); None when recomputing
+    leaves: dict[str, Tensor] | None  # the weight aliases the graph uses
+    updates_at_f: int
+    nbytes: int
+    weights: int | None  # data pointer of the weight storage the graph holds
+
+
+@dataclass
+class _Update:
+    step: int
+    norm: float
+    finite: bool
+
+
+@dataclass
+class _SpanStats:
+    """A span's measurements: time per kind of action (waits excluded), and the peak bytes held
+    and weight versions referenced, sampled after every action."""
+
+    weight_bytes: int
+    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys("FBU", 0.0))
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys("FBU", 0))
+    peak_bytes: int = 0
+    peak_versions: int = 1
+
+    def record(self, kind: str, seconds: float, inflight: dict[int, _InFlight],
+               live_weights: int, transient: int) -> None:
+        self.times[kind] += seconds
+        self.counts[kind] += 1
+        versions = {h.weights for h in inflight.values() if h.weights is not None}
+        versions.add(live_weights)
+        self.peak_versions = max(self.peak_versions, len(versions))
+        held = sum(h.nbytes for h in inflight.values()) + transient
+        self.peak_bytes = max(self.peak_bytes, held + (len(versions) - 1) * self.weight_bytes)
+
+    def summary(self) -> dict[str, Any]:
+        mean = {k: self.times[k] / self.counts[k] if self.counts[k] else 0.0 for k in "FBU"}
+        return {"peak_memory": self.peak_bytes, "weight_versions": self.peak_versions,
+                "forward_s": mean["F"], "backward_s": mean["B"], "update_s": mean["U"]}
+
+
+class StageRunner:
+    """One pipeline stage: runs spans of global batches by its action list."""
+
+    def __init__(self, module: Olmo3, optimizer: torch.optim.Optimizer, reducer: GradReducer,
+                 spec: StageSpec, transport: Transport, prev: int | None, next: int | None,
+                 pipe_group: dist.ProcessGroup | None, lr_of: Callable[[int], float],
+                 device: torch.device):
+        self.module, self.optimizer, self.reducer, self.spec = module, optimizer, reducer, spec
+        self.transport, self.prev, self.next, self.pipe_group = transport, prev, next, pipe_group
+        self.lr_of, self.device = lr_of, device
+        self.params = dict(module.named_parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
+        self.last_norm = 0.0  # grad norm of the latest update, carried across spans
+
+    # ---- training ----------------------------------------------------------------------------
+    def run_span(self, first_step: int, batches: list[Batch]) -> list[dict[str, Any]]:
+        """Train global batches `batches` (steps first_step, first_step + 1, ...) by this stage's
+        list for a span of that many batches; one result per step. The pipeline is empty at the
+        start and drained at the end (a consistent cut)."""
+        spec, M = self.spec, self.spec.micro_per_batch
+        if any(len(b.micro_batches) != M for b in batches):
+            raise ValueError(f"expected {M} micro-batches per batch on this DP rank")
+        every = spec.schedule_actions(len(batches))
+        actions = every[spec.stage]
+        groups = update_groups(every)[spec.stage]
+        divisor = {m: len(g) * spec.dp for g in groups for m in g}
+        bound = spec.bound()
+        inflight: dict[int, _InFlight] = {}
+        losses: dict[int, tuple[float, float, float]] = {}
+        stale: dict[int, int] = {}
+        updates: list[_Update] = []
+        stats = _SpanStats(self.weight_bytes)
+        self.transport.waited = 0.0
+        self.module.train()
+        self.reducer.start()
+        t_span = time.perf_counter()
+        for act in actions:
+            t0, w0 = time.perf_counter(), self.transport.waited
+            transient = 0
+            if act.kind == "F":
+                if act.version not in (None, len(updates)):
+                    raise RuntimeError(f"{act}: version {act.version}, live is {len(updates)}")
+                inflight[act.mb] = self._forward(act.mb, batches, divisor, losses,
+                                                 len(updates))
+            elif act.kind == "B":
+                held = inflight.pop(act.mb)
+                stale[act.mb] = len(updates) - held.updates_at_f
+                if stale[act.mb] > bound:
+                    raise RuntimeError(f"stage {spec.stage}: micro-batch {act.mb} crossed "
+                                       f"{stale[act.mb]} updates, above the bound {bound}")
+                transient = self._backward(act.mb, held)
+            else:
+                group = groups[act.k - 1]
+                updates.append(self._update(first_step + group[-1] // M, inflight))
+            busy = time.perf_counter() - t0 - (self.transport.waited - w0)
+            stats.record(act.kind, busy, inflight, self._live_weights(), transient)
+        self.transport.drain()
+        span_s = time.perf_counter() - t_span
+        carried = self.last_norm
+        if updates:
+            self.last_norm = updates[-1].norm
+        shared = {"bubble": self.transport.waited / span_s if span_s > 0 else 0.0,
+                  "wait_s": self.transport.waited, "span_s": span_s,
+                  "staleness_bound": bound, "updates": len(updates), **stats.summary()}
+        return [self._step_result(first_step, b, batch, losses, stale, updates, carried, shared)
+                for b, batch in enumerate(batches)]
+
+    def _step_result(self, first_step: int, b: int, batch: Batch,
+                     losses: dict[int, tuple[float, float, float]], stale: dict[int, int],
+                     updates: list[_Update], carried: float, shared: dict[str, Any]
+                     ) -> dict[str, Any]:
+        """Step first_step + b: its micro-batches' losses (last stage only, keyed by global
+        micro-batch index) and staleness, and the norm of the latest update done by its end
+        (`carried`, the previous span's last, if none yet)."""
+        M, step = self.spec.micro_per_batch, first_step + b
+        mbs = range(b * M, (b + 1) * M)
+        own = {batch.micro_batches[m - b * M][0]: losses[m] for m in mbs if m in losses}
+        mine = [u for u in updates if u.step == step]
+        done = [u for u in updates if u.step <= step]
+        norm = done[-1].norm if done else carried
+        finite = all(u.finite for u in mine) and all(
+            math.isfinite(v) for values in own.values() for v in values)
+        return {"step": step, "losses": own, "grad_norm": norm, "finite": finite,
+                "pipeline": {**shared, "staleness": [stale[m] for m in mbs]}}
+
+    def _live_weights(self) -> int:
+        return next(iter(self.params.values())).data_ptr()
+
+    def _meter(self) -> _SavedBytes:
+        return _SavedBytes({p.untyped_storage().data_ptr() for p in self.params.values()})
+
+    def _aliases(self) -> dict[str, Tensor]:
+        return {n: p.data.requires_grad_() for n, p in self.params.items()}
+
+    def _run(self, x: Tensor, leaves: dict[str, Tensor], meter: _SavedBytes) -> Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), \
+                autocast_for(self.device):
+            return functional_call(self.module, leaves, (x,), strict=True)
+
+    def _input(self, mb: int, batches: list[Batch]) -> Tensor:
+        b, j = divmod(mb, self.spec.micro_per_batch)
+        if self.spec.first:
+            return batches[b].micro_batches[j][1][:, :-1].to(self.device)
+        s = self.spec
+        return self.transport.recv((s.micro_batch, s.seq_len, s.d_model), self.prev,
+                                   _tag(mb, False))
+
+    def _forward(self, mb: int, batches: list[Batch], divisor: dict[int, int],
+                 losses: dict[int, tuple[float, float, float]], updates: int) -> _InFlight:
+        spec = self.spec
+        x = self._input(mb, batches)
+        if spec.recompute and not spec.last:
+            with torch.no_grad(), autocast_for(self.device):
+                out = self.module(x)
+            self.transport.send(out, self.next, _tag(mb, False))
+            return _InFlight(x, None, None, updates, x.untyped_storage().nbytes(), None)
+        if not spec.first:
+            x.requires_grad_()
+        leaves = self._aliases()
+        out = self._run(x, leaves, meter := self._meter())
+        if spec.last:
+            b, j = divmod(mb, spec.micro_per_batch)
+            labels = batches[b].micro_batches[j][1][:, 1:].to(self.device)
+            total, ce, z = lm_loss(out, labels, spec.z_loss)
+            losses[mb] = (float(total.detach()), float(ce), float(z))
+            out = total / divisor[mb]
+        else:
+            self.transport.send(out, self.next, _tag(mb, False))
+        meter.add(out)
+        return _InFlight(x, out, leaves, updates, meter.nbytes, self._live_weights())
+
+    def _backward(self, mb: int, held: _InFlight) -> int:
+        """Backward of `mb`: input gradient upstream, weight gradients into .grad. Returns the
+        bytes `mb` holds while its B runs (with a recompute graph, if any)."""
+        spec = self.spec
+        grad_out = None
+        if not spec.last:
+            grad_out = self.transport.recv((spec.micro_batch, spec.seq_len, spec.d_model),
+                                           self.next, _tag(mb, True))
+        extra = 0
+        out, leaves, x = held.out, held.leaves, held.x
+        if out is None:  # recompute with the live weights, right before the backward
+            leaves = self._aliases()
+            if not spec.first:
+                x.requires_grad_()
+            out = self._run(x, leaves, meter := self._meter())
+            extra = meter.nbytes
+        assert leaves is not None
+        inputs = ([] if spec.first else [x]) + list(leaves.values())
+        grads = torch.autograd.grad(out, inputs, grad_out)
+        if not spec.first:
+            self.transport.send(grads[0], self.prev, _tag(mb, True))
+            grads = grads[1:]
+        with torch.no_grad():
+            for p, g in zip(self.params.values(), grads, strict=True):
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+        self.reducer.after_backward()
+        return held.nbytes + extra
+
+    def _update(self, step: int, inflight: dict[int, _InFlight]) -> _Update:
+        """Reduce over DP, clip, step, clear: the update of one group, at `lr_at(step)`."""
+        spec = self.spec
+        set_lr(self.optimizer, self.lr_of(step))
+        ok = self.reducer.finish()
+        params = list(self.params.values())
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if spec.global_clip:
+            both = torch.stack([norm.double().square(), torch.tensor(0.0 if ok else 1.0,
+                                                                     dtype=torch.float64)])
+            t0 = time.perf_counter()
+            dist.all_reduce(both, group=self.pipe_group)
+            self.transport.waited += time.perf_counter() - t0
+            norm = both[0].sqrt().to(norm.dtype)
+            ok = bool(both[1] == 0)
+        if spec.clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, spec.clip, norm, foreach=True)
+        value = float(norm)
+        finite = ok and math.isfinite(value)
+        if finite:
+            live = self._live_weights()
+            if spec.schedule == "pipedream" and any(h.weights == live for h in inflight.values()):
+                with torch.no_grad():  # stash: in-flight graphs keep the old storage
+                    for p in params:
+                        p.data = p.data.clone()
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.reducer.start()
+        return _Update(step, value, finite)
+
+    # ---- evaluation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, split: Any, ids: list[int], dp_rank: int) -> dict[int, float]:
+        """Per-instance held-out loss through the pipeline: stage 0 reads the tokens, the last
+        stage (which reads the labels) returns the losses, the others return {}."""
+        spec = self.spec
+        out: dict[int, float] = {}
+        self.module.eval()
+        for c, chunk in enumerate(eval_chunks(ids, spec.micro_batch, dp_rank, spec.dp)):
+            tokens = None
+            if spec.first or spec.last:
+                tokens = torch.from_numpy(split.instances(chunk, spec.seq_len)).to(self.device)
+            if spec.first:
+                x = tokens[:, :-1]
+            else:
+                x = self.transport.recv((len(chunk), spec.seq_len, spec.d_model), self.prev,
+                                        _tag(c, False))
+            with autocast_for(self.device):
+                y = self.module(x)
+            if spec.last:
+                out.update(instance_losses(y, tokens, chunk))
+            else:
+                self.transport.send(y, self.next, _tag(c, False))
+        self.transport.drain()
+        self.module.train()
+        return out

@@ -1,0 +1,214 @@
+"""Object storage for checkpoints and data: the one place that turns a URL into a filesystem.
+
+Local paths and any fsspec URL work; `s3://` needs s3fs and `gs://` needs gcsfs (the `storage`
+extra). Endpoints come from the environment the AWS and Google tools already use
+(`AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`, `STORAGE_EMULATOR_HOST`), so one exported variable
+points every relaytrain process, and every Ray worker it starts, at the same server. Credentials
+are left to the providers' own chains (`AWS_ACCESS_KEY_ID`..., `AWS_PROFILE`, `~/.aws`,
+`GOOGLE_APPLICATION_CREDENTIALS`, instance metadata): relaytrain never copies a secret into its
+options, and `redact` strips them from anything it prints or logs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import fsspec
+
+from relaytrain.errors import UserError
+
+# URL scheme -> (package that implements it, what it is)
+BACKENDS: dict[str, tuple[str, str]] = {
+    "s3": ("s3fs", "S3"), "s3a": ("s3fs", "S3"), "gs": ("gcsfs", "Google Cloud Storage"),
+    "gcs": ("gcsfs", "Google Cloud Storage"),
+}
+INSTALL_HINT = "pip install 'relaytrain[storage]'"
+
+# Option and query-parameter names whose values are credentials (matched case-insensitively
+# as a substring, so `aws_secret_access_key`, `X-Amz-Security-Token`, `client_secret` match).
+_SECRET_NAMES = re.compile(
+    r"secret|token|password|passwd|credential|signature|session|private|^key$|access_key|"
+    r"^sig$|authorization|api_?key", re.IGNORECASE)
+_REDACTED = "***"
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+class StorageError(UserError):
+    """Storage that cannot be used as configured: backend missing, bucket unreachable."""
+
+
+def scheme(url: str) -> str:
+    """The URL's scheme, lower case; "file" for a plain path."""
+    m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", str(url))
+    return m.group(1).lower() if m else "file"
+
+
+def storage_options(url: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """fsspec options for `url`: endpoints from the environment, then `overrides` on top.
+
+    Nested dicts (`client_kwargs`, `config_kwargs`) are merged key by key, so a config can
+    add e.g. timeouts without repeating the endpoint.
+    """
+    backend = _backend(url)
+    opts: dict[str, Any] = {}
+    if backend == "s3fs":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+    elif backend == "gcsfs":
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+        if emulator and emulator != "default":
+            opts["endpoint_url"] = (emulator if "://" in emulator else f"http://{emulator}")
+            # An emulator takes any request; without this gcsfs would try Google's metadata
+            # server for a token. Explicit credentials still win.
+            opts["token"] = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS") or "anon"
+    return _merge(opts, overrides or {})
+
+
+def filesystem(url: str, options: Mapping[str, Any] | None = None,
+               ) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path within it) for `url` with `storage_options(url, options)`.
+
+    Raises `StorageError` naming the package to install when the backend is missing.
+    """
+    opts = storage_options(url, options)
+    try:
+        if _backend(url) == "gcsfs" and "endpoint_url" in opts:
+            # gcsfs's default class first asks the gRPC control plane for the bucket's layout,
+            # which emulators do not serve (a minute-long timeout per bucket); the plain
+            # JSON-API class is what an emulator speaks.
+            from gcsfs.core import GCSFileSystem
+
+            return GCSFileSystem(**opts), GCSFileSystem._strip_protocol(url)
+        return fsspec.core.url_to_fs(url, **opts)
+    except ImportError as e:
+        raise StorageError(_missing_backend(url, e)) from None
+
+
+def check_access(url: str, options: Mapping[str, Any] | None = None) -> None:
+    """Fail early, in one line, when `url`'s bucket cannot be reached or does not exist.
+
+    One metadata request (after the client library's own retries); local paths always pass.
+    """
+    fs, path = filesystem(url, options)
+    if not _backend(url):
+        return
+    bucket = path.split("/", 1)[0]
+    where = describe(url, options)
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        raise StorageError(f"{where}: bucket {bucket!r} does not exist") from None
+    except PermissionError as e:
+        raise StorageError(f"{where}: access to bucket {bucket!r} denied ({_one_line(e)}); "
+                           "check the credentials in the environment") from None
+    except Exception as e:  # whatever the client library raises: this storage is unusable
+        what = "unreachable" if is_transient(e) else "cannot be used"
+        raise StorageError(f"{where}: {what} ({type(e).__name__}: {_one_line(e)})") from None
+
+
+def describe(url: str, options: Mapping[str, Any] | None = None) -> str:
+    """`url` and its endpoint, if not the provider's default, for messages (secrets removed)."""
+    endpoint = storage_options(url, options).get("endpoint_url")
+    shown = redact(url)
+    return f"{shown} (endpoint {redact(endpoint)})" if endpoint else shown
+
+
+def redact(value: Any) -> Any:
+    """`value` with credentials replaced by "***": user:password in URLs, secret-looking query
+    parameters (presigned URLs) and option keys, recursively through dicts and lists."""
+    if isinstance(value, str):
+        return _redact_url(value)
+    if isinstance(value, Mapping):
+        return {k: (_REDACTED if isinstance(k, str) and _SECRET_NAMES.search(k)
+                    and v is not None else redact(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    return value
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether another attempt might succeed: connection refused or reset, timeouts, throttling
+    and server errors, as raised by fsspec, s3fs (botocore) and gcsfs (aiohttp, google-auth).
+
+    Missing files, permissions and bad requests are permanent.
+    """
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError,
+                        IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(exc, OSError):  # includes TimeoutError and aiohttp's connection errors
+        return True
+    if not isinstance(exc, Exception):
+        return False
+    status = getattr(exc, "code", None) or getattr(exc, "status", None)
+    if isinstance(status, int) and (status >= 500 or status in (408, 429)):
+        return True  # gcsfs HttpError, aiohttp ClientResponseError
+    return isinstance(exc, _transient_library_errors())
+
+
+def _transient_library_errors() -> tuple[type[BaseException], ...]:
+    """Connection-level error classes of the client libraries that are loaded (a library that
+    was never imported raised nothing)."""
+    found: list[type[BaseException]] = []
+    names = {"botocore.exceptions": ("HTTPClientError", "ConnectionError"),
+             "aiohttp": ("ClientConnectionError", "ClientPayloadError"),
+             "requests.exceptions": ("ConnectionError", "Timeout", "ChunkedEncodingError"),
+             "google.auth.exceptions": ("TransportError",)}
+    for module, classes in names.items():
+        mod = sys.modules.get(module)
+        if mod is not None:
+            found.extend(c for c in (getattr(mod, n, None) for n in classes)
+                         if isinstance(c, type))
+    return tuple(found)
+
+
+def _backend(url: str) -> str:
+    """The package behind `url`'s scheme if it is an object store, else ""."""
+    return BACKENDS.get(scheme(url), ("", ""))[0]
+
+
+def _missing_backend(url: str, err: ImportError) -> str:
+    s = scheme(url)
+    if s in BACKENDS:
+        package, what = BACKENDS[s]
+        return f"{s}:// ({what}) needs {package}, which is not installed: {INSTALL_HINT}"
+    return f"{redact(url)}: no filesystem for {s}:// ({_one_line(err)})"
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def _redact_url(text: str) -> str:
+    """`text` with every URL in it redacted (a whole URL, or URLs inside a message)."""
+    return _URL.sub(lambda m: _redact_one_url(m.group(0)), text)
+
+
+def _redact_one_url(url: str) -> str:
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = f"{_REDACTED}@{netloc.rsplit('@', 1)[1]}"
+    query = parts.query
+    if query:
+        query = urlencode([(k, _REDACTED if _SECRET_NAMES.search(k) else v)
+                           for k, v in parse_qsl(query, keep_blank_values=True)], safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _one_line(err: BaseException) -> str:
+    return redact(" ".join(str(err).split()))[:300]
