@@ -126,7 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `key=value` overrides may come before or after flags: `train C.yaml --json a=1 b=2`.
+    if getattr(args, "overrides", None) is not None and all("=" in x for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     module, func = HANDLERS[args.handler].split(":")
     try:
         handler = getattr(importlib.import_module(module), func)
