@@ -269,26 +269,41 @@ class Controller:
                         bar.n = step
                     continue
                 elapsed = (time.perf_counter() - t0) / count
+                steps = []
                 for i in range(count):
-                    step += 1
                     per = {w: r[i] for w, r in results.items()}
-                    rec = self._combine(step, per)
-                    ledger.write(step_record(step, self._parts(per)))
+                    rec = self._combine(step + 1 + i, per)
                     if not rec.pop("finite"):
-                        metrics.write("nan", step=step, message=f"non-finite loss/gradient at "
-                                      f"step {step}: loss={rec['loss']} grad_norm="
-                                      f"{rec['grad_norm']}")
+                        ledger.write(step_record(step + 1 + i, self._parts(per)))
+                        metrics.write("nan", step=step + 1 + i, message="non-finite "
+                                      f"loss/gradient: loss={rec['loss']} "
+                                      f"grad_norm={rec['grad_norm']}")
                         raise TrainingStopped(
-                            f"training diverged at step {step} (loss {rec['loss']}, grad norm "
-                            f"{rec['grad_norm']}); the update was skipped and the last good "
-                            f"checkpoint (step {self.last_committed}) is intact")
+                            f"training diverged at step {step + 1 + i} (loss {rec['loss']}, "
+                            f"grad norm {rec['grad_norm']}); the update was skipped and the "
+                            f"last good checkpoint (step {self.last_committed}) is intact")
+                    steps.append((per, rec))
+                self._absorb_writes(results)
+                t_ckpt = 0.0
+                end = step + count
+                if (cfg.checkpoint.every and end % cfg.checkpoint.every == 0) \
+                        or end == cfg.train.max_steps:
+                    try:
+                        t_ckpt = self._save(end)
+                    except WorkerFailure as failure:  # the span is lost with the snapshot
+                        step = self._recover(failure, step)
+                        continue
+                for i, (per, rec) in enumerate(steps):
+                    step += 1
+                    ledger.write(step_record(step, self._parts(per)))
                     tps = self.tokens_per_step / elapsed
                     last = metrics.write(
                         "step", step=step, **rec, tokens=step * self.tokens_per_step,
                         tokens_per_s=tps, mfu=(tps * fpt / peak) if peak else 0.0,
                         time_data=max(r["time_data"] for r in per.values()),
                         time_compute=max(r["time_compute"] for r in per.values()),
-                        time_checkpoint=0.0, **self._pipeline(per))
+                        time_checkpoint=t_ckpt if i == count - 1 else 0.0,
+                        **self._pipeline(per))
                     self.productive_s += elapsed
                     if tb:
                         tb.write(last)
@@ -298,11 +313,7 @@ class Controller:
                         warn(f"step {step}: {spike}")
                     self.recent_losses.append(rec["loss"])
                 self._recovered(step)
-                self._absorb_writes(results)
                 try:
-                    if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) \
-                            or step == cfg.train.max_steps:
-                        self._save(step)
                     if self.eval_ids and (step % cfg.eval.every == 0
                                           or step == cfg.train.max_steps):
                         heldout = self._evaluate(step, metrics, tb)
