@@ -99,9 +99,10 @@ class RuntimeSection:
     threads_per_worker: int = 1  # torch threads in each worker (same count => same kernels)
     cpus_per_worker: float = 1.0  # Ray CPU share reserved per worker
     call_timeout: float = 120.0  # seconds any remote call (per step) may take: hang detection
-    # Process-group timeout inside the workers. Ranks enter each collective together, so this
-    # only bounds how long a survivor waits on a failed peer: keep it short.
-    collective_timeout: float = 10.0
+    # Process-group timeout inside the workers. Ranks enter each collective together, so it
+    # mostly bounds how long a survivor waits on a failed peer: lower it (a few seconds) for
+    # fast recovery when steps are short and the machine is not oversubscribed.
+    collective_timeout: float = 30.0
     setup_timeout: float = 120.0
 
 

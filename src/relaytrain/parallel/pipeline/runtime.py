@@ -41,10 +41,11 @@ the previous update, `schedules.update_groups`) over all DP replicas: micro-batc
 scaled by 1 / (group size x dp). For the flush schedules a group is a global batch, so this is
 train_step's 1 / micro-batches. The update of a group uses ``lr_at`` of the step whose global batch
 holds the group's last micro-batch (micro-batch m of a span starting at step s belongs to step
-s + m // M). Flush schedules (gpipe, 1f1b and paci with ``flush``) clip by the global norm: the
-squared norms of one DP replica's stages are summed with an all-reduce over that replica's
-pipeline group at every update (a barrier that cannot deadlock: an update's group is the same at
-every stage and its dependencies all precede that update at every stage). The asynchronous
+s + m // M). Flush schedules (gpipe, 1f1b and paci with ``flush``) clip by the global norm,
+computed bit for bit as the unpipelined model's ``clip_grad_norm_``: the per-tensor norms of one
+DP replica's stages are all-gathered over that replica's pipeline group at every update (a
+barrier that cannot deadlock: an update's group is the same at every stage and its dependencies
+all precede that update at every stage). The asynchronous
 schedules clip each stage by its own norm, with no pipeline-wide synchronisation, and report the
 stage's norm.
 
@@ -263,6 +264,7 @@ class StageRunner:
         self.params = dict(module.named_parameters())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.last_norm = 0.0  # grad norm of the latest update, carried across spans
+        self._norm_sizes: list[int] | None = None  # per stage: gradient tensors + 1 flag
 
     # ---- training ----------------------------------------------------------------------------
     def run_span(self, first_step: int, batches: list[Batch]) -> list[dict[str, Any]]:
@@ -419,15 +421,12 @@ class StageRunner:
         ok = self.reducer.finish()
         params = list(self.params.values())
         grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if spec.global_clip:
-            both = torch.stack([norm.double().square(), torch.tensor(0.0 if ok else 1.0,
-                                                                     dtype=torch.float64)])
             t0 = time.perf_counter()
-            dist.all_reduce(both, group=self.pipe_group)
+            norm, ok = self._global_norm(grads, ok)
             self.transport.waited += time.perf_counter() - t0
-            norm = both[0].sqrt().to(norm.dtype)
-            ok = bool(both[1] == 0)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if spec.clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, spec.clip, norm, foreach=True)
         value = float(norm)
@@ -442,6 +441,27 @@ class StageRunner:
         self.optimizer.zero_grad(set_to_none=True)
         self.reducer.start()
         return _Update(step, value, finite)
+
+    def _global_norm(self, grads: list[Tensor], ok: bool) -> tuple[Tensor, bool]:
+        """The norm of the whole model's gradient, bit for bit `get_total_norm` of the
+        unpipelined model: every stage's per-tensor norms (and finite flag) are gathered in stage
+        order, which is global parameter order, and reduced alike on every stage."""
+        local = torch.stack([*torch._foreach_norm(grads, 2.0),
+                             torch.tensor(0.0 if ok else 1.0, device=self.device)])
+        if self._norm_sizes is None:  # static per layout: gathered once
+            size = torch.tensor([local.numel()], device=self.device)
+            sizes = [torch.zeros_like(size) for _ in range(self.spec.n_stages)]
+            dist.all_gather(sizes, size, group=self.pipe_group)
+            self._norm_sizes = [int(x) for x in sizes]
+        width = max(self._norm_sizes)
+        padded = torch.zeros(width, device=self.device)
+        padded[: local.numel()] = local
+        parts = [torch.empty_like(padded) for _ in self._norm_sizes]
+        dist.all_gather(parts, padded, group=self.pipe_group)
+        norms = [x[: n - 1] for x, n in zip(parts, self._norm_sizes, strict=True)]
+        flags = torch.stack([x[n - 1] for x, n in zip(parts, self._norm_sizes, strict=True)])
+        total = torch.linalg.vector_norm(torch.cat(norms), 2.0)
+        return total, bool((flags == 0).all())
 
     # ---- evaluation --------------------------------------------------------------------------
     @torch.no_grad()

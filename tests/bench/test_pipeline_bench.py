@@ -1,0 +1,19 @@
+"""The pipeline benchmark's analysis: steps to a target loss and the pooled per-op costs."""
+
+import pytest
+
+from relaytrain.bench.pipeline import pooled_costs, steps_to_target
+
+
+def test_steps_to_target_interpolates_between_evaluations():
+    curve = [[4, 6.0, 1.0], [8, 5.0, 2.0], [12, 4.0, 3.0]]
+    assert steps_to_target(curve, 4.5) == pytest.approx(10.0)
+    assert steps_to_target(curve, 6.5) == 4.0  # already reached at the first evaluation
+    assert steps_to_target(curve, 3.0) is None
+
+
+def test_pooled_costs_are_per_stage_medians_over_runs():
+    runs = {name: {"costs": {"forward": [f, 2 * f], "backward": [3.0, 3.0], "update": [1.0, u]}}
+            for name, f, u in (("a", 1.0, 1.0), ("b", 2.0, 5.0), ("c", 9.0, 2.0))}
+    assert pooled_costs(runs) == {"forward": [2.0, 4.0], "backward": [3.0, 3.0],
+                                  "update": [1.0, 2.0]}

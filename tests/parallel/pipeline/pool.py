@@ -1,0 +1,115 @@
+"""A pool of processes, started once, that host the production `Worker` over real gloo process
+groups: each training job is a new process-group generation on the same processes (as after an
+elastic re-form), so comparing many pipeline configurations costs no start-up per run.
+
+The controller and Ray are not involved (the Ray tests cover that path); the worker is driven the
+way the controller drives it: setup, build, run_steps per span, then its state is read back.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from relaytrain.config import RunConfig
+from relaytrain.data.dataset import TokenDataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+JOB_TIMEOUT = 90.0
+
+
+def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
+    from relaytrain.runtime.worker import MODEL_PREFIX, Placement, Worker
+
+    cfg = job["config"]
+    dp, pp = cfg["parallel"]["dp"], cfg["parallel"]["pp"]
+    if rank >= dp * pp:
+        return None
+    worker = Worker(cfg, job["vocab"])
+    try:
+        worker.setup(job["generation"], Placement(rank, dp * pp, rank % dp, dp, rank // dp, pp),
+                     "127.0.0.1", job["port"], 30.0)
+        worker.build(0)
+        steps, first = [], 1
+        for count in job["spans"]:
+            steps += worker.run_steps(first, count)
+            first += count
+        weights = {k[len(MODEL_PREFIX):]: v.numpy().copy()
+                   for k, v in worker.state_tensors().items() if k.startswith(MODEL_PREFIX)}
+    finally:
+        worker.close()
+    for s in steps:
+        s.pop("written", None)
+    return {"rank": rank, "stage": rank // dp, "dp_rank": rank % dp, "steps": steps,
+            "weights": weights}
+
+
+def _serve(rank: int, conn: Any) -> None:
+    torch.set_num_threads(1)
+    while (job := conn.recv()) is not None:
+        try:
+            conn.send(("ok", _job(rank, job)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+class WorkerPool:
+    """`n` worker processes; `train(cfg, spans)` runs one job on the first dp x pp of them."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.generation = 0
+
+    def __enter__(self) -> WorkerPool:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        sys.path.insert(0, ROOT)  # the children import this module by name
+        try:
+            self.conns, self.procs = [], []
+            for rank in range(self.n):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(rank, child), daemon=True)
+                proc.start()
+                self.conns.append(parent)
+                self.procs.append(proc)
+        finally:
+            sys.path.remove(ROOT)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for conn in self.conns:
+            conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+    def train(self, cfg: RunConfig, spans: tuple[int, ...]) -> list[dict[str, Any]]:
+        """One result per rank: per-step results of `run_steps` and the final weights."""
+        if cfg.world_size > self.n:
+            raise ValueError(f"{cfg.world_size} ranks, pool of {self.n}")
+        job = {"config": cfg.to_dict(), "vocab": TokenDataset.open(cfg.data.path).vocab_size,
+               "generation": self.generation, "port": self.store.port, "spans": spans}
+        self.generation += 1
+        for conn in self.conns:
+            conn.send(job)
+        out, errors = [], []
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(JOB_TIMEOUT):
+                raise TimeoutError(f"pool rank {rank} gave no answer in {JOB_TIMEOUT}s")
+            status, result = conn.recv()
+            if status == "error":
+                errors.append(f"rank {rank}:\n{result}")
+            elif result is not None:
+                result["weights"] = {k: torch.from_numpy(v) for k, v in result["weights"].items()}
+                out.append(result)
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return out
+

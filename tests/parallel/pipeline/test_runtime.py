@@ -1,0 +1,317 @@
+"""The pipeline runtime: what each schedule's backward computes when updates happen between a
+micro-batch's F and B (in-process, a middle stage with scripted neighbours), then real
+multi-process pipelines of the production Worker over gloo (a pool of processes started once):
+flush schedules equal the unpipelined model, every schedule reruns bit for bit, measured
+staleness stays within its bound, weight versions are as scheduled, DP x PP in exact mode."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relaytrain.data.loader import Batch
+from relaytrain.model.config import PRESETS
+from relaytrain.model.olmo3 import MLP
+from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec
+from relaytrain.parallel.pipeline.schedules import (
+    build_schedule,
+    staleness,
+    staleness_bound,
+    weight_versions,
+)
+from relaytrain.parallel.reduce import GradReducer
+from tests.parallel.pipeline.pool import WorkerPool
+from tests.runtime.conftest import tiny_config
+
+torch.set_num_threads(1)
+S, STAGE, M, MB, T = 3, 1, 4, 2, 3  # a middle stage of three, 4 micro-batches of [2, 3]
+LR = 0.05
+
+
+class ScriptedNeighbours:
+    """The transport of a middle stage: receives return fixed tensors, sends are kept."""
+
+    def __init__(self, inputs: dict[tuple[int, int], torch.Tensor]):
+        self.inputs = inputs
+        self.sent: dict[tuple[int, int], torch.Tensor] = {}
+        self.waited = 0.0
+
+    def send(self, tensor, dst, tag):
+        self.sent[(dst, tag)] = tensor.detach().clone()
+
+    def recv(self, shape, src, tag):
+        return self.inputs[(src, tag)].clone()
+
+    def drain(self):
+        pass
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD (an in-place update) that keeps the weights and gradient of every step."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=LR)
+        self.log: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def step(self, closure=None):
+        params = self.param_groups[0]["params"]
+        self.log.append(([p.detach().clone() for p in params],
+                         [p.grad.detach().clone() for p in params]))
+        return super().step(closure)
+
+
+def run_middle_stage(schedule: str, mode: str = "perf"):
+    """One span of one global batch through stage 1 of 3, a=1: a U after every B, so update k
+    applies exactly micro-batch k-1's gradient. The stage is the model's SwiGLU MLP."""
+    cfg = PRESETS["tiny"].with_vocab(64)
+    torch.manual_seed(0)
+    mlp = MLP(cfg)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(MB, T, cfg.d_model, generator=g) for _ in range(M)]
+    gs = [torch.randn(MB, T, cfg.d_model, generator=g) for _ in range(M)]
+    inputs = {(0, 2 * m): xs[m] for m in range(M)} | {(2, 2 * m + 1): gs[m] for m in range(M)}
+    net = ScriptedNeighbours(inputs)
+    opt = RecordingSGD(mlp.parameters())
+    spec = StageSpec(schedule=schedule, stage=STAGE, n_stages=S, micro_per_batch=M, dp=1,
+                     micro_batch=MB, seq_len=T, d_model=cfg.d_model, z_loss=0.0, clip=0.0,
+                     recompute=mode == "mem")
+    reducer = GradReducer(list(mlp.parameters()), None, exact=False, total_micro_batches=M)
+    runner = StageRunner(mlp, opt, reducer, spec, net, 0, 2, None, lambda step: LR,
+                         torch.device("cpu"))
+    batch = Batch(0, np.arange(M * MB), np.zeros(M * MB, dtype=np.int64),
+                  [(m, torch.zeros(MB, T + 1, dtype=torch.long)) for m in range(M)])
+    out = runner.run_span(1, [batch])
+    names = [n for n, _ in mlp.named_parameters()]
+    return cfg, names, xs, gs, net, opt, out[0]["pipeline"]
+
+
+def weights(names, tensors):
+    return dict(zip(names, tensors, strict=True))
+
+
+def mlp_closed_form(x, g, w_f, w_b):
+    """Backward of the SwiGLU MLP with activations computed at weights `w_f` and weights read
+    by the backward from `w_b`: the gradients (weights, input)."""
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    a = x2 @ w_f["gate_proj.weight"].T
+    b = x2 @ w_f["up_proj.weight"].T
+    s = F.silu(a)
+    h = s * b
+    dh = g2 @ w_b["down_proj.weight"]
+    ds, db = dh * b, dh * s
+    sig = torch.sigmoid(a)
+    da = ds * sig * (1 + a * (1 - sig))
+    grads = {"down_proj.weight": g2.T @ h, "gate_proj.weight": da.T @ x2,
+             "up_proj.weight": db.T @ x2}
+    dx = da @ w_b["gate_proj.weight"] + db @ w_b["up_proj.weight"]
+    return grads, dx.reshape(x.shape)
+
+
+def exact_gradient(cfg, w, x, g):
+    mlp = MLP(cfg)
+    mlp.load_state_dict(w)
+    xg = x.clone().requires_grad_()
+    mlp(xg).backward(g)
+    return {n: p.grad for n, p in mlp.named_parameters()}, xg.grad
+
+
+def near(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    """Equal up to float rounding: max difference within `tol` of the largest magnitude."""
+    return float((a - b).abs().max()) <= tol * float(b.abs().max())
+
+
+def close(a: dict, b: dict, tol: float = 1e-5) -> bool:
+    return all(near(a[k], b[k], tol) for k in a)
+
+
+def test_naive_inplace_update_between_forward_and_backward_trips_autograd():
+    """The problem the runtime solves: without the aliases, stock autograd refuses."""
+    cfg = PRESETS["tiny"].with_vocab(64)
+    mlp = MLP(cfg)
+    y = mlp(torch.randn(MB, T, cfg.d_model)).sum()
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_paci_perf_mode_uses_forward_time_activations_and_backward_time_weights():
+    cfg, names, xs, gs, net, opt, stats = run_middle_stage("paci")
+    acts = build_schedule("paci", S, M, 1)
+    assert stats["staleness"] == [staleness(acts)[(STAGE, m)] for m in range(M)] == [0, 1, 1, 1]
+    assert stats["weight_versions"] == 1
+    for m in range(1, M):  # F(m) ran after update m-1, B(m) after update m
+        w_f, w_b = weights(names, opt.log[m - 1][0]), weights(names, opt.log[m][0])
+        assert not close(w_f, w_b)
+        grad = weights(names, opt.log[m][1])
+        want, want_dx = mlp_closed_form(xs[m], gs[m], w_f, w_b)
+        assert close(grad, want)
+        assert near(net.sent[(0, 2 * m + 1)], want_dx)
+        # the last layer's gradient needs no weight: it is the exact one at F's weights; the
+        # others are neither the exact gradient at F's weights nor at B's, but the mix above
+        at_f = exact_gradient(cfg, w_f, xs[m], gs[m])[0]
+        at_b = exact_gradient(cfg, w_b, xs[m], gs[m])[0]
+        assert near(grad["down_proj.weight"], at_f["down_proj.weight"])
+        for k in ("gate_proj.weight", "up_proj.weight"):
+            assert not near(grad[k], at_f[k], 1e-3) and not near(grad[k], at_b[k], 1e-3)
+
+
+def test_paci_mem_mode_is_the_exact_gradient_at_the_live_weights():
+    cfg, names, xs, gs, net, opt, stats = run_middle_stage("paci", "mem")
+    assert stats["staleness"] == [0, 1, 1, 1]
+    for m in range(M):
+        w_b = weights(names, opt.log[m][0])
+        want, want_dx = exact_gradient(cfg, w_b, xs[m], gs[m])
+        assert close(weights(names, opt.log[m][1]), want, 1e-6)
+        assert near(net.sent[(0, 2 * m + 1)], want_dx, 1e-6)
+
+
+def test_pipedream_stashes_the_forward_weights_for_the_backward():
+    cfg, names, xs, gs, net, opt, stats = run_middle_stage("pipedream")
+    acts = build_schedule("pipedream", S, M, 1)
+    assert stats["weight_versions"] == weight_versions(acts)[STAGE] == 2
+    for m in range(1, M):
+        w_f = weights(names, opt.log[m - 1][0])
+        want, want_dx = exact_gradient(cfg, w_f, xs[m], gs[m])
+        assert close(weights(names, opt.log[m][1]), want, 1e-6)
+        assert near(net.sent[(0, 2 * m + 1)], want_dx, 1e-6)
+    # the forward sent downstream used the live weights at F too
+    y = MLP(cfg)
+    y.load_state_dict(weights(names, opt.log[1][0]))
+    with torch.no_grad():
+        assert near(net.sent[(2, 4)], y(xs[2]), 1e-6)
+
+
+# ---- real multi-process pipelines ----------------------------------------------------------
+
+STEPS = 4  # M = 4 micro-batches per step (global batch 8, micro-batch 2)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(4) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def runs(pool, corpus_data, tmp_path_factory):
+    """Results of each configuration, computed once for the tests below."""
+    cache: dict[tuple[str, ...], list[dict]] = {}
+    base = tmp_path_factory.mktemp("pool")
+
+    def run(*overrides: str, spans: tuple[int, ...] = (STEPS,), again: bool = False):
+        key = (*overrides, str(spans), str(again))
+        if key not in cache:
+            cfg = tiny_config(base / str(len(cache)), corpus_data, f"train.max_steps={STEPS}",
+                              "runtime.engine=ray", *overrides)
+            cache[key] = pool.train(cfg, spans)
+        return cache[key]
+
+    return run
+
+
+def final_weights(results: list[dict]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        out.update(r["weights"])
+    return out
+
+
+def step_losses(results: list[dict]) -> list[float]:
+    """The step loss as the controller combines it: mean over micro-batches in index order."""
+    per_step = []
+    for i in range(STEPS):
+        losses = {}
+        for r in results:
+            losses.update(r["steps"][i]["losses"])
+        per_step.append(math.fsum(losses[j][0] for j in range(len(losses))) / len(losses))
+    return per_step
+
+
+def last_stage(results: list[dict]) -> dict:
+    return max(results, key=lambda r: (r["stage"], -r["dp_rank"]))
+
+
+def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest per-tensor relative difference, |a - b| / |b| in the 2-norm."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in a)
+
+
+@pytest.mark.timeout(120)
+def test_flush_schedules_give_the_unpipelined_gradients_and_curve(runs, capsys):
+    ref = runs()
+    ref_w, ref_loss = final_weights(ref), step_losses(ref)
+    ref_norms = [s["grad_norm"] for s in ref[0]["steps"]]
+    got = {}
+    for name in ("gpipe", "1f1b"):
+        res = runs("parallel.pp=2", f"parallel.schedule={name}")
+        got[name] = final_weights(res)
+        norms = [s["grad_norm"] for s in last_stage(res)["steps"]]
+        diffs = {"weights": max_rel(got[name], ref_w),
+                 "loss": max(abs(a / b - 1) for a, b in zip(step_losses(res), ref_loss,
+                                                            strict=True)),
+                 "grad_norm": max(abs(a / b - 1) for a, b in zip(norms, ref_norms, strict=True))}
+        with capsys.disabled():
+            print(f"\n{name} pp=2 vs unpipelined, max relative difference: {diffs}")
+        assert max(diffs.values()) <= 1e-6
+    assert all(torch.equal(got["gpipe"][k], got["1f1b"][k]) for k in ref_w)
+
+
+@pytest.mark.timeout(120)
+def test_paci_flushing_every_batch_with_a_batch_per_update_is_1f1b(runs):
+    f1b = runs("parallel.pp=2", "parallel.schedule=1f1b")
+    paci = runs("parallel.pp=2", "parallel.schedule=paci", "parallel.paci.flush=true",
+                "parallel.paci.a=4", spans=(2, 2))
+    assert step_losses(paci) == step_losses(f1b)
+    w, ref = final_weights(paci), final_weights(f1b)
+    assert all(torch.equal(w[k], ref[k]) for k in ref)
+
+
+ASYNC = [("pipedream", "perf", 2), ("paci", "perf", 2), ("paci", "mem", 2), ("paci", "perf", 4)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "mode", "pp"), ASYNC)
+def test_async_schedules_rerun_bit_identically_within_their_staleness_bound(runs, name, mode,
+                                                                            pp):
+    opts = ("model.n_layers=4",) if pp == 4 else ()
+    args = (*opts, f"parallel.pp={pp}", f"parallel.schedule={name}",
+            f"parallel.paci.mode={mode}")
+    first, again = runs(*args, spans=(2, 2)), runs(*args, spans=(2, 2), again=True)
+    assert step_losses(first) == step_losses(again)
+    w, w2 = final_weights(first), final_weights(again)
+    assert all(torch.equal(w[k], w2[k]) for k in w)
+    acts = build_schedule(name, pp, M, 2)
+    for r in first:
+        bound = staleness_bound(name, r["stage"], pp)
+        seen = [x for s in r["steps"] for x in s["pipeline"]["staleness"]]
+        assert max(seen) <= bound == r["steps"][0]["pipeline"]["staleness_bound"]
+        assert seen == [staleness(acts)[(r["stage"], m)] for m in range(2 * M)] * 2
+        expected = weight_versions(acts)[r["stage"]] if name == "pipedream" else 1
+        assert r["steps"][0]["pipeline"]["weight_versions"] == expected
+
+
+@pytest.mark.timeout(120)
+def test_every_flush_schedule_reruns_bit_identically(runs):
+    for name in ("gpipe", "1f1b"):
+        a = runs("parallel.pp=2", f"parallel.schedule={name}")
+        b = runs("parallel.pp=2", f"parallel.schedule={name}", again=True)
+        assert step_losses(a) == step_losses(b)
+        assert all(torch.equal(x, final_weights(b)[k]) for k, x in final_weights(a).items())
+
+
+@pytest.mark.timeout(120)
+def test_dp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_model(runs):
+    ref = runs("determinism=exact")
+    res = runs("determinism=exact", "parallel.pp=2", "parallel.dp=2")
+    assert step_losses(res) == step_losses(ref)
+    w, ref_w = final_weights([r for r in res if r["dp_rank"] == 0]), final_weights(ref)
+    assert all(torch.equal(w[k], ref_w[k]) for k in ref_w)
+    replica = final_weights([r for r in res if r["dp_rank"] == 1])
+    assert all(torch.equal(w[k], replica[k]) for k in ref_w)
