@@ -16,4 +16,4 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
     "$VPY" -m pip install -q "torch==2.13.0"
   fi
 fi
-"$VPY" -m pip install -q -e ".[dev]"
+"$VPY" -m pip install -q -e ".[dev,storage]"

@@ -312,7 +312,7 @@ def bench_checkpoint_remote(quick: bool = False,
     return {"bench": "checkpoint-remote", "repeats": repeats, "servers": results}
 
 
-def format_remote_report(result: dict[str, Any]) -> str:
+def format_report(result: dict[str, Any]) -> str:
     """One human-readable line per server and preset."""
     lines = []
     for scheme, presets in result["servers"].items():

@@ -23,6 +23,7 @@ from relaytrain.storage import is_transient, redact
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
 def snapshot_to_host(tensors: dict[str, torch.Tensor],
                      out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU copies of `tensors`, independent of the originals.

@@ -1,0 +1,47 @@
+"""Fixtures shared across the suite: real object-storage servers on 127.0.0.1.
+
+Each test gets its own freshly started server process with one empty bucket, and the
+environment (`AWS_ENDPOINT_URL_S3` + test keys, or `STORAGE_EMULATOR_HOST`) pointing
+`relaytrain.storage` at it; the server is stopped and its files deleted when the test ends.
+The server object can be paused, killed and started again for fault injection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from relaytrain.bench.storage import GCSServer, LocalServer, S3Server
+
+
+def _serve(cls: type[LocalServer], monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalServer]:
+    server = cls()
+    try:
+        try:
+            server.start()
+        except Exception as e:  # a missing package (UserError) or a server that won't start
+            pytest.fail(f"could not start the {cls.scheme}:// test server: {e}", pytrace=False)
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalServer]:
+    """A moto S3-API server (objects in memory: lost when it is killed)."""
+    yield from _serve(S3Server, monkeypatch)
+
+
+@pytest.fixture
+def gcs_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalServer]:
+    """A fake-gcs-server GCS-API server (objects on disk: they survive a kill)."""
+    yield from _serve(GCSServer, monkeypatch)
+
+
+@pytest.fixture(params=["s3", "gs"])
+def object_server(request: pytest.FixtureRequest) -> LocalServer:
+    """Each object-storage server in turn."""
+    return request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
