@@ -8,6 +8,8 @@ from urllib.parse import urlencode
 import aiohttp
 import pytest
 
+from tests.runtime.conftest import corpus_data  # noqa: F401  (a shared fixture)
+
 
 class HttpLog(list):
     """(method, url with query) of every request sent, in order; `hook(method, url)`, if set,
@@ -36,3 +38,4 @@ def http_requests(monkeypatch: pytest.MonkeyPatch) -> HttpLog:
 
     monkeypatch.setattr(aiohttp.ClientSession, "_request", logged)
     return log
+

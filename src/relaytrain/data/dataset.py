@@ -151,11 +151,12 @@ class TokenDataset:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> TokenDataset:
-        root = Path(path)
+        if "://" in str(path) and not str(path).startswith("file://"):
+            from relaytrain.data.remote import fetch_prepared
+
+            path = fetch_prepared(str(path))  # a verified local copy, cached
+        root = Path(str(path).removeprefix("file://"))
         what = "a directory written by `relaytrain data prepare`"
-        if "://" in str(path):
-            raise DataError(f"data dir {path}: must be a local directory (token files are "
-                            "memory-mapped); copy it locally first")
         if not root.is_dir():
             raise DataError(f"data dir {root} does not exist or is not a directory; "
                             f"expected {what}")

@@ -18,6 +18,7 @@ import fsspec
 from fsspec.utils import infer_compression
 
 from relaytrain.errors import DataError
+from relaytrain.storage import filesystem
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -62,7 +63,7 @@ def resolve(specs: Sequence[str]) -> list[SourceFile]:
     files: list[SourceFile] = []
     for spec in specs:
         try:
-            fs, path = fsspec.core.url_to_fs(spec)
+            fs, path = filesystem(spec)
             if _has_magic(path):
                 paths = sorted(p for p, info in fs.glob(path, detail=True).items()
                                if info["type"] == "file")
