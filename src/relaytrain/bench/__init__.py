@@ -9,17 +9,19 @@ from typing import Any
 
 from relaytrain.errors import UserError
 
-# name -> (module, function); the module may define format_report(result) -> str.
+# name -> (module, function); the module may define a formatter (FORMATTERS, else
+# format_report(result) -> str).
 BENCHES = {
     "train-throughput": ("relaytrain.bench.train_throughput", "bench_train_throughput"),
     "dp-scaling": ("relaytrain.bench.dp_scaling", "bench_dp_scaling"),
     "recovery": ("relaytrain.bench.recovery", "bench_recovery"),
     "pipeline": ("relaytrain.bench.pipeline", "bench_pipeline"),
-    "checkpoint": ("relaytrain.bench.checkpoint", "bench_checkpoint_local"),
-    "checkpoint-remote": ("relaytrain.bench.storage", "bench_checkpoint_remote"),
+    "checkpoint": ("relaytrain.bench.storage", "bench_checkpoint"),
     "prepare": ("relaytrain.bench.data", "bench_prepare"),
     "loader": ("relaytrain.bench.loader_vs_training", "bench_loader_vs_training"),
 }
+
+FORMATTERS = {"checkpoint": "format_all"}
 
 
 def cli_bench(args: Any) -> int:
@@ -33,8 +35,8 @@ def cli_bench(args: Any) -> int:
     result = getattr(module, func)(**kwargs)
     if args.json:
         print(json.dumps(result, default=str))
-    elif hasattr(module, "format_report"):
-        print(module.format_report(result))
+    elif hasattr(module, FORMATTERS.get(args.name, "format_report")):
+        print(getattr(module, FORMATTERS.get(args.name, "format_report"))(result))
     else:
         print(json.dumps(result, indent=2, default=str))
     return 0

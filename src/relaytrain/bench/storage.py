@@ -391,3 +391,19 @@ def _timed(fn: Callable[..., object], *args: Any) -> float:
     t0 = time.perf_counter()
     fn(*args)
     return time.perf_counter() - t0
+
+
+def bench_checkpoint(quick: bool = False) -> dict[str, Any]:
+    """`relaytrain bench checkpoint`: local disk and both object-storage servers, each against
+    its own raw bandwidth measured in the same run (quick: the `small` preset only)."""
+    from relaytrain.bench.checkpoint import bench_checkpoint_local
+
+    sizes = ("small",) if quick else ("small", "olmo3-190m")
+    return {"local": bench_checkpoint_local(sizes, quick=quick),
+            "remote": bench_checkpoint_remote(quick, sizes=sizes)}
+
+
+def format_all(result: dict[str, Any]) -> str:
+    from relaytrain.bench.checkpoint import format_report as format_local
+
+    return format_local(result["local"]) + "\n" + format_report(result["remote"])

@@ -1,0 +1,340 @@
+"""`relaytrain bench train-throughput`: our training step against HF transformers' training
+step of the same Olmo 3, side by side in one process.
+
+Both models hold the same weights (`parity.hf.hf_twin`), see the same batches (random tokens
+from a seeded generator, `micro_batch` sequences of `seq_len` + 1 tokens, the next-token labels
+already shifted) and are trained by the same optimizer: torch AdamW built the way our worker
+builds it (`train.optim.build_optimizer`, Olmo parameter groups, foreach on the CPU, fused on
+CUDA), mapped onto HF's parameter names. A step is forward, loss, backward, global-norm clip
+(1.0), AdamW update, gradients cleared, and the loss read back as a float.
+
+- Ours: `train.step.train_step` exactly as the worker calls it (a no-op gradient reduction),
+  with the z-loss on (1e-5, the default) that HF does not have: ours does a little more work.
+- HF: `Olmo3ForCausalLM(input_ids, labels=..., shift_labels=...)` with SDPA attention and its
+  own `ForCausalLMLoss`, `use_cache=False`, `clip_grad_norm_`, `optimizer.step()`,
+  `zero_grad(set_to_none=True)`: the loop a user writes around a HF model.
+- On CUDA (issue 9): bf16 autocast with fp32 master weights for both, fused AdamW, and a third
+  variant, HF's model under `torch.compile` (sharing the HF model's weights and optimizer).
+
+The machine may be shared, so the variants are interleaved: every round runs `steps` steps of
+each, in an order that alternates between rounds, and the ratio is the median of the per-round
+ratios (a load change hits both sides of a round alike); tokens/s are medians over rounds. The
+load average before and after and the CPU seconds each step burned are reported with them.
+MFU uses `model.accounting.flops_per_token` (the same for both models) against
+`train.metrics.peak_flops` (on the CPU: a measured fp32 matmul at the same thread count).
+Memory: on CUDA the allocator's peak during each variant's steps (and above what was resident
+when its step began); on the CPU, which keeps no allocator statistics, the bytes each model
+saves for its backward in one forward (activations, parameters excluded).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from relaytrain.config import OptimSection, TrainSection
+from relaytrain.errors import UserError
+from relaytrain.model.accounting import flops_per_token, param_count
+from relaytrain.model.config import PRESETS
+from relaytrain.model.hf import ours_to_hf_name
+from relaytrain.model.init import init_weights
+from relaytrain.model.olmo3 import Olmo3
+from relaytrain.parallel.reduce import GradReducer
+from relaytrain.train.loss import lm_loss
+from relaytrain.train.metrics import peak_flops
+from relaytrain.train.optim import build_optimizer
+from relaytrain.train.step import autocast_for, train_step
+
+DEFAULT_TOKENIZER_VOCAB = 8192  # the demo's BPE vocabulary, for presets sized by the data
+TARGET_RATIO = 1.25  # issue 4: ours at least this much faster on the CPU, `small` preset
+POOL = 4  # distinct batches, cycled
+
+
+def _hf_optimizer(hf: nn.Module, ours: nn.Module, ours_opt: torch.optim.Optimizer
+                  ) -> torch.optim.Optimizer:
+    """AdamW over HF's parameters with our optimizer's groups and settings, name for name."""
+    hf_params = dict(hf.named_parameters())
+    group_of = {id(p): i for i, g in enumerate(ours_opt.param_groups) for p in g["params"]}
+    groups: list[dict[str, Any]] = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": []}
+        for g in ours_opt.param_groups]
+    for name, p in ours.named_parameters():
+        groups[group_of[id(p)]]["params"].append(hf_params[ours_to_hf_name(name)])
+    defaults = ours_opt.defaults
+    kwargs = {k: defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "foreach", "fused")}
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def _saved_bytes(run: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> int:
+    """Bytes of distinct storages saved for backward by `run()` (parameters excluded)."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    del loss
+    return sum(seen.values())
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def bench_train_throughput(device: str = "cpu", quick: bool = False, preset: str = "small",
+                           *, seq_len: int | None = None, micro_batch: int | None = None,
+                           threads: int = 2, rounds: int | None = None,
+                           steps: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """Tokens/s, MFU and memory of our training step and HF's, and their ratio (see module doc).
+
+    Defaults: CPU: sequences of min(256, max_seq_len) tokens, micro-batch 8, `threads` torch
+    threads, 5 rounds of 2 steps per variant after 2 warm-up steps (`quick`: 2 rounds of 1
+    after 1). CUDA: min(4096, max_seq_len) tokens, micro-batch 4, 5 rounds of 5 steps.
+    """
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise UserError("bench train-throughput needs HF transformers (pip install "
+                        "'relaytrain[parity]')") from e
+    from relaytrain.parity.hf import hf_twin
+
+    if preset not in PRESETS:
+        raise UserError(f"bench train-throughput: unknown model preset {preset!r}; expected one "
+                        f"of {sorted(PRESETS)}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise UserError(f"bench train-throughput: --device {device!r}; expected cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("bench train-throughput: --device cuda, but CUDA is not available")
+    cuda = dev.type == "cuda"
+    cfg = PRESETS[preset]
+    if cfg.vocab_size is None:
+        cfg = cfg.with_vocab(DEFAULT_TOKENIZER_VOCAB)
+    seq_len = seq_len or min(4096 if cuda else 256, cfg.max_seq_len)
+    micro_batch = micro_batch or (4 if cuda else 8)
+    warmup = 1 if quick else (3 if cuda else 2)
+    rounds = rounds or (2 if quick else 5)
+    steps = steps or (1 if quick else (5 if cuda else 2))
+    tokens = micro_batch * seq_len
+
+    prev_threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(threads)
+    try:
+        return _run(cfg, preset, dev, seq_len, micro_batch, tokens, warmup, rounds, steps,
+                    threads, seed, hf_twin)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: int,
+         tokens: int, warmup: int, rounds: int, steps: int, threads: int, seed: int,
+         hf_twin: Callable[[nn.Module], nn.Module]) -> dict[str, Any]:
+    cuda = dev.type == "cuda"
+    optim_cfg, train_cfg = OptimSection(), TrainSection()
+    ours = Olmo3(cfg)
+    init_weights(ours, seed)
+    hf = hf_twin(ours)
+    ours.to(dev).train()
+    hf.to(dev).train()
+    ours_opt = build_optimizer(ours, optim_cfg, fused=cuda)
+    hf_opt = _hf_optimizer(hf, ours, ours_opt)
+    ours_params, hf_params = list(ours.parameters()), list(hf.parameters())
+    reducer = GradReducer(ours_params, None, exact=False, total_micro_batches=1)
+
+    gen = torch.Generator().manual_seed(seed)
+    n_tokens = cfg.tokenizer_vocab or cfg.vocab_size
+    batches = [torch.randint(0, n_tokens, (micro_batch, seq_len + 1), generator=gen)
+               for _ in range(POOL)]
+    batches = [b.to(dev) if cuda else b for b in batches]
+    labels = [b[:, 1:].contiguous() for b in batches]
+
+    def ours_step(i: int) -> float:
+        out = train_step(ours, ours_opt, reducer, [(0, batches[i % POOL])], 1,
+                         train_cfg.z_loss, train_cfg.clip, dev)
+        return out.losses[0][1]  # the cross-entropy (HF's loss has no z-loss)
+
+    def hf_step_with(model: nn.Module) -> Callable[[int], float]:
+        def step(i: int) -> float:
+            b = batches[i % POOL]
+            with autocast_for(dev):
+                out = model(input_ids=b[:, :-1], labels=labels[i % POOL],
+                            shift_labels=labels[i % POOL], use_cache=False)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(hf_params, train_cfg.clip, foreach=True)
+            hf_opt.step()
+            hf_opt.zero_grad(set_to_none=True)
+            return float(out.loss.detach())
+        return step
+
+    variants: dict[str, Callable[[int], float]] = {"ours": ours_step, "hf": hf_step_with(hf)}
+    if cuda:
+        variants["hf_compiled"] = hf_step_with(torch.compile(hf))
+
+    # Memory: what each model saves for its backward (CPU), before any timing.
+    saved = {}
+    if not cuda:
+        b0 = batches[0]
+        saved["ours"] = _saved_bytes(
+            lambda: lm_loss(ours(b0[:, :-1]), labels[0], train_cfg.z_loss,
+                            overwrite_logits=True)[0], ours_params)
+        saved["hf"] = _saved_bytes(
+            lambda: hf(input_ids=b0[:, :-1], labels=labels[0], shift_labels=labels[0],
+                       use_cache=False).loss, hf_params)
+        saved["hf_compiled"] = None
+        ours.zero_grad(set_to_none=True)
+        hf.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    first_loss: dict[str, float] = {}
+    for name, fn in variants.items():  # warm-up (and compilation); same first batch for all
+        for i in range(warmup):
+            loss = fn(i)
+            first_loss.setdefault(name, loss)
+        sync()
+
+    load_before = _load()
+    step_s: dict[str, list[float]] = {k: [] for k in variants}
+    cpu_s: dict[str, list[float]] = {k: [] for k in variants}
+    peak: dict[str, int] = dict.fromkeys(variants, 0)
+    over: dict[str, int] = dict.fromkeys(variants, 0)
+    i = warmup
+    for r in range(rounds):
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in order:
+            fn = variants[name]
+            if cuda:
+                resident = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            sync()
+            w0, c0 = time.perf_counter(), time.process_time()
+            for k in range(steps):
+                fn(i + k)
+            sync()
+            step_s[name].append((time.perf_counter() - w0) / steps)
+            cpu_s[name].append((time.process_time() - c0) / steps)
+            if cuda:
+                p = torch.cuda.max_memory_allocated(dev)
+                peak[name] = max(peak[name], p)
+                over[name] = max(over[name], p - resident)
+        i += steps
+    load_after = _load()
+
+    fpt = flops_per_token(cfg, seq_len)
+    peak_rate, peak_source = peak_flops(dev, threads)
+    out: dict[str, Any] = {
+        "bench": "train-throughput", "device": str(dev), "preset": preset,
+        "settings": {
+            "d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+            "head_dim": cfg.head_dim, "mlp_hidden": cfg.mlp_hidden,
+            "tokenizer_vocab": cfg.tokenizer_vocab, "vocab_size": cfg.vocab_size,
+            "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types),
+            "params": param_count(cfg), "seq_len": seq_len, "micro_batch": micro_batch,
+            "tokens_per_step": tokens, "threads": torch.get_num_threads() if not cuda else None,
+            "dtype": "bf16 autocast, fp32 master weights" if cuda else "float32",
+            "optimizer": {"name": "torch.optim.AdamW", "lr": optim_cfg.lr,
+                          "betas": list(optim_cfg.betas), "eps": optim_cfg.eps,
+                          "weight_decay": optim_cfg.weight_decay,
+                          "embeddings_decayed": optim_cfg.decay_embeddings,
+                          "impl": "fused" if cuda else "foreach"},
+            "clip": train_cfg.clip, "z_loss_ours": train_cfg.z_loss,
+            "hf_attn_implementation": "sdpa", "transformers": _transformers_version(),
+            "torch": torch.__version__, "warmup_steps": warmup, "rounds": rounds,
+            "steps_per_round": steps,
+        },
+        "flops_per_token": fpt, "peak_flops": peak_rate, "peak_source": peak_source,
+        "load_before": load_before, "load_after": load_after, "cpus": os.cpu_count(),
+    }
+    for name in variants:
+        med = statistics.median(step_s[name])
+        out[name] = {
+            "tokens_per_s": tokens / med, "step_s": med,
+            "step_s_all": [round(x, 4) for x in step_s[name]],
+            "cpu_s_per_step": statistics.median(cpu_s[name]),
+            "mfu": fpt * tokens / med / peak_rate if peak_rate else None,
+            "peak_memory_bytes": peak[name] if cuda else None,
+            "step_memory_bytes": over[name] if cuda else None,
+            "saved_activation_bytes": saved.get(name),
+            "first_loss": first_loss[name],
+        }
+    paired = [h / o for o, h in zip(step_s["ours"], step_s["hf"], strict=True)]
+    out["ratio"] = statistics.median(paired)
+    out["ratio_rounds"] = [round(x, 4) for x in paired]
+    out["ratio_of_medians"] = out["ours"]["tokens_per_s"] / out["hf"]["tokens_per_s"]
+    out["cpu_ratio"] = out["hf"]["cpu_s_per_step"] / out["ours"]["cpu_s_per_step"]
+    if cuda:
+        out["ratio_vs_compiled"] = statistics.median(
+            [h / o for o, h in zip(step_s["ours"], step_s["hf_compiled"], strict=True)])
+    out["target_ratio"] = TARGET_RATIO if (preset == "small" and not cuda) else None
+    return out
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    s = r["settings"]
+    where = (f"{r['device']}, {s['threads']} threads" if s["threads"] else r["device"])
+    lines = [
+        f"train throughput, preset {r['preset']} ({s['params'] / 1e6:.1f}M params, d_model "
+        f"{s['d_model']}, {s['n_layers']} layers, vocab {s['tokenizer_vocab']} padded "
+        f"{s['vocab_size']}), seq {s['seq_len']} x micro-batch {s['micro_batch']} = "
+        f"{s['tokens_per_step']} tokens/step, {where}, {s['dtype']}, AdamW "
+        f"{s['optimizer']['impl']}",
+        f"{'':18}{'tokens/s':>10}{'step ms':>10}{'CPU s/step':>12}{'MFU':>8}"
+        f"{'memory':>14}  first loss",
+    ]
+    names = {"ours": "relaytrain", "hf": "HF transformers", "hf_compiled": "HF compiled"}
+    for key, label in names.items():
+        if key not in r:
+            continue
+        v = r[key]
+        mem = v["peak_memory_bytes"] if v["peak_memory_bytes"] is not None else \
+            v["saved_activation_bytes"]
+        mfu = "-" if v["mfu"] is None else f"{100 * v['mfu']:.1f}%"
+        lines.append(f"{label:<18}{v['tokens_per_s']:>10,.0f}{1e3 * v['step_s']:>10,.0f}"
+                     f"{v['cpu_s_per_step']:>12.2f}{mfu:>8}{_mib(mem):>14}  "
+                     f"{v['first_loss']:.4f}")
+    memory_kind = ("allocator peak" if r["ours"]["peak_memory_bytes"] is not None
+                   else "saved for backward in one forward")
+    target = (f"; target >= {r['target_ratio']:.2f}x: "
+              f"{'met' if r['ratio'] >= r['target_ratio'] else 'NOT met'}"
+              if r.get("target_ratio") else "")
+    lines.append(f"ours / HF: {r['ratio']:.2f}x tokens/s (median of {len(r['ratio_rounds'])} "
+                 f"paired rounds {r['ratio_rounds']}; ratio of medians "
+                 f"{r['ratio_of_medians']:.2f}x; CPU time {r['cpu_ratio']:.2f}x){target}")
+    if "ratio_vs_compiled" in r:
+        lines.append(f"ours / HF compiled: {r['ratio_vs_compiled']:.2f}x")
+    lines.append(f"memory column: {memory_kind}; MFU peak {r['peak_flops'] / 1e9:,.0f} GFLOP/s "
+                 f"({r['peak_source']}), {r['flops_per_token'] / 1e6:,.1f} MFLOP/token")
+    lines.append(f"load average before {r['load_before']}, after {r['load_after']} on "
+                 f"{r['cpus']} CPUs ({s['rounds']} rounds x {s['steps_per_round']} steps per "
+                 f"variant, interleaved, after {s['warmup_steps']} warm-up)")
+    return "\n".join(lines)
