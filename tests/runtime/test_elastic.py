@@ -16,7 +16,7 @@ from tests.runtime.conftest import final_state, same_tensors, step_records, tiny
 pytestmark = pytest.mark.timeout(300)
 
 COMMON = ("runtime.engine=ray", "train.global_batch=12", "train.micro_batch=1", "eval.every=4",
-          "checkpoint.every=4", "runtime.call_timeout=6", "runtime.collective_timeout=10",
+          "checkpoint.every=4", "runtime.call_timeout=6", "runtime.collective_timeout=3",
           "elastic.replace_timeout=20")
 
 

@@ -35,7 +35,9 @@ def _free_port() -> int:
 def cluster_env():
     """Environment for every process of the test cluster: token auth, fast node-death checks,
     and every address on loopback (Ray otherwise swaps 127.0.0.1 for the host's IP)."""
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
+    # Ray keeps the first token a process loaded: reuse the one this process may have.
+    token = os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32)
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="4",
                RAY_TMPDIR=tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: socket paths
