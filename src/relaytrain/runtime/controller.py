@@ -399,28 +399,33 @@ class Controller:
         assert self.engine is not None
         t_detect = time.time()
         cfg = self.cfg
-        rank = self.members.index(failure.wid) if failure.wid in self.members else -1
-        fired = self.faults.fired_at.get(self.engine.pid(failure.wid)) \
-            if failure.wid in self.members else None
-        warn(f"step {done + 1}: worker rank {rank} (pid "
-             f"{self.engine.pid(failure.wid) if failure.wid in self.members else '?'}) "
-             f"{failure.kind}: {failure.message}")
+        pids = {w: self.engine.pid(w) for w in self.members}
         self.recovery_times.append(t_detect)
         window = [t for t in self.recovery_times if t > t_detect - cfg.elastic.recovery_window]
         if len(window) > cfg.elastic.max_recoveries:
             raise RecoveryLimitExceeded(
                 f"{len(window)} recoveries within {cfg.elastic.recovery_window:.0f}s exceed "
                 f"elastic.max_recoveries={cfg.elastic.max_recoveries}: stopping a crash loop "
-                f"(last failure: rank {rank} {failure.kind}: {failure.message})")
+                f"(last failure: {failure})")
         t_replace0 = time.time()
-        failed = {failure.wid}
+        failed: set[int] = set()
         if not isinstance(failure, WorkerRaised):
+            failed.add(failure.wid)
             self.engine.kill(failure.wid)  # a hung peer must go before its partners unblock
         # Survivors blocked on the failed worker inside a collective fail with it (a closed
         # connection) or at the collective timeout: keep runtime.collective_timeout short.
-        for wid, err in self.engine.settle(cfg.runtime.collective_timeout + 5).items():
-            if isinstance(err, WorkerDied | WorkerHung | NodeLost):
-                failed.add(wid)
+        settled = self.engine.settle(cfg.runtime.collective_timeout + 5)
+        failed |= {w for w, e in settled.items() if isinstance(e, WorkerDied | WorkerHung
+                                                                  | NodeLost)}
+        if not failed:  # only exceptions: the worker that raised first is the failure
+            failed.add(failure.wid)
+        elif isinstance(failure, WorkerRaised):
+            # A collective error is collateral: name the worker that died or hung.
+            failure = next(settled[w] for w in sorted(failed) if w in settled)
+        rank = self.members.index(failure.wid) if failure.wid in self.members else -1
+        fired = self.faults.fired_at.get(pids.get(failure.wid, -1))
+        warn(f"step {done + 1}: worker rank {rank} (pid {pids.get(failure.wid, '?')}) "
+             f"{failure.kind}: {failure.message}")
         for wid in failed:
             self.engine.kill(wid)
         if cfg.faults.hold_capacity_s > 0:
