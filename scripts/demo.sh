@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 R=.venv/bin/relaytrain
 if [ ! -f data/demo/index.json ]; then
-  "$R" data prepare --demo --tokenizer bpe:8192 --out data/demo
+  "$R" data prepare --demo --tokenizer bpe:4096 --out data/demo
 fi
 rm -rf runs/demo  # the demo always starts fresh; `relaytrain train` on a run dir resumes it
 "$R" train configs/demo.yaml "$@"
