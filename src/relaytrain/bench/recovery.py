@@ -2,7 +2,7 @@
 time from each kill to the next completed step, split by phase, and the steps lost.
 
 Settings a user of tiny steps would choose: one warm spare (a replacement is a promotion), and a
-2 s collective timeout (the tiny step's collectives take milliseconds; a survivor waiting on
+1 s collective timeout (the tiny step's collectives take milliseconds; a survivor waiting on
 the dead worker through a peer gives up after it)."""
 
 from __future__ import annotations
@@ -18,14 +18,17 @@ from relaytrain.bench.common import demo_data, run_training
 def bench_recovery(quick: bool = False, kills: int | None = None, spares: int = 1
                    ) -> dict[str, Any]:
     kills = kills or (3 if quick else 8)
-    steps = 4 * kills + 6
+    # Kills 30 tiny steps (a few seconds) apart: time for the promoted spare to be replaced by
+    # a new warm one, as between real failures.
+    at = [10 + 30 * i for i in range(kills)]
+    steps = at[-1] + 10
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
         data = demo_data(tmp, max_docs=100, vocab=512)
         summary = run_training([f"data.path={data}", f"run_dir={os.path.join(tmp, 'run')}",
                                 "runtime.engine=ray", "parallel.dp=4",
-                                f"train.max_steps={steps}", f"faults.random_kills={kills}",
+                                f"train.max_steps={steps}", f"faults.kill_at={at}",
                                 f"elastic.spares={spares}", "runtime.call_timeout=30",
-                                "runtime.collective_timeout=2"])
+                                "runtime.collective_timeout=1"])
     recs = summary["recoveries"]
     totals = [r["total_s"] for r in recs]
     phases = {p: statistics.median(r["phases"][p] for r in recs if r["phases"][p] is not None)

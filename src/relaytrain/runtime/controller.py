@@ -497,6 +497,8 @@ class Controller:
         rec["phases"]["first_step"] = now - rec.pop("t_ready")
         rec["total_s"] = now - rec.pop("t_fault")
         self.recovery_log.append(self.metrics.write("recovery", step=step, **rec))
+        assert self.engine is not None
+        self.engine.refill()
 
     def _shrink(self, survivors: list[int]) -> list[int]:
         """Continue on fewer workers with the same global batch: the largest DP size the

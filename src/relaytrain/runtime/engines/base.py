@@ -34,6 +34,11 @@ class Engine(ABC):
         failure if it failed or did not finish in time."""
         return {}
 
+    def refill(self) -> None:
+        """Start standby spares again after some were promoted (off the recovery path).
+        Engines without spares have nothing to do."""
+        return None
+
     def has_capacity(self, wait: float) -> bool:
         """Whether one more worker could be placed now (for growing back after a shrink)."""
         return False

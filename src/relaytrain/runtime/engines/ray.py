@@ -150,8 +150,7 @@ class RayEngine(Engine):
             except (WorkerFailure, ray.exceptions.RayError):
                 self.kill(wid)
                 continue
-            self._refill()
-            return wid
+            return wid  # the controller refills spares once training runs again
         wid = self._create(worker_args, wait)
         if wid is None:
             raise WorkerDied(-1, f"no capacity to place a worker ({self._bundle()}) within "
@@ -177,6 +176,9 @@ class RayEngine(Engine):
         self._pids.update({w: int(p) for w, p in pids.items()})
         self._refill()
         return wids
+
+    def refill(self) -> None:
+        self._refill()
 
     def _refill(self) -> None:
         while len(self._spares) < self.cfg.elastic.spares and self._worker_args is not None:
