@@ -47,24 +47,25 @@ _LAYER_NAMES_INV = {v: k for k, v in _LAYER_NAMES.items()}
 VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # tensors with one row per vocabulary entry
 
 
+def _rename(name: str, names: dict[str, str], layer_names: dict[str, str], src: str, dst: str,
+            what: str) -> str:
+    if name in names:
+        return names[name]
+    m = re.fullmatch(rf"{re.escape(src)}(\d+)\.(.+)", name)
+    if m and m[2] in layer_names:
+        return f"{dst}{m[1]}.{layer_names[m[2]]}"
+    raise ValueError(f"not an {what} parameter name: {name!r}")
+
+
 def ours_to_hf_name(name: str) -> str:
     """`layers.3.attn_norm.weight` -> `model.layers.3.post_attention_layernorm.weight`."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m[2] in _LAYER_NAMES:
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
-    raise ValueError(f"not an Olmo 3 parameter name: {name!r}")
+    return _rename(name, _GLOBAL_NAMES, _LAYER_NAMES, "layers.", "model.layers.", "Olmo 3")
 
 
 def hf_to_ours_name(name: str) -> str:
     """`model.layers.3.post_attention_layernorm.weight` -> `layers.3.attn_norm.weight`."""
-    if name in _GLOBAL_NAMES_INV:
-        return _GLOBAL_NAMES_INV[name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m[2] in _LAYER_NAMES_INV:
-        return f"layers.{m[1]}.{_LAYER_NAMES_INV[m[2]]}"
-    raise ValueError(f"not an HF Olmo 3 parameter name: {name!r}")
+    return _rename(name, _GLOBAL_NAMES_INV, _LAYER_NAMES_INV, "model.layers.", "layers.",
+                   "HF Olmo 3")
 
 
 def ours_to_hf_state(tensors: Mapping[str, Tensor], cfg: Olmo3Config) -> dict[str, Tensor]:
