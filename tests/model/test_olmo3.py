@@ -171,6 +171,39 @@ def test_rmsnorm_normalises_in_fp32_and_returns_the_input_dtype():
     torch.testing.assert_close(norm(x), ref.bfloat16(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_rope_gradients_are_autograd_of_the_reference_formulas(dtype):
+    """The hand-written backwards of RMSNorm and RoPE against autograd through the formulas."""
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(16, generator=g) + 0.5)
+    w_ref = norm.weight.detach().clone().requires_grad_()
+    x = torch.randn(3, 5, 16, generator=g).to(dtype).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    up = torch.randn(3, 5, 16, generator=g).to(dtype)
+    norm(x).backward(up)
+    xf = x_ref.float()
+    (w_ref * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))).to(dtype).backward(up)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
+    assert x.grad.dtype == dtype
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    torch.testing.assert_close(norm.weight.grad, w_ref.grad, **tol)
+
+    cos, sin = rope_cos_sin(TINY, False, 5, torch.device("cpu"))
+    q = torch.randn(3, 2, 5, TINY.head_dim, generator=g).to(dtype).requires_grad_()
+    q_ref = q.detach().clone().requires_grad_()
+    up = torch.randn(q.shape, generator=g).to(dtype)
+    rotated = apply_rope(q, cos, sin)
+    qf = q_ref.float()
+    half = TINY.head_dim // 2
+    ref = (qf * cos + torch.cat((-qf[..., half:], qf[..., :half]), -1) * sin).to(dtype)
+    assert torch.equal(rotated, ref)  # the forward rounds exactly as the rotate-half form
+    rotated.backward(up)
+    ref.backward(up)
+    assert torch.equal(q.grad, q_ref.grad)
+
+
 def test_runs_under_bf16_autocast_with_fp32_norm_and_rope():
     m = model_of(TINY)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -206,3 +239,30 @@ def test_init_is_truncated_normal_with_unit_norms():
     assert F.cosine_similarity(m.lm_head.weight.flatten(), w.flatten(), dim=0).abs() < 0.05
     assert all(torch.equal(p, torch.ones_like(p)) for n, p in m.named_parameters()
                if n.endswith("norm.weight"))
+
+
+# --- the CPU logits buffer --------------------------------------------------------------------
+
+def test_logits_buffer_is_reused_only_once_nothing_holds_it(monkeypatch):
+    m = model_of(TINY)
+    x1, x2 = torch.randint(0, 500, (2, 3, 20))
+    a = m(x1)
+    kept = a.clone()
+    b = m(x2)  # `a` is alive: a fresh buffer, `a` untouched
+    assert torch.equal(a, kept) and a.data_ptr() != b.data_ptr()
+    ptr = b.data_ptr()
+    del a, b
+    c = m(x1)  # nothing holds the buffer any more: reused, same values
+    assert c.data_ptr() == ptr and torch.equal(c, kept)
+
+    # Training through it is bit-identical to plain F.linear (the buffer switched off).
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        model(x1).logsumexp(-1).mean().backward()
+        model(x2).logsumexp(-1).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    pooled = grads(m)
+    monkeypatch.setattr("relaytrain.model.olmo3._storage_use_count", None)
+    plain = grads(m)
+    assert all(torch.equal(pooled[n], plain[n]) for n in plain)

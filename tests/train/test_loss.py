@@ -57,3 +57,50 @@ def test_bf16_logits_are_scored_in_fp32():
     total, ce, _ = lm_loss(logits, labels, 0.0)
     assert total.dtype == torch.float32
     assert ce.item() == pytest.approx(reference(logits.float(), labels, 0.0)[0], rel=1e-6)
+
+
+def unfused(logits, labels, z_loss, ignore_index=-100):
+    """The textbook composition the fused function replaces: cross_entropy + logsumexp."""
+    import torch.nn.functional as F
+
+    flat, labels = logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)
+    valid = labels != ignore_index
+    count = valid.sum().clamp(min=1)
+    ce = F.cross_entropy(flat, labels, ignore_index=ignore_index, reduction="sum") / count
+    lse = torch.logsumexp(flat, dim=-1)
+    return ce + z_loss * torch.where(valid, lse.square(), 0.0).sum() / count
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_gradient_equals_autograd_of_the_unfused_loss(overwrite, padded):
+    g = torch.Generator().manual_seed(1)
+    full = (torch.randn(2, 9, 40 if padded else 37, generator=g) * 4).requires_grad_()
+    labels = torch.randint(0, 37, (2, 9), generator=g)
+    labels[1, :3] = -100
+    ref_leaf = full.detach().clone().requires_grad_()
+    logits = full[..., :37] * 1.0  # a non-leaf, non-contiguous when padded (as the model's)
+    before = logits.detach().clone()
+    total, _, _ = lm_loss(logits, labels, 1e-2, overwrite_logits=overwrite)
+    (0.5 * total).backward()
+    ref = unfused(ref_leaf[..., :37], labels, 1e-2)
+    (0.5 * ref).backward()
+    assert total.item() == pytest.approx(ref.item(), rel=1e-6)
+    torch.testing.assert_close(full.grad, ref_leaf.grad, rtol=1e-5, atol=1e-7)
+    if not overwrite:
+        assert torch.equal(logits.detach(), before)  # the caller's logits are left alone
+
+
+def test_overwriting_gives_the_same_bits_and_a_second_backward_fails_loudly():
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(16, 50, generator=g)
+    labels = torch.randint(0, 50, (16,), generator=g)
+    out = {}
+    for overwrite in (False, True):
+        x = base.clone().requires_grad_()
+        total, ce, z = lm_loss(x * 1.0, labels, 1e-3, overwrite_logits=overwrite)
+        total.backward(retain_graph=True)
+        out[overwrite] = (total.item(), ce.item(), z.item(), x.grad.clone())
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            total.backward()
+    assert out[False][:3] == out[True][:3] and torch.equal(out[False][3], out[True][3])

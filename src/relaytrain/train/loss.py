@@ -26,15 +26,20 @@ class _CrossEntropyZLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, labels: Tensor, z_loss: float, ignore_index: int,
-                ) -> tuple[Tensor, Tensor]:
+                in_place: bool) -> tuple[Tensor, Tensor]:
         valid = labels != ignore_index
         count = valid.sum().clamp(min=1)
         target = torch.where(valid, labels, 0)[:, None]
-        logp = torch.log_softmax(logits, dim=-1)
+        picked = logits.gather(1, target).squeeze(1) if z_loss else None
+        if in_place:  # same kernel, same values; the logits buffer becomes the log-probs
+            logp = logits.detach()
+            torch.log_softmax(logp, dim=-1, out=logp)
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
         nll = -logp.gather(1, target).squeeze(1)
         ce = torch.where(valid, nll, 0.0).sum() / count
-        if z_loss:
-            lse = logits.gather(1, target).squeeze(1) + nll
+        if picked is not None:
+            lse = picked + nll
             z = z_loss * torch.where(valid, lse.square(), 0.0).sum() / count
         else:
             lse = None
@@ -54,17 +59,23 @@ class _CrossEntropyZLoss(torch.autograd.Function):
             row = weight + torch.where(valid, grad_z * (2.0 * ctx.z_loss) / count * lse, 0.0)
         grad = logp.exp_().mul_(row[:, None])  # softmax * row, in the saved buffer
         grad.scatter_add_(1, target, -weight[:, None])
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def lm_loss(logits: Tensor, labels: Tensor, z_loss: float, ignore_index: int = -100,
-            ) -> tuple[Tensor, Tensor, Tensor]:
+            overwrite_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(total, ce, z) for logits [..., V] and next-token labels [...] (already shifted).
 
     Both terms are means over the tokens whose label is not `ignore_index` (0 when there are
     none, rather than NaN). `total = ce + z` carries the gradient; `ce` and `z` are detached.
-    Logits in a lower precision are scored in fp32 (a copy); fp32 logits are not copied.
+    Logits in a lower precision, or not contiguous (the padded vocabulary sliced off), are
+    scored in an fp32 copy, which then holds the log-probabilities and later the gradient.
+    fp32 contiguous logits are not copied: with `overwrite_logits` their buffer is used that
+    way too (saving a [tokens, vocab] allocation; the caller must not read `logits` after this
+    call), otherwise the log-probabilities get a buffer of their own. The values are the same.
     """
     flat = logits.reshape(-1, logits.shape[-1]).float()
-    ce, z = _CrossEntropyZLoss.apply(flat, labels.reshape(-1), float(z_loss), ignore_index)
+    shared = flat.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+    ce, z = _CrossEntropyZLoss.apply(flat, labels.reshape(-1), float(z_loss), ignore_index,
+                                     overwrite_logits or not shared)
     return ce + z, ce.detach(), z.detach()

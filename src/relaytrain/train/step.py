@@ -40,7 +40,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
         tokens = tokens.to(device, non_blocking=True)
         with autocast_for(device):
             logits = model(tokens[:, :-1])
-        total, ce, z = lm_loss(logits, tokens[:, 1:], z_loss)
+        # The logits are not read again: the loss reuses their buffer (same values).
+        total, ce, z = lm_loss(logits, tokens[:, 1:], z_loss, overwrite_logits=True)
+        del logits
         (total / total_micro_batches).backward()
         reducer.after_backward()
         out.losses[index] = (float(total.detach()), float(ce), float(z))

@@ -1,0 +1,39 @@
+"""`relaytrain bench train-throughput` runs end to end (quick, tiny preset): both training steps
+produce tokens/s, MFU and a ratio, on the same weights and data. No timing thresholds here."""
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from relaytrain.bench.train_throughput import bench_train_throughput, format_report  # noqa: E402
+
+
+@pytest.mark.timeout(240)
+def test_quick_tiny_run_reports_both_steps_and_their_ratio():
+    r = bench_train_throughput(device="cpu", quick=True, preset="tiny")
+    for name in ("ours", "hf"):
+        v = r[name]
+        assert v["tokens_per_s"] > 0 and v["step_s"] > 0 and v["cpu_s_per_step"] > 0
+        assert 0 < v["mfu"] and v["saved_activation_bytes"] > 0
+    assert r["ratio"] > 0 and r["ratio_of_medians"] > 0 and len(r["ratio_rounds"]) == 2
+    assert "hf_compiled" not in r  # the compiled baseline is a CUDA variant
+    s = r["settings"]
+    assert s["tokens_per_step"] == s["seq_len"] * s["micro_batch"] == 64 * 8
+    assert s["threads"] == 2 and s["optimizer"]["impl"] == "foreach"
+    # Same weights, same batch, same math: the first step's cross-entropy agrees.
+    assert math.isclose(r["ours"]["first_loss"], r["hf"]["first_loss"], rel_tol=1e-5)
+    text = format_report(r)
+    assert "relaytrain" in text and "HF transformers" in text and "ours / HF" in text
+    json.dumps(r)  # what `--json` prints
+
+
+def test_unknown_preset_and_device_are_user_errors():
+    from relaytrain.errors import UserError
+
+    with pytest.raises(UserError, match="preset"):
+        bench_train_throughput(preset="huge")
+    with pytest.raises(UserError, match="device"):
+        bench_train_throughput(device="tpu")
