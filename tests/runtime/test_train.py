@@ -180,3 +180,11 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, c
         summary = Controller(tiny_config(run, corpus_data, "train.max_steps=7")).run()
     assert summary["resumed_from"] == 3
     assert os.path.exists(run / "checkpoints" / "step_00000007" / "manifest.json")
+
+
+def test_compare_separates_runs_with_different_seeds(tmp_path, corpus_data, capsys):
+    a, b = tmp_path / "seed0", tmp_path / "seed1"
+    Controller(tiny_config(a, corpus_data, "train.max_steps=4", "seed=0")).run()
+    Controller(tiny_config(b, corpus_data, "train.max_steps=4", "seed=1")).run()
+    assert main(["compare", str(a), str(b), "--tolerance", "0.001", "--json"]) == 1
+    assert main(["compare", str(a), str(a), "--tolerance", "0"]) == 0
