@@ -56,10 +56,6 @@ class Engine(ABC):
     def kill(self, wid: int) -> None:
         """Forcefully end a worker (a hung one, or one being replaced)."""
 
-    def alive(self) -> list[int]:
-        """Ids of the workers the engine still holds."""
-        return []
-
     @abstractmethod
     def store_host(self) -> str:
         """The address workers use to reach the controller's TCPStore."""

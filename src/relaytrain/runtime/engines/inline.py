@@ -30,9 +30,6 @@ class InlineEngine(Engine):
     def kill(self, wid: int) -> None:
         raise RuntimeError("the inline engine cannot kill its only worker (use runtime.engine=ray)")
 
-    def alive(self) -> list[int]:
-        return [0] if self.worker is not None else []
-
     def store_host(self) -> str:
         return "127.0.0.1"
 

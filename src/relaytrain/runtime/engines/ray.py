@@ -280,9 +280,6 @@ class RayEngine(Engine):
     def pid(self, wid: int) -> int:
         return self._pids[wid]
 
-    def alive(self) -> list[int]:
-        return sorted(w for w in self.actors if w not in self._spares)
-
     def kill(self, wid: int) -> None:
         actor = self.actors.pop(wid, None)
         if actor is not None:
