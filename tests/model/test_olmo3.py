@@ -1,4 +1,4 @@
-"""The Olmo 3 module: names, shapes, attention windows, RoPE, GQA, init and dtypes."""
+"""The Olmo 3 module: names, shapes, attention windows, RoPE, GQA, init, dtypes, fused loss."""
 
 import dataclasses
 import math
@@ -16,6 +16,7 @@ from relaytrain.model.olmo3 import (
     rope_cos_sin,
     sliding_window_mask,
 )
+from relaytrain.train.loss import lm_loss
 
 torch.set_num_threads(1)
 TINY = PRESETS["tiny"].with_vocab(500)  # 2 layers: sliding (window 16), full; vocab 500 -> 512
@@ -241,28 +242,133 @@ def test_init_is_truncated_normal_with_unit_norms():
                if n.endswith("norm.weight"))
 
 
-# --- the CPU logits buffer --------------------------------------------------------------------
+# --- the loss from the fused head --------------------------------------------------------------
 
-def test_logits_buffer_is_reused_only_once_nothing_holds_it(monkeypatch):
+def test_given_labels_the_model_returns_the_loss_of_its_logits():
+    """forward(x, labels) = lm_loss(forward(x), labels) in value and in every gradient, with
+    padded head rows and ignored tokens (chunking itself: tests/train/test_loss.py)."""
     m = model_of(TINY)
-    x1, x2 = torch.randint(0, 500, (2, 3, 20))
-    a = m(x1)
-    kept = a.clone()
-    b = m(x2)  # `a` is alive: a fresh buffer, `a` untouched
-    assert torch.equal(a, kept) and a.data_ptr() != b.data_ptr()
-    ptr = b.data_ptr()
-    del a, b
-    c = m(x1)  # nothing holds the buffer any more: reused, same values
-    assert c.data_ptr() == ptr and torch.equal(c, kept)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 500, (3, 21), generator=g)
+    labels = torch.randint(0, 500, (3, 21), generator=g)
+    labels[1, 5:9] = -100
 
-    # Training through it is bit-identical to plain F.linear (the buffer switched off).
-    def grads(model):
-        model.zero_grad(set_to_none=True)
-        model(x1).logsumexp(-1).mean().backward()
-        model(x2).logsumexp(-1).mean().backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
+    def run(fused):
+        m.zero_grad(set_to_none=True)
+        out = m(x, labels=labels, z_loss=1e-3) if fused else lm_loss(m(x), labels, 1e-3)
+        out[0].backward()
+        return [t.item() for t in out], {n: p.grad for n, p in m.named_parameters()}
 
-    pooled = grads(m)
-    monkeypatch.setattr("relaytrain.model.olmo3._storage_use_count", None)
-    plain = grads(m)
-    assert all(torch.equal(pooled[n], plain[n]) for n in plain)
+    (values, grads), (ref_values, ref_grads) = run(True), run(False)
+    assert values == pytest.approx(ref_values, rel=1e-6)
+    for name, ref in ref_grads.items():
+        assert ((grads[name] - ref).norm() / ref.norm()).item() < 1e-5, name
+    assert grads["lm_head.weight"][500:].abs().max() == 0  # padded rows are inert
+
+
+def test_labels_need_the_last_stage():
+    first = Olmo3(TINY, layers=range(0, 1), last=False)
+    with pytest.raises(ValueError, match="labels"):
+        first(torch.randint(0, 500, (1, 5)), labels=torch.zeros(1, 5, dtype=torch.long))
+
+
+# --- attention backends and activation checkpointing --------------------------------------------
+
+def visible_pairs(block_mask, t):
+    """The [T, T] pairs a block mask lets through: a listed tile that is full, or a listed
+    partial tile where its mask_mod says yes (FlexAttention's semantics)."""
+    bq, bk = block_mask.BLOCK_SIZE
+    q = torch.arange(t)[:, None]
+    k = torch.arange(t)[None, :]
+    elementwise = block_mask.mask_mod(0, 0, q, k)
+    out = torch.zeros(t, t, dtype=torch.bool)
+    for counts, indices, full in ((block_mask.kv_num_blocks, block_mask.kv_indices, False),
+                                  (block_mask.full_kv_num_blocks,
+                                   block_mask.full_kv_indices, True)):
+        for i in range(counts.shape[-1]):
+            for j in indices[0, 0, i, : counts[0, 0, i]].tolist():
+                rows, cols = slice(i * bq, (i + 1) * bq), slice(j * bk, (j + 1) * bk)
+                out[rows, cols] |= True if full else elementwise[rows, cols]
+    return out
+
+
+@pytest.mark.parametrize("t, window, block", [(200, 40, 16), (64, 16, 16), (100, 7, 32),
+                                              (600, 300, 128), (50, 100, 128)])
+def test_sliding_block_mask_lets_through_exactly_the_window(t, window, block):
+    from relaytrain.model.olmo3 import sliding_block_mask
+
+    bm = sliding_block_mask(t, window, torch.device("cpu"), block)
+    assert torch.equal(visible_pairs(bm, t), sliding_window_mask(t, window, torch.device("cpu")))
+    n = -(-t // block)  # tile counts only: nothing of size T x T is built
+    assert bm.kv_indices.shape == bm.full_kv_indices.shape == (1, 1, n, n)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("t, window", [(48, 16), (600, 300)])
+def test_flex_attention_agrees_with_the_dense_mask_path(t, window):
+    """GQA (4 query heads on 2 kv heads), window < T; 600 tokens span several 128-tiles, some
+    of them full. FlexAttention runs eagerly (forward only) on the CPU."""
+    m = model_of(small(n_kv_heads=2, sliding_window=window, max_seq_len=t))
+    x = torch.randint(0, 500, (2, t))
+    outs = {}
+    for backend in ("sdpa", "flex"):
+        m.configure(attention=backend)
+        with torch.no_grad():
+            outs[backend] = m(x)
+    torch.testing.assert_close(outs["flex"], outs["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_attention_is_the_exact_dense_path_on_the_cpu():
+    from torch.nn.attention.flex_attention import BlockMask
+
+    m = model_of(TINY)
+    assert isinstance(m.sliding_mask(40, torch.device("cpu")), torch.Tensor)
+    m.configure(attention="flex")
+    assert isinstance(m.sliding_mask(40, torch.device("cpu")), BlockMask)
+    with pytest.raises(ValueError, match="attention"):
+        m.configure(attention="flash")
+
+
+def saved_bytes(fn):
+    """Bytes of distinct storages autograd keeps for the backward of `fn()` (params too)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def test_checkpointing_policies_give_bitwise_equal_losses_and_gradients_for_less_memory():
+    cfg = small(n_layers=4, layer_types=())
+    m = model_of(cfg)
+    x = torch.randint(0, 500, (2, 41), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for policy in ("none", "selective", "full"):
+        m.configure(checkpointing=policy)
+        m.zero_grad(set_to_none=True)
+        out, saved = saved_bytes(lambda: m(x[:, :-1], labels=x[:, 1:], z_loss=1e-3))
+        out[0].backward()
+        results[policy] = ([v.item() for v in out], {n: p.grad.clone()
+                                                     for n, p in m.named_parameters()}, saved)
+    assert [b.checkpoint for b in m.layers.values()] == [True] * 4
+    m.configure(checkpointing="selective")
+    assert [b.checkpoint for b in m.layers.values()] == [True, False, True, False]
+    losses, grads, _ = results["none"]
+    for policy in ("selective", "full"):
+        assert results[policy][0] == losses
+        assert all(torch.equal(results[policy][1][n], g) for n, g in grads.items()), policy
+    assert results["none"][2] > results["selective"][2] > results["full"][2]
+
+
+def test_a_checkpointed_block_compiles_as_one_graph():
+    m = model_of(TINY)
+    m.configure(checkpointing="full")
+    t = 40
+    h = torch.randn(2, t, TINY.d_model, requires_grad=True)
+    cos, sin = rope_cos_sin(TINY, False, t, h.device)
+    explanation = torch._dynamo.explain(m.layers["0"])(h, cos, sin, m.sliding_mask(t, h.device))
+    assert explanation.graph_break_count == 0

@@ -8,8 +8,9 @@ builds it (`train.optim.build_optimizer`, Olmo parameter groups, foreach on the 
 CUDA), mapped onto HF's parameter names. A step is forward, loss, backward, global-norm clip
 (1.0), AdamW update, gradients cleared, and the loss read back as a float.
 
-- Ours: `train.step.train_step` exactly as the worker calls it (a no-op gradient reduction),
-  with the z-loss on (1e-5, the default) that HF does not have: ours does a little more work.
+- Ours: `train.step.train_step` exactly as the worker calls it (a no-op gradient reduction,
+  the fused chunked LM head + loss), with the z-loss on (1e-5, the default) that HF does not
+  have: ours does a little more work.
 - HF: `Olmo3ForCausalLM(input_ids, labels=..., shift_labels=...)` with SDPA attention and its
   own `ForCausalLMLoss`, `use_cache=False`, `clip_grad_norm_`, `optimizer.step()`,
   `zero_grad(set_to_none=True)`: the loop a user writes around a HF model.
@@ -49,7 +50,6 @@ from relaytrain.model.hf import ours_to_hf_name
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.reduce import GradReducer
-from relaytrain.train.loss import lm_loss
 from relaytrain.train.metrics import peak_flops
 from relaytrain.train.optim import build_optimizer
 from relaytrain.train.step import autocast_for, train_step
@@ -196,8 +196,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     if not cuda:
         b0 = batches[0]
         saved["ours"] = _saved_bytes(
-            lambda: lm_loss(ours(b0[:, :-1]), labels[0], train_cfg.z_loss,
-                            overwrite_logits=True)[0], ours_params)
+            lambda: ours(b0[:, :-1], labels=labels[0], z_loss=train_cfg.z_loss)[0], ours_params)
         saved["hf"] = _saved_bytes(
             lambda: hf(input_ids=b0[:, :-1], labels=labels[0], shift_labels=labels[0],
                        use_cache=False).loss, hf_params)

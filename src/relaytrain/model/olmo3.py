@@ -18,14 +18,18 @@ embedding only if it is the first stage and the final norm + head only if it is 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from relaytrain.model.config import FULL, LAYER_TYPES, SLIDING, Olmo3Config
+from relaytrain.train.loss import lm_head_loss
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -171,18 +175,65 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # Attention masks
 
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+CHECKPOINTING = ("none", "selective", "full")
+FLEX_BLOCK = 128  # FlexAttention's tile (its default): block masks are per 128 x 128 tile
+
+
 def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> Tensor:
     """Boolean [T, T] mask, True where query q may see key k: q - window < k <= q.
 
-    Built once per forward and shared by every sliding layer of the module: T^2 bytes (64 MiB
-    at T = 8192), never an fp32 mask per layer. It is not cached across forwards, since a cache
-    would be a side effect under torch.compile and building it costs far less than one layer.
-    Full layers, and sliding ones when T <= window, take no mask at all (`is_causal`, flash
-    kernels). A FlexAttention block mask would avoid the T^2 entirely on GPU.
+    The `sdpa` backend's mask (and the CPU's under `auto`, where it is exact against HF):
+    built once per forward and shared by every sliding layer of the module, T^2 bytes (64 MiB
+    at T = 8192), never an fp32 mask per layer. Full layers, and sliding ones when T <= window,
+    take no mask at all (`is_causal`, flash kernels).
     """
     q = torch.arange(seq_len, device=device)[:, None]
     k = torch.arange(seq_len, device=device)[None, :]
     return (k <= q) & (k > q - window)
+
+
+@functools.lru_cache(maxsize=8)
+def sliding_block_mask(seq_len: int, window: int, device: torch.device,
+                       block: int = FLEX_BLOCK) -> BlockMask:
+    """The same window as a FlexAttention block mask, built from tile arithmetic alone.
+
+    For query tile i and key tile j it lists the tiles the window touches, split into full
+    tiles (every pair visible: no mask evaluated) and partial ones (the diagonal and the
+    window's far edge, where `mask_mod` decides per element); untouched tiles are skipped, so
+    a sliding layer costs O(T * window). Nothing of size T^2 is ever built (`create_block_mask`
+    would evaluate the mask densely first): (T / 128)^2 small integers. Cached because it is
+    a pure function of its arguments and the same for every forward of that length.
+    """
+    n = -(-seq_len // block)
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    q_lo, q_hi = i * block, torch.clamp((i + 1) * block, max=seq_len) - 1
+    k_lo, k_hi = j * block, (j + 1) * block - 1
+    touched = (k_lo <= q_hi) & (k_hi > q_lo - window)
+    full = (k_hi <= q_lo) & (k_lo > q_hi - window) & (k_hi < seq_len)
+
+    def rows(tiles: Tensor) -> tuple[Tensor, Tensor]:
+        """Per query tile: how many key tiles, and their indices first (stable order)."""
+        count = tiles.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return count[None, None], order[None, None]
+
+    def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return (k <= q) & (k > q - window)
+
+    partial_count, partial_idx = rows(touched & ~full)
+    full_count, full_idx = rows(full)
+    return BlockMask.from_kv_blocks(partial_count, partial_idx, full_count, full_idx,
+                                    BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(seq_len, seq_len))
+
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    """FlexAttention for CUDA: compiled, since its eager form is a reference implementation
+    that materialises every score. Inside compiled blocks the call is traced in place."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -210,8 +261,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_dim, cfg.rms_eps)
         self.k_norm = RMSNorm(kv_dim, cfg.rms_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
-        """Causal attention when `mask` is None, else attention restricted to `mask`."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None,
+                ) -> Tensor:
+        """Causal attention when `mask` is None, else attention restricted to `mask`: a dense
+        boolean mask through SDPA, or a block mask through FlexAttention (GQA native)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -223,6 +276,9 @@ class Attention(nn.Module):
             # Flash kernels take GQA natively when there is no mask.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=n_rep > 1)
+        elif isinstance(mask, BlockMask):
+            flex = _compiled_flex_attention() if q.is_cuda else flex_attention
+            y = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=n_rep > 1)
         else:
             # With a mask, CUDA kernels would fall back to the math path for GQA: expand kv.
             y = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
@@ -244,7 +300,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Reordered-norm block: the norms are applied to the sublayer outputs, not the inputs."""
+    """Reordered-norm block: the norms are applied to the sublayer outputs, not the inputs.
+
+    With `checkpoint` set, training keeps only the block's input and recomputes the rest in
+    the backward (non-reentrant `torch.utils.checkpoint`): the same ops on the same values, so
+    losses and gradients are bit-identical to not checkpointing.
+    """
 
     def __init__(self, cfg: Olmo3Config, layer_type: str) -> None:
         super().__init__()
@@ -255,69 +316,22 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.mlp = MLP(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.checkpoint = False
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None,
+                ) -> Tensor:
+        if self.checkpoint and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, mask)
+
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None,
+                 ) -> Tensor:
         h = x + self.attn_norm(self.attn(x, cos, sin, mask))
         return h + self.mlp_norm(self.mlp(h))
 
 
 # ---------------------------------------------------------------------------------------------
 # The model (or one pipeline stage of it)
-
-
-# The storage's reference count (+1 for the temporary handle), to tell a free buffer from one
-# still held by a caller or an autograd graph. Absent in some build: no buffer reuse then.
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-class _LinearInto(torch.autograd.Function):
-    """`F.linear(h, w)` for 2-D `h`, written into the preallocated `out`.
-
-    The same matrix products as autograd's for `F.linear` (forward `h @ w.T`, backward
-    `g @ w` and `g.T @ h`), so the values are bit-identical; only the output's memory differs.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, h: Tensor, w: Tensor, out: Tensor) -> Tensor:
-        torch.mm(h, w.t(), out=out)
-        ctx.save_for_backward(h, w)
-        return out.view(out.shape)  # a new tensor (never `out` itself) sharing its memory
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        h, w = ctx.saved_tensors
-        grad_h = grad.mm(w) if ctx.needs_input_grad[0] else None
-        grad_w = grad.t().mm(h) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None
-
-
-class _LogitsBuffer:
-    """One reusable CPU buffer for the logits, the largest activation of a small model.
-
-    The CPU allocator returns memory of this size to the OS when it is freed, so every step
-    would page-fault a fresh [tokens, vocab] block back in: ~40 ms of one core per 64 MiB (the
-    `small` preset's head matmul took 190 ms instead of 130). The buffer is handed out again
-    only when nothing else references its memory any more (the previous step's logits,
-    log-probabilities and logit gradient all live in it and are gone after its backward);
-    otherwise a new one is allocated and kept. It holds one logits-sized block between steps;
-    it is not state (not in the state dict, not copied with the module).
-    """
-
-    def __init__(self) -> None:
-        self.buf: Tensor | None = None
-
-    def get(self, shape: tuple[int, int], like: Tensor) -> Tensor:
-        b = self.buf
-        if (b is None or b.shape != shape or b.dtype != like.dtype or b.device != like.device
-                or _storage_use_count(b.untyped_storage()._cdata) > 2):
-            b = self.buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        return b
-
-    def __deepcopy__(self, memo: dict) -> _LogitsBuffer:
-        return _LogitsBuffer()
-
-    def __getstate__(self) -> dict:
-        return {"buf": None}
 
 
 def check_config(cfg: Olmo3Config) -> None:
@@ -346,8 +360,13 @@ class Olmo3(nn.Module):
 
     `forward` takes token ids [B, T] on the first stage, hidden states [B, T, D] otherwise;
     it returns logits [B, T, tokenizer_vocab] on the last stage, hidden states otherwise.
-    The head has `vocab_size` (padded) rows; the padded rows are sliced off the logits, so they
-    get no gradient and never affect the loss.
+    Given next-token `labels` [B, T] (last stage only), the last stage returns the loss
+    `(total, ce, z)` instead, from the fused head + loss (`train.loss.lm_head_loss`), which
+    never holds the whole batch's logits; that is what training calls.
+    The head has `vocab_size` (padded) rows; the padded rows are left out of the logits, so
+    they get no gradient and never affect the loss.
+    How it executes (attention kernels, activation checkpointing, compiled blocks) is set by
+    `configure` and `compile_blocks` and never changes parameter names or the math.
     """
 
     def __init__(self, cfg: Olmo3Config, layers: range | None = None, first: bool = True,
@@ -367,9 +386,47 @@ class Olmo3(nn.Module):
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-            self._logits_buffer = _LogitsBuffer()
+        self.attention = "auto"
 
-    def forward(self, x: Tensor) -> Tensor:
+    def configure(self, attention: str = "auto", checkpointing: str = "none") -> None:
+        """Choose the sliding layers' kernel and which blocks recompute their activations.
+
+        `attention`: `sdpa` gives sliding layers a dense boolean mask (exact against HF on the
+        CPU), `flex` a FlexAttention block mask (no T x T mask; CUDA for training, since
+        FlexAttention has no CPU backward), `auto` flex on CUDA and sdpa elsewhere. Full
+        layers always take SDPA `is_causal` (flash kernels).
+        `checkpointing`: `full` checkpoints every block (keeps only block inputs: the least
+        memory, the forward computed twice, ~+33% step FLOPs); `selective` every other block
+        (even global index): half the blocks' activations for ~+17%. Recomputing only the
+        MLPs instead would save about as much (the SwiGLU's hidden-width tensors are about
+        half of what a block saves) but recompute more (2/3 to 3/4 of each block's forward
+        FLOPs against 1/2 on average). `none` keeps everything.
+        """
+        if attention not in ATTENTION_BACKENDS or checkpointing not in CHECKPOINTING:
+            raise ValueError(f"attention={attention!r}, checkpointing={checkpointing!r}: "
+                             f"expected one of {ATTENTION_BACKENDS} and of {CHECKPOINTING}")
+        self.attention = attention
+        for i, block in self.layers.items():
+            block.checkpoint = checkpointing == "full" or (
+                checkpointing == "selective" and int(i) % 2 == 0)
+
+    def compile_blocks(self) -> None:
+        """`torch.compile` each block in place (names unchanged); identical blocks share one
+        compiled graph, the embedding, masks and the fused head + loss stay eager."""
+        for block in self.layers.values():
+            block.compile(dynamic=False)
+
+    def sliding_mask(self, seq_len: int, device: torch.device) -> Tensor | BlockMask:
+        """The sliding layers' mask for this forward, in the configured backend's form."""
+        window = self.cfg.sliding_window
+        if self.attention == "flex" or (self.attention == "auto" and device.type == "cuda"):
+            return sliding_block_mask(seq_len, window, device)
+        return sliding_window_mask(seq_len, window, device)
+
+    def forward(self, x: Tensor, labels: Tensor | None = None, z_loss: float = 0.0,
+                ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+        if labels is not None and not self.last:
+            raise ValueError("labels given to a stage without the LM head (last=False)")
         h = self.embed(x) if self.first else x
         t, device = h.shape[1], h.device
         blocks = list(self.layers.values())
@@ -378,20 +435,13 @@ class Olmo3(nn.Module):
         window = self.cfg.sliding_window
         mask = None
         if t > window and any(b.sliding for b in blocks):
-            mask = sliding_window_mask(t, window, device)
+            mask = self.sliding_mask(t, device)
         for block in blocks:
             cos, sin = rope[block.yarn]
             h = block(h, cos, sin, mask if block.sliding else None)
-        if self.last:
-            h = self._head(self.norm(h))[..., : self.n_logits]
-        return h
-
-    def _head(self, h: Tensor) -> Tensor:
-        """`lm_head(h)`; on the CPU (fp32, eager) into the reusable logits buffer."""
-        w = self.lm_head.weight
-        if (h.device.type != "cpu" or _storage_use_count is None or h.dtype != w.dtype
-                or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
-            return self.lm_head(h)
-        flat = h.reshape(-1, h.shape[-1])
-        out = self._logits_buffer.get((flat.shape[0], w.shape[0]), flat)
-        return _LinearInto.apply(flat, w, out).view(*h.shape[:-1], w.shape[0])
+        if not self.last:
+            return h
+        h = self.norm(h)
+        if labels is None:
+            return self.lm_head(h)[..., : self.n_logits]
+        return lm_head_loss(h, self.lm_head.weight, labels, z_loss, self.n_logits)

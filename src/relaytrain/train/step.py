@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from relaytrain.parallel.reduce import GradReducer
-from relaytrain.train.loss import lm_loss
 
 
 @dataclass
@@ -38,11 +37,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     reducer.start()
     for index, tokens in micro_batches:
         tokens = tokens.to(device, non_blocking=True)
-        with autocast_for(device):
-            logits = model(tokens[:, :-1])
-        # The logits are not read again: the loss reuses their buffer (same values).
-        total, ce, z = lm_loss(logits, tokens[:, 1:], z_loss, overwrite_logits=True)
-        del logits
+        with autocast_for(device):  # the fused head + loss: no [tokens, vocab] logits held
+            total, ce, z = model(tokens[:, :-1], labels=tokens[:, 1:], z_loss=z_loss)
         (total / total_micro_batches).backward()
         reducer.after_backward()
         out.losses[index] = (float(total.detach()), float(ce), float(z))

@@ -82,7 +82,6 @@ from relaytrain.parallel.pipeline.schedules import (
 )
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.evaluate import eval_chunks, instance_losses
-from relaytrain.train.loss import lm_loss
 from relaytrain.train.optim import set_lr
 from relaytrain.train.step import autocast_for
 
@@ -346,10 +345,13 @@ class StageRunner:
     def _aliases(self) -> dict[str, Tensor]:
         return {n: p.data.requires_grad_() for n, p in self.params.items()}
 
-    def _run(self, x: Tensor, leaves: dict[str, Tensor], meter: _SavedBytes) -> Tensor:
+    def _run(self, x: Tensor, leaves: dict[str, Tensor], meter: _SavedBytes,
+             labels: Tensor | None = None) -> Any:
+        """The stage's output, or on the last stage given `labels` its (total, ce, z) loss."""
+        kwargs = {} if labels is None else {"labels": labels, "z_loss": self.spec.z_loss}
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), \
                 autocast_for(self.device):
-            return functional_call(self.module, leaves, (x,), strict=True)
+            return functional_call(self.module, leaves, (x,), kwargs, strict=True)
 
     def _input(self, mb: int, batches: list[Batch]) -> Tensor:
         b, j = divmod(mb, self.spec.micro_per_batch)
@@ -371,11 +373,13 @@ class StageRunner:
         if not spec.first:
             x.requires_grad_()
         leaves = self._aliases()
-        out = self._run(x, leaves, meter := self._meter())
+        labels = None
         if spec.last:
             b, j = divmod(mb, spec.micro_per_batch)
             labels = batches[b].micro_batches[j][1][:, 1:].to(self.device)
-            total, ce, z = lm_loss(out, labels, spec.z_loss)
+        out = self._run(x, leaves, meter := self._meter(), labels)
+        if spec.last:
+            total, ce, z = out
             losses[mb] = (float(total.detach()), float(ce), float(z))
             out = total / divisor[mb]
         else:
