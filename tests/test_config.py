@@ -75,3 +75,17 @@ def test_shipped_configs_load():
 
     for path in glob.glob("configs/*.yaml"):
         load_config(path, ["run_dir=x"])
+
+
+def test_execution_keys_default_to_auto_and_reject_what_cannot_run():
+    cfg = load_config(None, ["model.checkpointing=full", "model.compile=none"])
+    assert (cfg.model.attention, cfg.model.checkpointing, cfg.model.compile) == \
+        ("auto", "full", "none")
+    with pytest.raises(ConfigError, match="'model.checkpointing': got 'some', expected 'none'"):
+        load_config(None, ["model.checkpointing=some"])
+    with pytest.raises(ConfigError, match="'model.compile'"):
+        load_config(None, ["model.compile=true"])  # YAML's booleans are not the choices
+    with pytest.raises(ConfigError, match="FlexAttention has no CPU backward"):
+        load_config(None, ["model.attention=flex", "train.device=cpu"])
+    assert load_config(None, ["model.attention=flex", "train.device=cuda"]).model.attention \
+        == "flex"

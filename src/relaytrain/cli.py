@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--quick", action="store_true", help="a shorter run")
     bench.add_argument("--json", action="store_true")
+    bench.add_argument("--out", default=None, metavar="DIR",
+                       help="gpu: where gpu.json goes (default runs/bench-gpu)")
+    bench.add_argument("--only", default=None, metavar="SECTION,…",
+                       help="gpu: run only these sections (comma-separated)")
     bench.set_defaults(handler="bench")
 
     cmp_ = sub.add_parser("compare", help="hold a run's curve against a reference",

@@ -25,6 +25,11 @@ class ModelSection:
     preset: str = "tiny"
     # Any Olmo3Config field may be overridden, e.g. model.n_layers=3.
     overrides: dict[str, Any] = field(default_factory=dict)
+    # How the model executes (never its math or names; `Olmo3.configure`, `train.execution`):
+    # sliding layers' kernel: flex (FlexAttention block mask) on CUDA under auto, sdpa on CPU
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    checkpointing: Literal["none", "selective", "full"] = "none"  # activation recompute
+    compile: Literal["auto", "blocks", "none"] = "auto"  # auto: blocks on CUDA, none on CPU
 
 
 @dataclass
@@ -407,6 +412,9 @@ def validate(cfg: RunConfig) -> None:
     need(len(m.layer_types) == m.n_layers and set(m.layer_types) <= {"sliding_attention",
          "full_attention"}, "config key 'model.layer_types': expected n_layers entries of "
          "'sliding_attention' | 'full_attention'")
+    need(cfg.model.attention != "flex" or cfg.train.device != "cpu",
+         "config key 'model.attention': got 'flex' with train.device=cpu, but FlexAttention "
+         "has no CPU backward; expected auto or sdpa on the CPU (flex needs CUDA)")
     need(cfg.seed >= 0, f"config key 'seed': got {cfg.seed}, expected an integer >= 0")
     t = cfg.train
     need(t.max_steps >= 1, f"config key 'train.max_steps': got {t.max_steps}, expected >= 1")

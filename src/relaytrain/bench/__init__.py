@@ -19,6 +19,7 @@ BENCHES = {
     "checkpoint": ("relaytrain.bench.storage", "bench_checkpoint"),
     "prepare": ("relaytrain.bench.data", "bench_prepare"),
     "loader": ("relaytrain.bench.loader_vs_training", "bench_loader_vs_training"),
+    "gpu": ("relaytrain.bench.gpu", "bench_gpu"),
 }
 
 FORMATTERS = {"checkpoint": "format_all"}
@@ -30,8 +31,11 @@ def cli_bench(args: Any) -> int:
     module_name, func = BENCHES[args.name]
     module = importlib.import_module(module_name)
     kwargs: dict[str, Any] = {"quick": args.quick}
-    if args.name == "train-throughput":
+    if args.name in ("train-throughput", "gpu"):
         kwargs["device"] = args.device
+    if args.name == "gpu":
+        kwargs["out"] = args.out
+        kwargs["only"] = args.only.split(",") if args.only else None
     result = getattr(module, func)(**kwargs)
     if args.json:
         print(json.dumps(result, default=str))

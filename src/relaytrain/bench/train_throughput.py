@@ -16,6 +16,8 @@ CUDA), mapped onto HF's parameter names. A step is forward, loss, backward, glob
   `zero_grad(set_to_none=True)`: the loop a user writes around a HF model.
 - On CUDA (issue 9): bf16 autocast with fp32 master weights for both, fused AdamW, and a third
   variant, HF's model under `torch.compile` (sharing the HF model's weights and optimizer).
+  Ours runs as a training run does by default (`train.execution.prepare_model`): compiled
+  blocks and FlexAttention for sliding layers on CUDA, the eager HF-exact path on the CPU.
 
 The machine may be shared, so the variants are interleaved: every round runs `steps` steps of
 each, in an order that alternates between rounds, and the ratio is the median of the per-round
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from relaytrain.config import OptimSection, TrainSection
+from relaytrain.config import ModelSection, OptimSection, TrainSection
 from relaytrain.errors import UserError
 from relaytrain.model.accounting import flops_per_token, param_count
 from relaytrain.model.config import PRESETS
@@ -50,6 +52,7 @@ from relaytrain.model.hf import ours_to_hf_name
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.reduce import GradReducer
+from relaytrain.train.execution import compiles, prepare_model
 from relaytrain.train.metrics import peak_flops
 from relaytrain.train.optim import build_optimizer
 from relaytrain.train.step import autocast_for, train_step
@@ -155,7 +158,9 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     ours = Olmo3(cfg)
     init_weights(ours, seed)
     hf = hf_twin(ours)
-    ours.to(dev).train()
+    execution = ModelSection()  # what a run gets by default: auto attention and compile
+    ours = prepare_model(ours, execution, dev)
+    ours.train()
     hf.to(dev).train()
     ours_opt = build_optimizer(ours, optim_cfg, fused=cuda)
     hf_opt = _hf_optimizer(hf, ours, ours_opt)
@@ -264,6 +269,9 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
                           "embeddings_decayed": optim_cfg.decay_embeddings,
                           "impl": "fused" if cuda else "foreach"},
             "clip": train_cfg.clip, "z_loss_ours": train_cfg.z_loss,
+            "ours_sliding_attention": ("flex" if cuda else "sdpa mask")
+            if seq_len > cfg.sliding_window else "causal (seq_len <= window)",
+            "ours_compiled_blocks": compiles(execution.compile, dev),
             "hf_attn_implementation": "sdpa", "transformers": _transformers_version(),
             "torch": torch.__version__, "warmup_steps": warmup, "rounds": rounds,
             "steps_per_round": steps,

@@ -56,7 +56,8 @@ from relaytrain.train.optim import lr_at
 # Keys that may change when a run is resumed; anything else must match the checkpoint.
 RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "train.spike_factor",
                      "parallel.", "runtime.", "elastic.", "faults.", "log.", "checkpoint.",
-                     "eval.", "data.prefetch", "data.path", "run_dir")
+                     "eval.", "data.prefetch", "data.path", "run_dir", "model.attention",
+                     "model.checkpointing", "model.compile")
 
 
 ASYNC_SCHEDULES = ("pipedream", "paci")

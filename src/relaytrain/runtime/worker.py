@@ -29,6 +29,7 @@ from relaytrain.parallel.groups import PipelineGroups, form_groups
 from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.evaluate import heldout_losses
+from relaytrain.train.execution import prepare_model, set_determinism
 from relaytrain.train.optim import (
     OPTIM_PREFIX,
     build_optimizer,
@@ -76,6 +77,7 @@ class Worker:
         torch.set_num_threads(self.cfg.runtime.threads_per_worker)
         self.model_cfg = self.cfg.model_config(tokenizer_vocab)
         self.device = pick_device(self.cfg.train.device)
+        set_determinism(self.device, self.cfg.determinism == "exact")
         self.dataset = TokenDataset.open(self.cfg.data.path)
         self.train_split = self.dataset.split("train")
         self.placement: Placement | None = None
@@ -151,7 +153,7 @@ class Worker:
             # every restored value is overwritten below (that makes recovery cheap).
             model = self._new_module()
             init_weights(model, self.cfg.seed)
-            self.model = model.to(self.device)
+            self.model = prepare_model(model, self.cfg.model, self.device)
             self.optimizer = build_optimizer(self.model, self.cfg.optim,
                                              fused=self.device.type == "cuda")
             self._layout = layout
@@ -175,7 +177,7 @@ class Worker:
         if self.cfg.parallel.pp == 1:
             model = Olmo3(self.model_cfg)
             init_weights(model, self.cfg.seed)
-            self.model = model.to(self.device)
+            self.model = prepare_model(model, self.cfg.model, self.device)
             self.optimizer = build_optimizer(self.model, self.cfg.optim,
                                              fused=self.device.type == "cuda")
             self._layout = (0, 1)

@@ -1,0 +1,52 @@
+"""How a training process executes on its device: the model's kernels, activation
+checkpointing and compilation (`model.attention`, `model.checkpointing`, `model.compile`), and
+the GPU switches `determinism: exact` needs.
+
+None of it changes parameter names, checkpoints or the math: a checkpoint written under one
+setting (or device) resumes under any other.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from relaytrain.config import ModelSection
+from relaytrain.model.olmo3 import Olmo3
+
+# cuBLAS picks reduction orders per workspace; a fixed workspace makes its matmuls repeatable.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def compiles(setting: str, device: torch.device) -> bool:
+    """Whether blocks are compiled: `auto` compiles on CUDA (fused norms, RoPE and SwiGLU
+    elementwise work; compiled FlexAttention) and not on the CPU, where compiling costs more
+    start-up than it saves on a small model and the eager path is the HF-exact one."""
+    return setting == "blocks" or (setting == "auto" and device.type == "cuda")
+
+
+def prepare_model(model: Olmo3, section: ModelSection, device: torch.device) -> Olmo3:
+    """`model` on `device`, configured and (per `section.compile`) with compiled blocks."""
+    model = model.to(device)
+    model.configure(section.attention, section.checkpointing)
+    if compiles(section.compile, device):
+        model.compile_blocks()
+    return model
+
+
+def set_determinism(device: torch.device, exact: bool) -> None:
+    """On CUDA, `exact` turns on `torch.use_deterministic_algorithms` (ops with only a
+    non-deterministic kernel then raise instead of silently varying), a fixed cuBLAS workspace
+    and, where this torch has it, Inductor's deterministic mode (no on-device autotuning, whose
+    timing-dependent picks could change reduction orders between processes). `fast` turns them
+    off. The CPU kernels used here are deterministic already, so the CPU is left alone."""
+    if device.type != "cuda":
+        return
+    if exact:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(exact)
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "deterministic"):  # not in every torch >= 2.8
+        inductor_config.deterministic = exact

@@ -1,0 +1,51 @@
+"""`relaytrain bench gpu`: the one GPU command's plumbing, run as its CPU dry run (tiny sizes,
+seconds), its refusal without CUDA, and the 7B memory plan's arithmetic."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from relaytrain.bench.gpu import SECTIONS, bench_gpu, format_report, memory_plan  # noqa: E402
+from relaytrain.errors import UserError  # noqa: E402
+from relaytrain.model.config import PRESETS  # noqa: E402
+
+
+@pytest.mark.timeout(240)
+def test_the_cpu_dry_run_fills_every_section_of_the_json(tmp_path):
+    r = bench_gpu("cpu", quick=True, out=str(tmp_path))
+    saved = json.loads((tmp_path / "gpu.json").read_text())
+    for name in SECTIONS:
+        assert "error" not in saved[name], saved[name]
+    assert saved["throughput"]["tokens_per_s"]["ours"] > 0
+    ckpt = saved["checkpointing"]
+    assert ckpt["selective"]["same_losses"] and ckpt["full"]["same_losses"]
+    assert saved["olmo3_7b"]["execution"]["checkpointing"] == "full"
+    # On one device a resume is bit-identical; exact mode reproduces itself.
+    assert saved["portability"]["cpu_to_cpu"]["max_abs_diff_vs_uninterrupted_on_target"] == 0
+    assert saved["portability"]["cpu_to_cpu"]["continuous"]
+    det = saved["determinism"]
+    assert det["rerun_bitwise"] and det["resume_bitwise"] and det["exact_cost"] > 0
+    assert "portability" in format_report(r)
+
+
+def test_bad_device_sections_and_missing_cuda_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="expected cuda"):
+        bench_gpu("tpu", out=str(tmp_path))
+    with pytest.raises(UserError, match="unknown section 'speed'"):
+        bench_gpu("cpu", only=["speed"], out=str(tmp_path))
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA device"):
+            bench_gpu("cuda", out=str(tmp_path))
+    assert not (tmp_path / "gpu.json").exists()  # refused before any work
+
+
+def test_the_7b_memory_plan_is_16_bytes_per_parameter_plus_checkpointed_activations():
+    plan = memory_plan(PRESETS["olmo3-7b"], 8192, 1)
+    n = plan["params"]
+    assert 7.2e9 < n < 7.4e9
+    assert plan["weights_fp32"] + plan["grads_fp32"] + plan["adamw_fp32"] == 16 * n
+    assert plan["checkpoints"] == 32 * 8192 * 4096 * 4  # every block's fp32 input
+    assert plan["peak"] == plan["backward_peak"] < 141e9  # one H200
