@@ -36,6 +36,11 @@ def test_round_trip_through_dict():
     ("model.n_kv_heads=3", "must divide model.n_heads"),
     ("model.widthh=3", "unknown config key 'model.widthh'"),
     ("noequals", "not of the form key=value"),
+    ("faults.raise_when=[3]", "unknown config key 'faults.raise_when'; accepted keys here: "),
+    ("faults.raise_at=[0]", "config key 'faults.raise_at': got [0], expected optimizer steps"),
+    ("faults.raise_at=[3]", "'faults.raise_at' needs runtime.engine=ray"),
+    ("faults.raise_rank=1", "expected null (a random rank) or 0 .. 0"),
+    ("faults.storage_outage_seconds=-2", "'faults.storage_outage_seconds': got -2.0, expected > 0"),
 ])
 def test_bad_values_name_the_key_and_what_is_accepted(override, needle):
     with pytest.raises(ConfigError) as err:
@@ -48,6 +53,18 @@ def test_dp_must_split_micro_batches_evenly():
     with pytest.raises(ConfigError, match="must split evenly over dp ranks"):
         load_config(None, ["runtime.engine=ray", "parallel.dp=3", "train.global_batch=8",
                            "train.micro_batch=2"])
+
+
+def test_a_storage_outage_on_an_object_store_is_refused_in_one_line(tmp_path, capsys):
+    from relaytrain.cli import main
+
+    assert main(["train", "configs/tiny.yaml", f"run_dir={tmp_path / 'run'}",
+                 "checkpoint.url=s3://user:secret@bucket/ckpt",
+                 "faults.storage_outage_at=[2]"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "'faults.storage_outage_at' works on a local checkpoint root" in line
+    assert "s3://***@bucket/ckpt" in line and "secret" not in line
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_and_malformed_files(tmp_path):

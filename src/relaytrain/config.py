@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +19,7 @@ import yaml
 
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS, Olmo3Config
+from relaytrain.storage import redact, scheme
 
 
 @dataclass
@@ -130,6 +132,11 @@ class FaultsSection:
     slow_at: list[int] = field(default_factory=list)
     slow_seconds: float = 1.0
     fail_checkpoint_at: list[int] = field(default_factory=list)
+    raise_at: list[int] = field(default_factory=list)  # steps at which a worker raises
+    raise_rank: int | None = None
+    # steps at which the (local) checkpoint storage becomes unavailable, for this long
+    storage_outage_at: list[int] = field(default_factory=list)
+    storage_outage_seconds: float = 2.0
     random_kills: int = 0  # that many kills at random steps (from the seed)
     random_hangs: int = 0
     hold_capacity_s: float = 0.0  # after a failure, keep its slot occupied this long
@@ -458,3 +465,26 @@ def validate(cfg: RunConfig) -> None:
          f"{cfg.elastic.min_workers}, expected >= 1")
     need(cfg.eval.instances >= 1, f"config key 'eval.instances': got {cfg.eval.instances}, "
          "expected >= 1")
+    _validate_faults(cfg, need)
+
+
+def _validate_faults(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    f = cfg.faults
+    for key in ("kill_at", "hang_at", "slow_at", "fail_checkpoint_at", "raise_at",
+                "storage_outage_at"):
+        steps = getattr(f, key)
+        need(all(s >= 1 for s in steps), f"config key 'faults.{key}': got {steps}, expected "
+             "optimizer steps >= 1")
+    for key in ("kill_rank", "hang_rank", "raise_rank"):
+        rank = getattr(f, key)
+        need(rank is None or 0 <= rank < cfg.world_size, f"config key 'faults.{key}': got "
+             f"{rank}, expected null (a random rank) or 0 .. {cfg.world_size - 1}")
+    need(not f.raise_at or cfg.runtime.engine == "ray", "config key 'faults.raise_at' needs "
+         "runtime.engine=ray: the inline engine cannot replace its only worker")
+    need(f.storage_outage_seconds > 0, "config key 'faults.storage_outage_seconds': got "
+         f"{f.storage_outage_seconds}, expected > 0")
+    url = cfg.checkpoint.url or ""
+    need(not f.storage_outage_at or scheme(url) == "file", "config key "
+         "'faults.storage_outage_at' works on a local checkpoint root (a path or file://), but "
+         f"checkpoint.url is {redact(url)!r}; make an object store unavailable from outside "
+         "(stop or pause its server)")

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore, CheckpointWarning
 from relaytrain.config import RunConfig, load_config
 from relaytrain.data.dataset import TokenDataset
@@ -40,7 +41,7 @@ from relaytrain.runtime.failures import (
     WorkerHung,
     WorkerRaised,
 )
-from relaytrain.runtime.faults import FaultInjector, plan_faults
+from relaytrain.runtime.faults import FaultInjector, end_storage_outage, plan_faults
 from relaytrain.runtime.worker import Placement, pick_device
 from relaytrain.train.evaluate import mean_loss
 from relaytrain.train.metrics import (
@@ -62,6 +63,9 @@ RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "trai
 
 ASYNC_SCHEDULES = ("pipedream", "paci")
 
+# At the end of a run, how long a checkpoint whose commit met unavailable storage waits for it.
+STORAGE_WAIT_S = 30.0
+
 
 class TrainingStopped(Exception):
     """The run stopped on purpose (divergence, memorisation alarm with stop_on_alarm)."""
@@ -73,6 +77,7 @@ class PendingCheckpoint:
     parts: dict[str, dict] = field(default_factory=dict)
     expected: set[str] = field(default_factory=set)
     failed: bool = False
+    deferred: bool = False  # its commit met unavailable storage and is retried
 
 
 def make_engine(cfg: RunConfig) -> Engine:
@@ -155,6 +160,9 @@ class Controller:
     def _prepare_run_dir(self) -> int:
         """Create or reopen the run directory; the step to resume from (0: a fresh run)."""
         os.makedirs(self.cfg.run_dir, exist_ok=True)
+        if storage.scheme(self.store.url) == "file" and end_storage_outage(self.store.url):
+            warn(f"{self.store.url} was left unavailable by an injected storage outage of a "
+                 "run that was killed; restored it")
         start = 0
         manifest = self._newest_good_manifest()
         if manifest is not None:
@@ -326,7 +334,7 @@ class Controller:
                                     tok_s=f"{last.get('tokens_per_s', 0):,.0f}", refresh=False)
                     bar.n = step
                     bar.refresh()
-            self._finish_writes()
+            self._finish_writes(wait_storage=STORAGE_WAIT_S)
             wall = time.perf_counter() - t_run
             pids = {w: self.engine.pid(w) for w in self.members}
             return {"run_dir": cfg.run_dir, "steps": cfg.train.max_steps,
@@ -390,9 +398,19 @@ class Controller:
             blocker = FaultInjector.block_checkpoint_dir(self.store.url, fault.step)
             if blocker:
                 self.blockers.append(blocker)
-        for fault in self.faults.due(first, last, ("kill", "hang", "slow")):
+        for fault in self.faults.due(first, last, ("storage_outage",)):
+            seconds = self.cfg.faults.storage_outage_seconds
+            if self.faults.storage_outage(self.store.url, seconds):
+                warn(f"step {fault.step}: injected storage outage: {self.store.url} is "
+                     f"unavailable for {seconds:g}s")
+        for fault in self.faults.due(first, last, ("kill", "hang", "slow", "raise")):
             wid = self.members[fault.rank % len(self.members)]
-            self.faults.signal_later(self.engine.pid(wid), fault.kind)
+            if fault.kind == "raise":
+                self.engine.call({wid: ("arm_fault", (fault.step,))},
+                                 self.cfg.runtime.call_timeout)
+                self.faults.fired_at[self.engine.pid(wid)] = time.time()
+            else:
+                self.faults.signal_later(self.engine.pid(wid), fault.kind)
 
     def _recover(self, failure: WorkerFailure, done: int) -> int:
         """Replace what failed, re-form, restore the newest consistent state; the step to
@@ -624,18 +642,34 @@ class Controller:
             self.blockers.remove(path)
 
     def _commit_ready(self) -> None:
+        """Commit every checkpoint whose parts are all written. A commit that meets
+        unavailable storage (a transient error: nothing was committed) stays pending and is
+        tried again after the next step, so training does not wait for storage."""
         keep = []
         for p in self.pending:
             if p.failed:
                 continue
             if set(p.parts) == p.expected:
-                self.store.commit(p.step, p.parts, self._manifest_meta(p.step))
+                try:
+                    self.store.commit(p.step, p.parts, self._manifest_meta(p.step))
+                except Exception as e:
+                    if not storage.is_transient(e):
+                        raise
+                    if not p.deferred:
+                        warn(f"checkpoint step {p.step}: storage unavailable "
+                             f"({type(e).__name__}: {storage.redact(str(e))}); the commit is "
+                             "retried after the next step")
+                    p.deferred = True
+                    keep.append(p)
+                    continue
                 self.last_committed = p.step
             else:
                 keep.append(p)
         self.pending = keep
 
-    def _finish_writes(self) -> None:
+    def _finish_writes(self, wait_storage: float = 0.0) -> None:
+        """Wait for every checkpoint write and commit what is complete; commits deferred by
+        unavailable storage are retried for up to `wait_storage` seconds."""
         assert self.engine is not None
         writers = list(self.writer_parts())
         done = self.engine.call_all(writers, "flush_writes", timeout=self.cfg.runtime.call_timeout)
@@ -643,6 +677,15 @@ class Controller:
             for w in ws:
                 self._record_write(w)
         self._commit_ready()
+        if not wait_storage:
+            return
+        deadline = time.monotonic() + wait_storage
+        while self.pending and time.monotonic() < deadline:
+            time.sleep(0.5)
+            self._commit_ready()
+        for p in self.pending:
+            warn(f"checkpoint step {p.step}: storage still unavailable after "
+                 f"{wait_storage:g}s; it was not committed")
 
     def _manifest_meta(self, step: int) -> dict[str, Any]:
         return {"model": self.model_cfg.to_dict(), "config": self.cfg.to_dict(),

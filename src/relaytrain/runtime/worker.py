@@ -28,6 +28,7 @@ from relaytrain.model.stages import build_stage, partition_layers
 from relaytrain.parallel.groups import PipelineGroups, form_groups
 from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
+from relaytrain.runtime.faults import RaiseHook
 from relaytrain.train.evaluate import heldout_losses
 from relaytrain.train.execution import prepare_model, set_determinism
 from relaytrain.train.optim import (
@@ -93,6 +94,7 @@ class Worker:
         self._pending: list[tuple[int, str, Any]] = []
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._layout: tuple[int, int] | None = None
+        self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
 
     def checkpoint_url(self) -> str:
         return self.cfg.checkpoint.url or os.path.join(self.cfg.run_dir, "checkpoints")
@@ -182,6 +184,10 @@ class Worker:
                                              fused=self.device.type == "cuda")
             self._layout = (0, 1)
 
+    def arm_fault(self, step: int) -> None:
+        """Fault injection (faults.raise_at): raise InjectedFault when `step` starts."""
+        self.raise_hook.arm(step)
+
     def snapshot_step(self) -> int | None:
         return None if self._snapshot is None else self._snapshot[0]
 
@@ -227,6 +233,7 @@ class Worker:
         every = self.cfg.elastic.snapshot_every
         if self.placement.dp > 1 and every and (first - 1) % every == 0:
             self.take_snapshot(first - 1)
+        self.raise_hook.check(first, count)
         if self.pipeline is not None:
             out = self._run_span(first, count)
         else:

@@ -1,0 +1,125 @@
+"""Fault injection: the plan is a pure function of the config and the seed, and a storage outage
+is real (every process's access to the checkpoint root fails) yet costs a run nothing."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from relaytrain.checkpoint.store import CheckpointStore
+from relaytrain.cli import main
+from relaytrain.config import FaultsSection
+from relaytrain.runtime.controller import Controller, PendingCheckpoint
+from relaytrain.runtime.faults import (
+    OUTAGE_SUFFIX,
+    InjectedFault,
+    RaiseHook,
+    end_storage_outage,
+    plan_faults,
+    start_storage_outage,
+)
+from relaytrain.storage import is_transient
+from tests.runtime.conftest import final_state, same_tensors, step_records, tiny_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_raise_hits_the_given_rank_or_one_drawn_from_the_seed():
+    given = plan_faults(FaultsSection(raise_at=[5], raise_rank=2), seed=0, max_steps=10, world=4)
+    assert [(f.step, f.kind, f.rank) for f in given] == [(5, "raise", 2)]
+    drawn = [plan_faults(FaultsSection(raise_at=[3, 7]), seed=s, max_steps=10, world=4)
+             for s in (1, 1, 2)]
+    assert drawn[0] == drawn[1]
+    assert all(f.kind == "raise" and 0 <= f.rank < 4 for f in drawn[0])
+    outage = plan_faults(FaultsSection(storage_outage_at=[4]), seed=0, max_steps=10, world=4)
+    assert [(f.step, f.kind) for f in outage] == [(4, "storage_outage")]
+
+
+def test_an_armed_hook_raises_once_when_its_step_starts():
+    hook = RaiseHook()
+    hook.arm(6)
+    hook.check(1, 5)  # steps 1..5: not yet
+    with pytest.raises(InjectedFault, match="faults.raise_at at step 6"):
+        hook.check(5, 3)  # a span 5..7 holds step 6
+    hook.check(6, 1)  # spent: the step is retried without it
+
+
+def test_during_an_outage_every_access_fails_transiently_and_nothing_is_lost(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    store = CheckpointStore(root)
+    part = store.write_part(1, "model", {"model.w": torch.ones(4)})
+    store.commit(1, {"model": part}, {})
+    start_storage_outage(root)
+    for access in (lambda: store.write_part(2, "model", {"model.w": torch.zeros(4)}),
+                   lambda: store.commit(1, {"model": part}, {}), store.latest_step,
+                   lambda: store.read(1)):
+        with pytest.raises(OSError) as err:
+            access()
+        assert is_transient(err.value), err.value
+    assert os.path.isdir(root + OUTAGE_SUFFIX)  # the real directory, aside and untouched
+    assert end_storage_outage(root)
+    assert not end_storage_outage(root)  # idempotent: nothing to restore any more
+    assert not os.path.lexists(root + OUTAGE_SUFFIX)
+    assert store.latest_step() == 1 and torch.equal(store.read(1)[1]["model.w"], torch.ones(4))
+    store.commit(2, {"model": store.write_part(2, "model", {"model.w": torch.zeros(4)})}, {})
+    assert store.committed_steps() == [1, 2]
+
+
+def test_training_rides_out_a_storage_outage_to_the_same_bits(tmp_path, corpus_data, capsys,
+                                                              caplog):
+    common = ("train.max_steps=10", "checkpoint.every=1", "checkpoint.keep_last=10",
+              "eval.every=0")
+    Controller(tiny_config(tmp_path / "clean", corpus_data, *common)).run()
+    run = tmp_path / "outage"
+    with caplog.at_level(logging.WARNING, logger="relaytrain.checkpoint.writer"):
+        Controller(tiny_config(run, corpus_data, *common, "faults.storage_outage_at=[4]",
+                               "faults.storage_outage_seconds=1")).run()
+    # The outage is one line, and it really hit a checkpoint save, which the writer retried.
+    err = capsys.readouterr().err
+    assert [x for x in err.splitlines() if "storage outage" in x] == [
+        f"relaytrain: warning: step 4: injected storage outage: {run / 'checkpoints'} is "
+        "unavailable for 1s"]
+    assert any("failed (OSError: [Errno 40] Too many levels of symbolic links" in r.getMessage()
+               for r in caplog.records)
+    a, b = step_records(tmp_path / "clean"), step_records(run)
+    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
+    assert same_tensors(final_state(run), final_state(tmp_path / "clean"))
+    store = CheckpointStore(str(run / "checkpoints"))
+    steps = store.committed_steps()
+    assert steps == list(range(1, 11))
+    for step in steps:
+        store.verify(step)
+    assert not os.path.lexists(str(run / "checkpoints") + OUTAGE_SUFFIX)
+    assert main(["data", "audit", str(run)]) == 0
+
+
+def test_a_commit_that_meets_an_outage_waits_for_storage_and_is_never_half_done(
+        tmp_path, corpus_data, capsys):
+    ctl = Controller(tiny_config(tmp_path / "run", corpus_data))
+    part = ctl.store.write_part(2, "stage0", {"model.w": torch.ones(4)})
+    ctl.pending = [PendingCheckpoint(2, parts={"stage0": part}, expected={"stage0"})]
+    start_storage_outage(ctl.store.url)
+    ctl._commit_ready()  # what the controller does after every step
+    ctl._commit_ready()
+    assert [p.step for p in ctl.pending] == [2] and ctl.last_committed == 0
+    assert capsys.readouterr().err.count("checkpoint step 2: storage unavailable") == 1
+    end_storage_outage(ctl.store.url)
+    assert ctl.store.committed_steps() == []  # nothing was committed while it was down
+    ctl._commit_ready()
+    assert ctl.pending == [] and ctl.last_committed == 2
+    assert ctl.store.verify(2)["step"] == 2
+
+
+def test_a_run_killed_during_an_outage_gets_its_storage_back_on_resume(tmp_path, corpus_data,
+                                                                       capsys):
+    run = tmp_path / "run"
+    Controller(tiny_config(run, corpus_data, "train.max_steps=4", "eval.every=0")).run()
+    start_storage_outage(str(run / "checkpoints"))  # as a SIGKILLed controller leaves it
+    summary = Controller(tiny_config(run, corpus_data, "train.max_steps=6",
+                                     "eval.every=0")).run()
+    assert summary["resumed_from"] == 4
+    assert "left unavailable by an injected storage outage" in capsys.readouterr().err
+    assert CheckpointStore(str(run / "checkpoints")).latest_step() == 6
