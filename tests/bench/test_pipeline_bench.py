@@ -2,7 +2,7 @@
 
 import pytest
 
-from relaytrain.bench.pipeline import pooled_costs, steps_to_target
+from relaytrain.bench.pipeline import pooled_costs, scaled_costs, steps_to_target
 
 
 def test_steps_to_target_interpolates_between_evaluations():
@@ -17,3 +17,12 @@ def test_pooled_costs_are_per_stage_medians_over_runs():
             for name, f, u in (("a", 1.0, 1.0), ("b", 2.0, 5.0), ("c", 9.0, 2.0))}
     assert pooled_costs(runs) == {"forward": [2.0, 4.0], "backward": [3.0, 3.0],
                                   "update": [1.0, 2.0]}
+
+
+def test_deeper_pipelines_keep_the_measured_stage_and_the_same_model_thins_it():
+    measured = {"forward": [1.0, 3.0], "backward": [2.0, 6.0], "update": [0.5, 1.5]}
+    deeper = scaled_costs(measured, 8, 0.25)
+    assert (deeper.forward, deeper.backward, deeper.update) == ((2.0,) * 8, (4.0,) * 8, (1.0,) * 8)
+    thin = scaled_costs(measured, 8, 0.25, deeper=False)
+    assert (thin.forward, thin.backward, thin.update) == ((0.5,) * 8, (1.0,) * 8, (0.25,) * 8)
+    assert deeper.transfer == thin.transfer == 0.25  # the measured hop, whatever the stage size

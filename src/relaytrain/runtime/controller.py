@@ -273,7 +273,7 @@ class Controller:
                     results = self.engine.call_all(self.members, "run_steps", step + 1, count,
                                                    timeout=cfg.runtime.call_timeout * count)
                 except WorkerFailure as failure:
-                    step = self._recover(failure, step)
+                    step = self._recover(failure, step, count)
                     if bar is not None:
                         bar.n = step
                     continue
@@ -300,7 +300,7 @@ class Controller:
                     try:
                         t_ckpt = self._save(end)
                     except WorkerFailure as failure:  # the span is lost with the snapshot
-                        step = self._recover(failure, step)
+                        step = self._recover(failure, step, count)
                         continue
                 for i, (per, rec) in enumerate(steps):
                     step += 1
@@ -412,9 +412,10 @@ class Controller:
             else:
                 self.faults.signal_later(self.engine.pid(wid), fault.kind)
 
-    def _recover(self, failure: WorkerFailure, done: int) -> int:
+    def _recover(self, failure: WorkerFailure, done: int, in_flight: int = 1) -> int:
         """Replace what failed, re-form, restore the newest consistent state; the step to
-        continue from (DESIGN.md "Recovery protocol")."""
+        continue from (DESIGN.md "Recovery protocol"). `in_flight`: the steps of the failed
+        dispatch (a whole span for an asynchronous pipeline), lost with it."""
         assert self.engine is not None
         t_detect = time.time()
         cfg = self.cfg
@@ -498,7 +499,7 @@ class Controller:
         self._pending_recovery = {
             "failed_step": done + 1, "rank": rank, "cause": failure.kind,
             "message": failure.message, "source": source, "dp": self.dp,
-            "lost_steps": len(lost) + 1, "restored_step": restore_step,
+            "lost_steps": len(lost) + in_flight, "restored_step": restore_step,
             # detect: fault -> exception; replace: settle, kill, start replacements, pull
             # the snapshot; reform: new process groups; restore: rebuild from the state.
             "phases": {"detect": t_detect - fired if fired else None,
