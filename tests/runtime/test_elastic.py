@@ -95,17 +95,18 @@ def test_a_kill_during_checkpoint_writes_leaves_nothing_broken_loadable(tmp_path
         store.verify(step)
 
 
-def test_a_recovery_after_a_storage_outage_restores_the_newest_checkpoint(
-        tmp_path, corpus_data, ray_cluster, fault_free):
+def test_a_recovery_during_a_storage_outage_waits_for_it_and_restores_the_newest_checkpoint(
+        tmp_path, corpus_data, ray_cluster, fault_free, capsys):
     run = tmp_path / "outage"
     Controller(_cfg(run, corpus_data, "train.max_steps=12", "determinism=exact",
-                    "faults.storage_outage_at=[4]", "faults.storage_outage_seconds=1",
+                    "faults.storage_outage_at=[9]", "faults.storage_outage_seconds=3",
                     "faults.kill_at=[10]", dp=1)).run()
-    # One worker: no peer holds a snapshot, so the recovery reads storage (back by then).
+    # One worker: no peer holds a snapshot, so the recovery needs storage, and waits for it.
     [rec] = _records(run, "recovery")
     assert (rec["cause"], rec["source"]) == ("died", "checkpoint")
-    # Checkpoint 4 was saved into the outage (its write retried), 8 after it; commits follow
-    # the async writes, so either may be the newest when the kill lands. Not 0: none was lost.
+    assert "is unavailable (OSError); waiting up to 30s to restore" in capsys.readouterr().err
+    # Commits follow the async writes, so checkpoint 8 is the newest if its write was reported
+    # before the kill (then committed after the outage), else 4. Never 0: nothing was lost.
     assert rec["restored_step"] in (4, 8)
     a, b = step_records(fault_free), step_records(run)
     assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]

@@ -143,6 +143,10 @@ class CheckpointStore:
         object stores; a glob would list each step directory).
         """
         self.fs.invalidate_cache(self.root)  # listings may be cached (s3fs) and go stale
+        if self._local and not self._step_dirs():
+            # The local `find` walks with os.walk, which treats a root it cannot read as
+            # empty; `_step_dirs` raises then (an outage must not look like no checkpoints).
+            return []
         steps = []
         for path in self.fs.find(self.root):
             rel = path[len(self.root) + 1:].split("/")

@@ -63,7 +63,8 @@ RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "trai
 
 ASYNC_SCHEDULES = ("pipedream", "paci")
 
-# At the end of a run, how long a checkpoint whose commit met unavailable storage waits for it.
+# How long the end of a run (deferred commits) and a restore from checkpoints wait for storage
+# that is unavailable.
 STORAGE_WAIT_S = 30.0
 
 
@@ -367,6 +368,25 @@ class Controller:
             seq_len=cfg.seq_len, n_instances=self.n_train, fingerprint=self.dataset.fingerprint,
             data_path=os.path.abspath(cfg.data.path), dp=self.dp))
 
+    def _latest_step_readable(self) -> int:
+        """The newest committed step (0 if none), after committing what is complete; while
+        storage is unavailable (a transient error) it is waited for, up to STORAGE_WAIT_S,
+        since restoring needs it and a deferred commit may hold the newest state."""
+        deadline = time.monotonic() + STORAGE_WAIT_S
+        warned = False
+        while True:
+            try:
+                self._commit_ready()
+                return self.store.latest_step() or 0
+            except Exception as e:
+                if not storage.is_transient(e) or time.monotonic() > deadline:
+                    raise
+                if not warned:
+                    warn(f"checkpoint storage {storage.redact(self.store.url)} is unavailable "
+                         f"({type(e).__name__}); waiting up to {STORAGE_WAIT_S:g}s to restore")
+                    warned = True
+                time.sleep(0.5)
+
     def _form_generation(self, step: int,
                          tensors: dict[int, dict[str, Any]] | None = None) -> float:
         """Join every member into a new process-group generation holding the state of `step`.
@@ -459,8 +479,7 @@ class Controller:
         stages_left = {old[w].stage for w in survivors}
         memory_ok = (len(set(snaps.values())) == 1 and None not in snaps.values()
                      and stages_left == set(range(cfg.parallel.pp)))
-        restore_step = next(iter(snaps.values())) if memory_ok else \
-            (self.store.latest_step() or 0)
+        restore_step = next(iter(snaps.values())) if memory_ok else self._latest_step_readable()
         source = "memory" if memory_ok else "checkpoint"
         if not memory_ok:
             warn(f"no complete in-memory snapshot survived; restoring checkpoint step "
@@ -678,15 +697,19 @@ class Controller:
             for w in ws:
                 self._record_write(w)
         self._commit_ready()
-        if not wait_storage:
-            return
         deadline = time.monotonic() + wait_storage
-        while self.pending and time.monotonic() < deadline:
+        while any(p.deferred for p in self.pending) and time.monotonic() < deadline:
             time.sleep(0.5)
             self._commit_ready()
+        if not wait_storage:
+            return
         for p in self.pending:
-            warn(f"checkpoint step {p.step}: storage still unavailable after "
-                 f"{wait_storage:g}s; it was not committed")
+            if p.deferred:
+                warn(f"checkpoint step {p.step}: storage still unavailable after "
+                     f"{wait_storage:g}s; it was not committed")
+            else:  # every write has returned: the missing parts went with a failed worker
+                warn(f"checkpoint step {p.step}: parts {sorted(p.expected - set(p.parts))} "
+                     "were lost with a failed worker; it was not committed")
 
     def _manifest_meta(self, step: int) -> dict[str, Any]:
         return {"model": self.model_cfg.to_dict(), "config": self.cfg.to_dict(),
