@@ -30,8 +30,11 @@ def _run(run_dir, data, schedule: str, dp: int, *extra: str) -> dict:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("schedule", "dp", "source"),
-                         [("1f1b", 1, "checkpoint"), ("paci", 2, "memory")])
+@pytest.mark.parametrize(("schedule", "dp", "source"), [
+    ("1f1b", 1, "checkpoint"), ("paci", 2, "memory"),
+    # the same paths again for the other two schedules: on demand (pytest -m soak)
+    pytest.param("gpipe", 1, "checkpoint", marks=pytest.mark.soak),
+    pytest.param("pipedream", 2, "memory", marks=pytest.mark.soak)])
 def test_a_killed_stage_worker_is_replaced_and_the_run_is_bit_identical(
         tmp_path, corpus_data, ray_cluster, schedule, dp, source):
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
@@ -54,4 +57,5 @@ def test_a_killed_stage_worker_is_replaced_and_the_run_is_bit_identical(
     survivors = set(before) & set(after)
     assert len(survivors) == 2 * dp - 1 and all(after[w] == before[w] for w in survivors)
     stale = [max(b[s]["pipeline"]["0"]["staleness"]) for s in b]
-    assert max(stale) == (schedule == "paci")  # the recovered span was asynchronous indeed
+    # the recovered span was asynchronous indeed (or not)
+    assert (max(stale) > 0) == (schedule in ("pipedream", "paci"))
