@@ -31,9 +31,13 @@ def _records(run, kind: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory, corpus_data, ray_cluster):
+def fault_free(tmp_path_factory, corpus_data):
+    """The reference every faulty run must reproduce to the bit. In exact mode the result does
+    not depend on the number of workers (tests/runtime/test_data_parallel.py), so one
+    in-process worker computes it."""
     run = tmp_path_factory.mktemp("clean") / "run"
-    Controller(_cfg(run, corpus_data, "train.max_steps=12", "determinism=exact")).run()
+    Controller(_cfg(run, corpus_data, "train.max_steps=12", "determinism=exact",
+                    "runtime.engine=inline", dp=1)).run()
     return run
 
 
