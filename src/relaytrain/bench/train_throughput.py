@@ -4,8 +4,8 @@ step of the same Olmo 3, side by side in one process.
 Both models hold the same weights (`parity.hf.hf_twin`), see the same batches (random tokens
 from a seeded generator, `micro_batch` sequences of `seq_len` + 1 tokens, the next-token labels
 already shifted) and are trained by the same optimizer: torch AdamW built the way our worker
-builds it (`train.optim.build_optimizer`, Olmo parameter groups, foreach on the CPU, fused on
-CUDA), mapped onto HF's parameter names. A step is forward, loss, backward, global-norm clip
+builds it (`train.optim.build_optimizer`, Olmo parameter groups, the fused implementation),
+mapped onto HF's parameter names. A step is forward, loss, backward, global-norm clip
 (1.0), AdamW update, gradients cleared, and the loss read back as a float.
 
 - Ours: `train.step.train_step` exactly as the worker calls it (a no-op gradient reduction,
@@ -14,7 +14,7 @@ CUDA), mapped onto HF's parameter names. A step is forward, loss, backward, glob
 - HF: `Olmo3ForCausalLM(input_ids, labels=..., shift_labels=...)` with SDPA attention and its
   own `ForCausalLMLoss`, `use_cache=False`, `clip_grad_norm_`, `optimizer.step()`,
   `zero_grad(set_to_none=True)`: the loop a user writes around a HF model.
-- On CUDA (issue 9): bf16 autocast with fp32 master weights for both, fused AdamW, and a third
+- On CUDA (issue 9): bf16 autocast with fp32 master weights for both, and a third
   variant, HF's model under `torch.compile` (sharing the HF model's weights and optimizer).
   Ours runs as a training run does by default (`train.execution.prepare_model`): compiled
   blocks and FlexAttention for sliding layers on CUDA, the eager HF-exact path on the CPU.
@@ -162,7 +162,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     ours = prepare_model(ours, execution, dev)
     ours.train()
     hf.to(dev).train()
-    ours_opt = build_optimizer(ours, optim_cfg, fused=cuda)
+    ours_opt = build_optimizer(ours, optim_cfg)
     hf_opt = _hf_optimizer(hf, ours, ours_opt)
     ours_params, hf_params = list(ours.parameters()), list(hf.parameters())
     reducer = GradReducer(ours_params, None, exact=False, total_micro_batches=1)
@@ -267,7 +267,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
                           "betas": list(optim_cfg.betas), "eps": optim_cfg.eps,
                           "weight_decay": optim_cfg.weight_decay,
                           "embeddings_decayed": optim_cfg.decay_embeddings,
-                          "impl": "fused" if cuda else "foreach"},
+                          "impl": "fused"},
             "clip": train_cfg.clip, "z_loss_ours": train_cfg.z_loss,
             "ours_sliding_attention": ("flex" if cuda else "sdpa mask")
             if seq_len > cfg.sliding_window else "causal (seq_len <= window)",

@@ -156,8 +156,7 @@ class Worker:
             model = self._new_module()
             init_weights(model, self.cfg.seed)
             self.model = prepare_model(model, self.cfg.model, self.device)
-            self.optimizer = build_optimizer(self.model, self.cfg.optim,
-                                             fused=self.device.type == "cuda")
+            self.optimizer = build_optimizer(self.model, self.cfg.optim)
             self._layout = layout
         if tensors is None and self._snapshot is not None and self._snapshot[0] == step:
             tensors = self._snapshot[1]
@@ -180,8 +179,7 @@ class Worker:
             model = Olmo3(self.model_cfg)
             init_weights(model, self.cfg.seed)
             self.model = prepare_model(model, self.cfg.model, self.device)
-            self.optimizer = build_optimizer(self.model, self.cfg.optim,
-                                             fused=self.device.type == "cuda")
+            self.optimizer = build_optimizer(self.model, self.cfg.optim)
             self._layout = (0, 1)
 
     def arm_fault(self, step: int) -> None:
