@@ -11,9 +11,9 @@ VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   # On a machine without a GPU take the CPU build; never pull a multi-GB CUDA build there.
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "$VPY" -m pip install -q --no-compile "torch>=2.8"
+    "$VPY" -m pip install -q "torch>=2.8"
   else
-    "$VPY" -m pip install -q --no-compile "torch==2.13.0"
+    "$VPY" -m pip install -q "torch==2.13.0"
   fi
 fi
-"$VPY" -m pip install -q --no-compile -e ".[dev,storage]"
+"$VPY" -m pip install -q -e ".[dev,storage]"
