@@ -183,7 +183,7 @@ def _device_model(cfg: Olmo3Config, dev: torch.device, seed: int = 0) -> Olmo3:
 def _time_steps(model: Olmo3, cfg: Olmo3Config, dev: torch.device, seq_len: int,
                 micro_batch: int, warmup: int, steps: int) -> dict[str, Any]:
     """Our full training step (as the worker runs it) on random tokens: tokens/s, MFU, peak."""
-    opt = build_optimizer(model, OptimSection(), fused=dev.type == "cuda")
+    opt = build_optimizer(model, OptimSection())
     params = list(model.parameters())
     reducer = GradReducer(params, None, exact=False, total_micro_batches=1)
     gen = torch.Generator().manual_seed(0)

@@ -161,7 +161,7 @@ def _private_ray() -> Iterator[None]:
 
     owned = not ray.is_initialized()
     if owned:
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
                  _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
     try:
         yield

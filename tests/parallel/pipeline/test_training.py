@@ -25,7 +25,7 @@ def ray_cluster():
     os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
              configure_logging=False)
     yield
     ray.shutdown()

@@ -117,7 +117,7 @@ class RayEngine(Engine):
                "MKL_NUM_THREADS": str(rt.threads_per_worker)}
         if rt.address is None:
             need = (self.cfg.world_size + self.cfg.elastic.spares) * rt.cpus_per_worker
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
                      include_dashboard=False, _node_ip_address="127.0.0.1",
                      runtime_env={"env_vars": env}, log_to_driver=True,
                      configure_logging=False)
