@@ -153,11 +153,7 @@ class Worker:
         if self.model is None or step == 0 or self._layout != layout:
             # A new module; a worker re-forming with the same layout keeps its own, since
             # every restored value is overwritten below (that makes recovery cheap).
-            model = self._new_module()
-            init_weights(model, self.cfg.seed)
-            self.model = prepare_model(model, self.cfg.model, self.device)
-            self.optimizer = build_optimizer(self.model, self.cfg.optim)
-            self._layout = layout
+            self._fresh(self._new_module(), layout)
         if tensors is None and self._snapshot is not None and self._snapshot[0] == step:
             tensors = self._snapshot[1]
         if tensors is None and step > 0:
@@ -176,11 +172,14 @@ class Worker:
         """For a standby spare: build the model now (for an unpipelined layout), so a
         promotion only loads state."""
         if self.cfg.parallel.pp == 1:
-            model = Olmo3(self.model_cfg)
-            init_weights(model, self.cfg.seed)
-            self.model = prepare_model(model, self.cfg.model, self.device)
-            self.optimizer = build_optimizer(self.model, self.cfg.optim)
-            self._layout = (0, 1)
+            self._fresh(Olmo3(self.model_cfg), (0, 1))
+
+    def _fresh(self, model: Olmo3, layout: tuple[int, int]) -> None:
+        """`model` with the seed's weights, prepared for this device, and a new optimizer."""
+        init_weights(model, self.cfg.seed)
+        self.model = prepare_model(model, self.cfg.model, self.device)
+        self.optimizer = build_optimizer(self.model, self.cfg.optim)
+        self._layout = layout
 
     def arm_fault(self, step: int) -> None:
         """Fault injection (faults.raise_at): raise InjectedFault when `step` starts."""
