@@ -55,6 +55,7 @@ def test_during_an_outage_every_access_fails_transiently_and_nothing_is_lost(tmp
     start_storage_outage(root)
     for access in (lambda: store.write_part(2, "model", {"model.w": torch.zeros(4)}),
                    lambda: store.commit(1, {"model": part}, {}), store.latest_step,
+                   store.committed_steps,  # not an empty listing: that would read as "none"
                    lambda: store.read(1)):
         with pytest.raises(OSError) as err:
             access()
