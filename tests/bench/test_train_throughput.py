@@ -18,6 +18,7 @@ def test_quick_tiny_run_reports_both_steps_and_their_ratio():
         v = r[name]
         assert v["tokens_per_s"] > 0 and v["step_s"] > 0 and v["cpu_s_per_step"] > 0
         assert 0 < v["mfu"] and v["saved_activation_bytes"] > 0
+        assert v["faulted_bytes_per_step"] >= 0
     assert r["ratio"] > 0 and r["ratio_of_medians"] > 0 and len(r["ratio_rounds"]) == 2
     assert "hf_compiled" not in r  # the compiled baseline is a CUDA variant
     s = r["settings"]

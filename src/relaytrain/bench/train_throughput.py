@@ -28,8 +28,13 @@ back to the OS, so the next step page-faults its buffers in again), a cost neith
 trains alone. Without it, a `small`-preset step of ours measured 0.73 s interleaved against
 0.58 s alone. Also
 reported: the best round of each (interference only ever slows a step down, so the best is the
-least disturbed) and their ratio, the CPU seconds each step burned (all threads), and the load
-average before and after.
+least disturbed) and their ratio, the CPU seconds each step burned (all threads), the memory
+each step page-faulted in (minor faults x page size: HF's full-batch logits exceed glibc's
+32 MiB mmap ceiling, so they are mapped and faulted in afresh every step), and the load
+average before and after. HF's step faults in ~286 MiB per step at the `small` preset, ours
+~30 MiB, so the ratio moves with the host's cost of a page fault: the same code measured paired
+medians of 1.45x and 1.18x in two runs an hour apart on this 2-core VM; quote the figure with
+its rounds.
 MFU uses `model.accounting.flops_per_token` (the same for both models) against
 `train.metrics.peak_flops` (on the CPU: a measured fp32 matmul at the same thread count, the
 best of one measurement per round).
@@ -41,6 +46,7 @@ saves for its backward in one forward (activations, parameters excluded).
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -65,6 +71,7 @@ from relaytrain.train.step import autocast_for, train_step
 DEFAULT_TOKENIZER_VOCAB = 8192  # the demo's BPE vocabulary, for presets sized by the data
 TARGET_RATIO = 1.25  # issue 4: ours at least this much faster on the CPU, `small` preset
 POOL = 4  # distinct batches, cycled
+PAGE = resource.getpagesize()
 
 
 def _hf_optimizer(hf: nn.Module, ours: nn.Module, ours_opt: torch.optim.Optimizer
@@ -97,6 +104,10 @@ def _saved_bytes(run: Callable[[], torch.Tensor], params: list[torch.Tensor]) ->
         loss = run()
     del loss
     return sum(seen.values())
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _load() -> list[float] | None:
@@ -231,6 +242,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     peak_rate, peak_source = peak_flops(dev, threads)
     step_s: dict[str, list[float]] = {k: [] for k in variants}
     cpu_s: dict[str, list[float]] = {k: [] for k in variants}
+    faults: dict[str, list[int]] = {k: [] for k in variants}
     peak: dict[str, int] = dict.fromkeys(variants, 0)
     over: dict[str, int] = dict.fromkeys(variants, 0)
     i = warmup
@@ -243,12 +255,13 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
                 torch.cuda.reset_peak_memory_stats(dev)
             fn(i)  # settles the allocator after the other variant (see the module docstring)
             sync()
-            w0, c0 = time.perf_counter(), time.process_time()
+            w0, c0, f0 = time.perf_counter(), time.process_time(), _minor_faults()
             for k in range(steps):
                 fn(i + 1 + k)
             sync()
             step_s[name].append((time.perf_counter() - w0) / steps)
             cpu_s[name].append((time.process_time() - c0) / steps)
+            faults[name].append((_minor_faults() - f0) // steps)
             if cuda:
                 p = torch.cuda.max_memory_allocated(dev)
                 peak[name] = max(peak[name], p)
@@ -292,6 +305,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
             "tokens_per_s_best": tokens / min(step_s[name]),
             "step_s_all": [round(x, 4) for x in step_s[name]],
             "cpu_s_per_step": statistics.median(cpu_s[name]),
+            "faulted_bytes_per_step": int(statistics.median(faults[name])) * PAGE,
             "mfu": fpt * tokens / med / peak_rate if peak_rate else None,
             "peak_memory_bytes": peak[name] if cuda else None,
             "step_memory_bytes": over[name] if cuda else None,
@@ -331,7 +345,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{s['tokens_per_step']} tokens/step, {where}, {s['dtype']}, AdamW "
         f"{s['optimizer']['impl']}",
         f"{'':18}{'tokens/s':>10}{'step ms':>10}{'CPU s/step':>12}{'MFU':>8}"
-        f"{'memory':>14}  first loss",
+        f"{'memory':>14}{'faulted/step':>14}  first loss",
     ]
     names = {"ours": "relaytrain", "hf": "HF transformers", "hf_compiled": "HF compiled"}
     for key, label in names.items():
@@ -342,7 +356,8 @@ def format_report(r: dict[str, Any]) -> str:
             v["saved_activation_bytes"]
         mfu = "-" if v["mfu"] is None else f"{100 * v['mfu']:.1f}%"
         lines.append(f"{label:<18}{v['tokens_per_s']:>10,.0f}{1e3 * v['step_s']:>10,.0f}"
-                     f"{v['cpu_s_per_step']:>12.2f}{mfu:>8}{_mib(mem):>14}  "
+                     f"{v['cpu_s_per_step']:>12.2f}{mfu:>8}{_mib(mem):>14}"
+                     f"{_mib(v['faulted_bytes_per_step']):>14}  "
                      f"{v['first_loss']:.4f}")
     memory_kind = ("allocator peak" if r["ours"]["peak_memory_bytes"] is not None
                    else "saved for backward in one forward")
