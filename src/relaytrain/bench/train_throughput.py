@@ -31,10 +31,10 @@ reported: the best round of each (interference only ever slows a step down, so t
 least disturbed) and their ratio, the CPU seconds each step burned (all threads), the memory
 each step page-faulted in (minor faults x page size: HF's full-batch logits exceed glibc's
 32 MiB mmap ceiling, so they are mapped and faulted in afresh every step), and the load
-average before and after. HF's step faults in ~286 MiB per step at the `small` preset, ours
-~30 MiB, so the ratio moves with the host's cost of a page fault: the same code measured paired
-medians of 1.45x and 1.18x in two runs an hour apart on this 2-core VM; quote the figure with
-its rounds.
+average before and after. HF's step faults in 277-286 MiB per step at the `small` preset, ours
+0-30 MiB, so the ratio moves with the host's cost of a page fault: the same code measured
+paired medians of 1.45x, 1.18x and 1.19x in three runs within an hour on this 2-core VM (HF at
+887, 921 and 727 ms per step); quote the figure with its rounds.
 MFU uses `model.accounting.flops_per_token` (the same for both models) against
 `train.metrics.peak_flops` (on the CPU: a measured fp32 matmul at the same thread count, the
 best of one measurement per round).
