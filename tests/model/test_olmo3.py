@@ -218,6 +218,33 @@ def test_forward_traces_without_graph_breaks():
     assert explanation.graph_break_count == 0
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("checkpointing, bf16", [("none", False), ("selective", True)])
+def test_compiled_blocks_train_as_the_eager_model(checkpointing, bf16):
+    """What CUDA runs by default (`model.compile: auto`, bf16 autocast) traced on the CPU:
+    each block's forward and backward through dynamo and AOTAutograd in one graph (custom norm
+    and RoPE functions, the sliding mask, checkpointing), the fused head + loss eager."""
+    from torch._dynamo.utils import counters
+
+    cfg = small(max_seq_len=48, sliding_window=16)
+    eager, compiled = model_of(cfg), model_of(cfg)
+    compiled.configure(checkpointing=checkpointing)
+    torch._dynamo.reset()
+    compiled.compile_blocks(backend="aot_eager")
+    x = torch.randint(0, 500, (2, 49))
+    losses, grads = [], []
+    for m in (eager, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = m(x[:, :-1], labels=x[:, 1:], z_loss=1e-4)[0]
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
 # --- init -------------------------------------------------------------------------------------
 
 def test_init_is_a_function_of_seed_and_name_only():

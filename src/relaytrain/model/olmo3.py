@@ -410,11 +410,12 @@ class Olmo3(nn.Module):
             block.checkpoint = checkpointing == "full" or (
                 checkpointing == "selective" and int(i) % 2 == 0)
 
-    def compile_blocks(self) -> None:
+    def compile_blocks(self, backend: str = "inductor") -> None:
         """`torch.compile` each block in place (names unchanged); identical blocks share one
-        compiled graph, the embedding, masks and the fused head + loss stay eager."""
+        compiled graph, the embedding, masks and the fused head + loss stay eager. `backend`:
+        the tests trace with `aot_eager` (dynamo and AOTAutograd as on CUDA, no codegen)."""
         for block in self.layers.values():
-            block.compile(dynamic=False)
+            block.compile(dynamic=False, backend=backend)
 
     def sliding_mask(self, seq_len: int, device: torch.device) -> Tensor | BlockMask:
         """The sliding layers' mask for this forward, in the configured backend's form."""
