@@ -8,7 +8,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from relaytrain.bench.train_throughput import bench_train_throughput, format_report  # noqa: E402
+from relaytrain.bench.train_throughput import (  # noqa: E402
+    PAGE,
+    _minor_faults,
+    bench_train_throughput,
+    format_report,
+)
 
 
 @pytest.mark.timeout(240)
@@ -18,7 +23,7 @@ def test_quick_tiny_run_reports_both_steps_and_their_ratio():
         v = r[name]
         assert v["tokens_per_s"] > 0 and v["step_s"] > 0 and v["cpu_s_per_step"] > 0
         assert 0 < v["mfu"] and v["saved_activation_bytes"] > 0
-        assert v["faulted_bytes_per_step"] >= 0
+        assert v["faulted_bytes_per_step"] >= 0 and v["faulted_bytes_per_step"] % PAGE == 0
     assert r["ratio"] > 0 and r["ratio_of_medians"] > 0 and len(r["ratio_rounds"]) == 2
     assert "hf_compiled" not in r  # the compiled baseline is a CUDA variant
     s = r["settings"]
@@ -38,3 +43,17 @@ def test_unknown_preset_and_device_are_user_errors():
         bench_train_throughput(preset="huge")
     with pytest.raises(UserError, match="device"):
         bench_train_throughput(device="tpu")
+
+
+def test_the_fault_counter_sees_fresh_memory_being_touched():
+    """What the `faulted/step` column counts: every first touch of a fresh page."""
+    import mmap
+
+    pages = 2048
+    with mmap.mmap(-1, pages * PAGE) as m:
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a huge page would take 512 first touches at once
+            m.madvise(mmap.MADV_NOHUGEPAGE)
+        before = _minor_faults()
+        for i in range(pages):
+            m[i * PAGE] = 1
+        assert _minor_faults() - before >= pages
