@@ -1,3 +1,3 @@
-"""The training fixtures of tests/runtime, for the pipeline tests."""
+"""The training fixtures of tests/runtime (corpus, Ray cluster), for the pipeline tests."""
 
-from tests.runtime.conftest import corpus_data  # noqa: F401
+from tests.runtime.conftest import corpus_data, ray_cluster  # noqa: F401

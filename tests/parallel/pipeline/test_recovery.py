@@ -10,9 +10,7 @@ import pytest
 
 from relaytrain.cli import main
 from relaytrain.runtime.controller import Controller
-from tests.runtime.conftest import final_state, ray_cluster, same_tensors, step_records, tiny_config
-
-__all__ = ["ray_cluster"]  # the module's Ray cluster fixture
+from tests.runtime.conftest import final_state, same_tensors, step_records, tiny_config
 
 # Two stages, 8 micro-batches per step, spans of 3 steps (an asynchronous pipeline drains at each
 # end) and synchronous checkpoints every 3 steps: every span start is a consistent cut. The kill

@@ -4,8 +4,6 @@ the checkpoint resumes at 2 stages and unpipelined to the same numbers."""
 
 from __future__ import annotations
 
-import os
-import secrets
 import shutil
 
 import pytest
@@ -17,18 +15,7 @@ from relaytrain.parallel.pipeline.schedules import staleness_bound
 from relaytrain.runtime.controller import Controller
 from tests.runtime.conftest import step_records, tiny_config
 
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    """One private Ray cluster for the module; the engine reuses an initialised Ray."""
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             configure_logging=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # one private Ray cluster for the module
 
 
 def evals(run) -> dict[int, float]:
