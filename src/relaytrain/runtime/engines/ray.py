@@ -237,11 +237,19 @@ class RayEngine(Engine):
         return results
 
     def settle(self, timeout: float) -> dict[int, BaseException | None]:
+        """Calls still running after a failure: a worker that cannot answer a ping is hung and
+        is not waited for (a SIGSTOPped peer would otherwise cost the whole `timeout`); the
+        others get up to `timeout` to finish."""
         out: dict[int, BaseException | None] = {}
         refs, self._outstanding = self._outstanding, {}
         if not refs:
             return out
-        done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        deadline = time.monotonic() + timeout
+        busy = {w: e for w, e in self._ping(list(refs.values())).items() if e is not None}
+        out.update(busy)
+        rest = [r for r, w in refs.items() if w not in busy]
+        done, late = ray.wait(rest, num_returns=len(rest),
+                              timeout=max(0.0, deadline - time.monotonic()))
         for ref in done:
             try:
                 ray.get(ref)
@@ -253,21 +261,31 @@ class RayEngine(Engine):
                                         "failed")
         return out
 
-    def _diagnose_hang(self, wids: list[int], timeout: float) -> WorkerFailure:
-        """Which of the late workers is hung, and which is only waiting on it in a collective?
-
-        A stopped or deadlocked process cannot answer ping() on its second thread; a worker
-        blocked in a collective with it can."""
+    def _ping(self, wids: list[int]) -> dict[int, WorkerFailure | None]:
+        """Ping each worker on its second thread: None if it answers. A stopped or deadlocked
+        process cannot answer (hung), a dead one fails; a worker busy in a step or blocked in
+        a collective answers."""
         pings = {self.actors[w].ping.remote(): w for w in wids}
-        done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=PING_TIMEOUT)
-        answered = set()
+        done, late = ray.wait(list(pings), num_returns=len(pings), timeout=PING_TIMEOUT)
+        out: dict[int, WorkerFailure | None] = {}
         for ref in done:
             try:
                 ray.get(ref)
-                answered.add(pings[ref])
+                out[pings[ref]] = None
             except Exception as e:
-                return _failure(pings[ref], e)
-        silent = [w for w in wids if w not in answered]
+                out[pings[ref]] = _failure(pings[ref], e)
+        for ref in late:
+            out[pings[ref]] = WorkerHung(pings[ref], f"no answer to a ping within "
+                                         f"{PING_TIMEOUT:g}s")
+        return out
+
+    def _diagnose_hang(self, wids: list[int], timeout: float) -> WorkerFailure:
+        """Which of the late workers is hung, and which is only waiting on it in a collective?"""
+        answers = self._ping(wids)
+        dead = [e for e in answers.values() if e is not None and not isinstance(e, WorkerHung)]
+        if dead:
+            return dead[0]
+        silent = [w for w in wids if answers[w] is not None]
         wid = silent[0] if silent else wids[0]
         return WorkerHung(wid, f"no answer within the {timeout:.0f}s call deadline"
                           + ("" if silent else " (every late worker answers pings: a slow step)"))
