@@ -264,7 +264,8 @@ class RayEngine(Engine):
     def _ping(self, wids: list[int]) -> dict[int, WorkerFailure | None]:
         """Ping each worker on its second thread: None if it answers. A stopped or deadlocked
         process cannot answer (hung), a dead one fails; a worker busy in a step or blocked in
-        a collective answers."""
+        a collective answers. A worker on a node Ray has not yet declared dead cannot answer
+        either: it is named hung, and replaced all the same."""
         pings = {self.actors[w].ping.remote(): w for w in wids}
         done, late = ray.wait(list(pings), num_returns=len(pings), timeout=PING_TIMEOUT)
         out: dict[int, WorkerFailure | None] = {}
@@ -276,7 +277,7 @@ class RayEngine(Engine):
                 out[pings[ref]] = _failure(pings[ref], e)
         for ref in late:
             out[pings[ref]] = WorkerHung(pings[ref], f"no answer to a ping within "
-                                         f"{PING_TIMEOUT:g}s")
+                                         f"{PING_TIMEOUT:g}s (stopped, deadlocked or cut off)")
         return out
 
     def _diagnose_hang(self, wids: list[int], timeout: float) -> WorkerFailure:
