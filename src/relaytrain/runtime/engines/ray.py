@@ -245,9 +245,9 @@ class RayEngine(Engine):
         if not refs:
             return out
         deadline = time.monotonic() + timeout
-        busy = {w: e for w, e in self._ping(list(refs.values())).items() if e is not None}
-        out.update(busy)
-        rest = [r for r, w in refs.items() if w not in busy]
+        gone = {w: e for w, e in self._ping(list(refs.values())).items() if e is not None}
+        out.update(gone)
+        rest = [r for r, w in refs.items() if w not in gone]
         done, late = ray.wait(rest, num_returns=len(rest),
                               timeout=max(0.0, deadline - time.monotonic()))
         for ref in done:
