@@ -62,3 +62,31 @@ def test_overflow_and_non_finite_are_reported_not_wrapped():
     p.grad = torch.tensor([float("nan"), 0.0, 0.0])
     red.after_backward()
     assert not red.finish()
+
+
+def test_each_parameter_reduces_as_if_alone_and_one_without_a_gradient_gets_zeros():
+    shapes = [(7, 5), (3,), (4, 2, 2)]
+    per_param = [_grads(6, shape, seed=i) for i, shape in enumerate(shapes)]
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    unused = nn.Parameter(torch.zeros(2, 2))  # never receives a gradient
+    red = GradReducer([params[0], unused, *params[1:]], group=None, exact=True,
+                      total_micro_batches=6)
+    red.start()
+    for k in range(6):
+        for p, grads in zip(params, per_param, strict=True):
+            p.grad = grads[k].clone()
+        red.after_backward()
+    assert red.finish()
+    for p, grads in zip(params, per_param, strict=True):
+        assert torch.equal(p.grad, _reduce(grads, range(6), exact=True))
+    assert torch.equal(unused.grad, torch.zeros(2, 2))
+
+
+def test_a_non_finite_value_in_any_parameter_is_reported():
+    for bad in (float("nan"), float("inf")):
+        a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+        red = GradReducer([a, b], group=None, exact=True, total_micro_batches=1)
+        red.start()
+        a.grad, b.grad = torch.ones(3), torch.tensor([0.0, bad, 0.0])
+        red.after_backward()
+        assert not red.finish()
