@@ -100,9 +100,12 @@ class GradReducer:
                 dist.all_reduce(flag, group=self.group)
                 self.overflow = bool(flag.item())
                 dist.all_reduce(self._acc, group=self.group)
-            total = (self._acc[: self.numel].double() * _INV_HI
-                     + self._acc[self.numel:].double() * _INV_LO)
-            _scatter(total, self.params)
+            hi_acc, lo_acc = self._acc[: self.numel], self._acc[self.numel:]
+            for p, off in zip(self.params, self._offsets, strict=True):
+                limbs = slice(off, off + p.numel())
+                total = hi_acc[limbs].double().mul_(_INV_HI).add_(
+                    lo_acc[limbs].double().mul_(_INV_LO))
+                p.grad = total.view_as(p).to(p.dtype)
         elif world > 1:
             flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in self.params])
             dist.all_reduce(flat, group=self.group)
