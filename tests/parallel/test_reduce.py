@@ -90,3 +90,14 @@ def test_a_non_finite_value_in_any_parameter_is_reported():
         a.grad, b.grad = torch.ones(3), torch.tensor([0.0, bad, 0.0])
         red.after_backward()
         assert not red.finish()
+
+
+def test_the_overflow_limit_is_exact_not_rounded_to_float32():
+    # 2^32 / 25 = 171798691.84; float32 rounds it down to 171798688, a value that is in range.
+    p = nn.Parameter(torch.zeros(1))
+    red = GradReducer([p], group=None, exact=True, total_micro_batches=25)
+    red.start()
+    p.grad = torch.tensor([171798688.0])
+    red.after_backward()
+    assert red.finish()
+    assert p.grad.item() == 171798688.0

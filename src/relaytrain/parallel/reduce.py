@@ -71,8 +71,10 @@ class GradReducer:
         assert self._acc is not None
         grads = [(p.grad, off) for p, off in zip(self.params, self._offsets, strict=True)
                  if p.grad is not None]
-        # NaN propagates through amax, and NaN < limit is False: one pass finds both.
-        over = any(not float(g.abs().amax()) < self.limit for g, _ in grads)
+        # NaN propagates through amax and NaN < limit is False: one pass and one device sync
+        # find non-finite values and overflow alike (in float64: the limit rounds in float32).
+        peaks = [g.abs().amax().double() for g, _ in grads]
+        over = bool(peaks) and not bool((torch.stack(peaks) < self.limit).all())
         self.overflow |= over
         hi_acc, lo_acc = self._acc[: self.numel], self._acc[self.numel:]
         for g, off in grads:
