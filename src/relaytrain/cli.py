@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     phf.add_argument("--model", default="tiny", help="preset name (default: tiny)")
     phf.add_argument("--steps", type=int, default=20)
     phf.add_argument("--seq-len", type=int, default=None)
+    phf.add_argument("--matmul", choices=["aten", "onednn", "auto"], default="aten",
+                     help="our model's GEMMs (model.matmul): aten, HF's own, compares bit for "
+                          "bit; onednn is what CPU training runs (default: aten)")
     phf.add_argument("--json", action="store_true")
     phf.set_defaults(handler="parity.hf")
 

@@ -10,14 +10,20 @@ import relaytrain.model.olmo3 as olmo3
 from relaytrain.cli import main
 from relaytrain.model.config import FULL, PRESETS, SLIDING
 from relaytrain.model.init import init_weights
+from relaytrain.model.matmul import onednn_available, resolve_matmul
 from relaytrain.model.olmo3 import Olmo3, rope_inv_freq
 from relaytrain.parity.hf import hf_twin, run_parity
 
 torch.set_num_threads(1)
 
 
-def test_tiny_matches_hf_through_twenty_training_steps():
-    r = run_parity("tiny", steps=20)
+@pytest.mark.parametrize("matmul", [
+    "aten", pytest.param("onednn", marks=pytest.mark.skipif(not onednn_available(),
+                                                            reason="torch without oneDNN"))])
+def test_tiny_matches_hf_through_twenty_training_steps(matmul):
+    """With HF's own GEMMs, and with the oneDNN ones CPU training runs (`model.matmul`)."""
+    r = run_parity("tiny", steps=20, matmul=matmul)
+    assert r["matmul"] == matmul
     # The comparison covers both layer types, a sequence longer than the window and a padded
     # vocabulary, or it would prove less than it claims.
     assert set(r["layer_types"]) == {SLIDING, FULL}
@@ -58,11 +64,13 @@ def test_gqa_and_yarn_logits_match_hf():
 
 
 def test_cli_prints_a_table_and_a_json_last_line(capsys):
-    assert main(["parity", "hf", "--steps", "2", "--seq-len", "40", "--json"]) == 0
+    assert main(["parity", "hf", "--steps", "2", "--seq-len", "40", "--matmul", "auto",
+                 "--json"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert any(line.startswith("logits max |diff|") for line in out)
     r = json.loads(out[-1])
     assert r["pass"] and r["seq_len"] == 40 and r["steps"] == 2
+    assert r["matmul"] == resolve_matmul("auto", torch.device("cpu"))
 
 
 def test_cli_rejects_an_unknown_preset(capsys):

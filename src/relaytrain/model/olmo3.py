@@ -29,6 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from relaytrain.model.config import FULL, LAYER_TYPES, SLIDING, Olmo3Config
+from relaytrain.model.matmul import MATMUL_BACKENDS, Linear, resolve_matmul
 from relaytrain.train.loss import lm_head_loss
 
 
@@ -253,10 +254,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, q_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
-        self.o_proj = nn.Linear(q_dim, cfg.d_model, bias=False)
+        self.q_proj = Linear(cfg.d_model, q_dim)
+        self.k_proj = Linear(cfg.d_model, kv_dim)
+        self.v_proj = Linear(cfg.d_model, kv_dim)
+        self.o_proj = Linear(q_dim, cfg.d_model)
         # QK-norm over the whole projection (all heads together), before the head split.
         self.q_norm = RMSNorm(q_dim, cfg.rms_eps)
         self.k_norm = RMSNorm(kv_dim, cfg.rms_eps)
@@ -291,9 +292,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: Olmo3Config) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
-        self.down_proj = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+        self.gate_proj = Linear(cfg.d_model, cfg.mlp_hidden)
+        self.up_proj = Linear(cfg.d_model, cfg.mlp_hidden)
+        self.down_proj = Linear(cfg.mlp_hidden, cfg.d_model)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -365,8 +366,9 @@ class Olmo3(nn.Module):
     never holds the whole batch's logits; that is what training calls.
     The head has `vocab_size` (padded) rows; the padded rows are left out of the logits, so
     they get no gradient and never affect the loss.
-    How it executes (attention kernels, activation checkpointing, compiled blocks) is set by
-    `configure` and `compile_blocks` and never changes parameter names or the math.
+    How it executes (attention kernels, activation checkpointing, the GEMM backend, compiled
+    blocks) is set by `configure` and `compile_blocks` and never changes parameter names or the
+    math.
     """
 
     def __init__(self, cfg: Olmo3Config, layers: range | None = None, first: bool = True,
@@ -385,11 +387,14 @@ class Olmo3(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.layer_types[i]) for i in layers})
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.d_model, cfg.vocab_size)
         self.attention = "auto"
+        self.matmul = "aten"
 
-    def configure(self, attention: str = "auto", checkpointing: str = "none") -> None:
-        """Choose the sliding layers' kernel and which blocks recompute their activations.
+    def configure(self, attention: str = "auto", checkpointing: str = "none",
+                  matmul: str = "aten") -> None:
+        """Choose the sliding layers' kernel, which blocks recompute their activations and
+        the dense products' backend.
 
         `attention`: `sdpa` gives sliding layers a dense boolean mask (exact against HF on the
         CPU), `flex` a FlexAttention block mask (no T x T mask; CUDA for training, since
@@ -401,11 +406,20 @@ class Olmo3(nn.Module):
         MLPs instead would save about as much (the SwiGLU's hidden-width tensors are about
         half of what a block saves) but recompute more (2/3 to 3/4 of each block's forward
         FLOPs against 1/2 on average). `none` keeps everything.
+        `matmul`: `aten` (torch's GEMMs: bit-identical with HF on the CPU) or `onednn` (the
+        linear layers and the LM head through oneDNN on the CPU; `model.matmul`); `auto` is
+        resolved by `model.matmul.resolve_matmul` for the device the parameters are on.
         """
-        if attention not in ATTENTION_BACKENDS or checkpointing not in CHECKPOINTING:
-            raise ValueError(f"attention={attention!r}, checkpointing={checkpointing!r}: "
-                             f"expected one of {ATTENTION_BACKENDS} and of {CHECKPOINTING}")
+        if (attention not in ATTENTION_BACKENDS or checkpointing not in CHECKPOINTING
+                or matmul not in MATMUL_BACKENDS):
+            raise ValueError(f"attention={attention!r}, checkpointing={checkpointing!r}, "
+                             f"matmul={matmul!r}: expected one of {ATTENTION_BACKENDS}, of "
+                             f"{CHECKPOINTING} and of {MATMUL_BACKENDS}")
         self.attention = attention
+        self.matmul = resolve_matmul(matmul, next(self.parameters()).device)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul = self.matmul
         for i, block in self.layers.items():
             block.checkpoint = checkpointing == "full" or (
                 checkpointing == "selective" and int(i) % 2 == 0)
@@ -445,4 +459,5 @@ class Olmo3(nn.Module):
         h = self.norm(h)
         if labels is None:
             return self.lm_head(h)[..., : self.n_logits]
-        return lm_head_loss(h, self.lm_head.weight, labels, z_loss, self.n_logits)
+        return lm_head_loss(h, self.lm_head.weight, labels, z_loss, self.n_logits,
+                            matmul=self.matmul)

@@ -58,12 +58,13 @@ def mean_loss(losses: dict[int, float], ids: list[int]) -> float:
 
 def cli_eval(args: Any) -> int:
     from relaytrain.checkpoint.store import open_checkpoint
-    from relaytrain.config import config_from_dict
+    from relaytrain.config import ModelSection, config_from_dict
     from relaytrain.data.dataset import TokenDataset
     from relaytrain.data.order import heldout_ids
     from relaytrain.model.config import Olmo3Config
     from relaytrain.model.olmo3 import Olmo3
     from relaytrain.runtime.worker import MODEL_PREFIX, pick_device
+    from relaytrain.train.execution import prepare_model
 
     manifest, tensors = open_checkpoint(args.target)
     saved = manifest.get("config")
@@ -88,7 +89,8 @@ def cli_eval(args: Any) -> int:
     model = Olmo3(model_cfg)
     model.load_state_dict({k[len(MODEL_PREFIX):]: v for k, v in tensors.items()
                            if k.startswith(MODEL_PREFIX)})
-    model.to(device)
+    # Executed as the run was (its GEMM backend above all), so the loss is the run's to the bit.
+    model = prepare_model(model, cfg.model if cfg else ModelSection(), device)
     loss = mean_loss(heldout_losses(model, split, ids, seq_len, micro, device), ids)
     result = {"checkpoint_step": manifest["step"], "heldout_loss": loss,
               "heldout_ppl": math.exp(min(loss, 50.0)), "instances": len(ids),

@@ -1,6 +1,6 @@
 """How a training process executes on its device: the model's kernels, activation
-checkpointing and compilation (`model.attention`, `model.checkpointing`, `model.compile`), and
-the GPU switches `determinism: exact` needs.
+checkpointing and compilation (`model.attention`, `model.checkpointing`, `model.compile`,
+`model.matmul`), and the GPU switches `determinism: exact` needs.
 
 None of it changes parameter names, checkpoints or the math: a checkpoint written under one
 setting (or device) resumes under any other.
@@ -29,7 +29,7 @@ def compiles(setting: str, device: torch.device) -> bool:
 def prepare_model(model: Olmo3, section: ModelSection, device: torch.device) -> Olmo3:
     """`model` on `device`, configured and (per `section.compile`) with compiled blocks."""
     model = model.to(device)
-    model.configure(section.attention, section.checkpointing)
+    model.configure(section.attention, section.checkpointing, section.matmul)
     if compiles(section.compile, device):
         model.compile_blocks()
     return model
@@ -50,3 +50,4 @@ def set_determinism(device: torch.device, exact: bool) -> None:
 
     if hasattr(inductor_config, "deterministic"):  # not in every torch >= 2.8
         inductor_config.deterministic = exact
+

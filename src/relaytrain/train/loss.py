@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from relaytrain.model.matmul import add_weight_grad, mm_t
+
 # Logit elements per chunk of `lm_head_loss` when none is given (see the module docstring).
 # CPU: 2^22 (16 MiB fp32: 512 tokens of an 8,192-token vocabulary; chunk buffers under glibc's
 # 32 MiB mmap threshold are reused, not page-faulted in again every step). GPU: 2^27 (512 MiB
@@ -75,7 +77,7 @@ class _HeadCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: Tensor, weight: Tensor, labels: Tensor, n_logits: int,
                 z_loss: float, ignore_index: int, chunk: int, dtype: torch.dtype,
-                need_h: bool, need_w: bool) -> tuple[Tensor, Tensor, Tensor]:
+                need_h: bool, need_w: bool, matmul: str) -> tuple[Tensor, Tensor, Tensor]:
         w = weight[:n_logits].to(dtype)  # the padded rows never enter the logits
         hc = h.to(dtype)
         valid = labels != ignore_index
@@ -83,14 +85,14 @@ class _HeadCrossEntropyZLoss(torch.autograd.Function):
         target = torch.where(valid, labels, 0)[:, None]
         ce_weight = valid / count  # d ce / d logit[label] = -ce_weight (0 when ignored)
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_w = None  # [n_logits, D], summed over the chunks
         sums = torch.zeros(2, device=h.device)  # sum of nll, sum of lse^2 over valid tokens
         buf = _chunk_buffer(min(chunk, h.shape[0]) * n_logits, dtype, h.device)
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], chunk):
                 e = min(s + chunk, h.shape[0])
                 h_c, t, ok = hc[s:e], target[s:e], valid[s:e]
-                logits = torch.mm(h_c, w.t(), out=buf[: (e - s) * n_logits].view(e - s, -1))
+                logits = mm_t(h_c, w, matmul, scratch=buf[: (e - s) * n_logits].view(e - s, -1))
                 logits = logits.float()
                 picked = logits.gather(1, t).squeeze(1)
                 logp = torch.log_softmax(logits, dim=-1, out=logits)
@@ -104,12 +106,14 @@ class _HeadCrossEntropyZLoss(torch.autograd.Function):
                 g.scatter_add_(1, t, -ce_weight[s:e, None])
                 g = g.to(dtype)
                 if grad_h is not None:
-                    grad_h[s:e] = g @ w
-                if grad_w is not None:
-                    if grad_w.dtype == dtype:
-                        grad_w[:n_logits].addmm_(g.t(), h_c)
-                    else:  # the chunk's product in `dtype`, summed in the weight's dtype
-                        grad_w[:n_logits] += g.t() @ h_c
+                    grad_h[s:e] = mm_t(g, w.t(), matmul)
+                if need_w:
+                    grad_w = add_weight_grad(grad_w, g, h_c, matmul, weight.dtype)
+        if grad_w is not None and n_logits < weight.shape[0]:  # padded rows: no gradient
+            grad_w = torch.cat((grad_w, weight.new_zeros(weight.shape[0] - n_logits,
+                                                         weight.shape[1])))
+        elif grad_w is not None:  # in the weight's layout: callers may take it as .grad
+            grad_w = grad_w.contiguous()
         ce, z = sums[0] / count, z_loss * sums[1] / count
         ctx.save_for_backward(grad_h, grad_w)
         total = ce + z
@@ -126,12 +130,12 @@ class _HeadCrossEntropyZLoss(torch.autograd.Function):
             grad_h = grad_h.mul_(grad_total)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_total)
-        return grad_h, grad_w, *([None] * 8)
+        return grad_h, grad_w, *([None] * 9)
 
 
 def lm_head_loss(h: Tensor, weight: Tensor, labels: Tensor, z_loss: float,
                  n_logits: int | None = None, ignore_index: int = -100,
-                 chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 chunk: int | None = None, matmul: str = "aten") -> tuple[Tensor, Tensor, Tensor]:
     """(total, ce, z) of the LM head `h @ weight[:n_logits].T` on hidden states h [..., D] and
     next-token labels [...], without materialising the logits (see the module docstring).
 
@@ -139,7 +143,8 @@ def lm_head_loss(h: Tensor, weight: Tensor, labels: Tensor, z_loss: float,
     `ignore_index`, `total = ce + z` carries the gradient (to h and weight; the rows of weight
     past `n_logits`, vocabulary padding, get zeros), `ce` and `z` are detached. `chunk` tokens
     are scored at a time (default: `default_chunk`). Under autocast the logits are computed in
-    the autocast dtype, everything after them in fp32.
+    the autocast dtype, everything after them in fp32. `matmul`: the products' backend
+    (`model.matmul`: `aten` or `onednn`).
     """
     v, d = weight.shape
     n_logits = v if n_logits is None else n_logits
@@ -154,7 +159,7 @@ def lm_head_loss(h: Tensor, weight: Tensor, labels: Tensor, z_loss: float,
     grad = torch.is_grad_enabled()
     return _HeadCrossEntropyZLoss.apply(
         h.reshape(-1, d), weight, labels.reshape(-1), n_logits, float(z_loss), ignore_index,
-        chunk, dtype, grad and h.requires_grad, grad and weight.requires_grad)
+        chunk, dtype, grad and h.requires_grad, grad and weight.requires_grad, matmul)
 
 
 class _CrossEntropyZLoss(torch.autograd.Function):

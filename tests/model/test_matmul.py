@@ -1,0 +1,174 @@
+"""The GEMM backends (`model.matmul`): oneDNN computes the same products as torch's own GEMM to
+float rounding, reproducibly (whatever the thread count or memory alignment), and anything it
+does not cover falls back to torch's path unchanged."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relaytrain.config import load_config
+from relaytrain.errors import ConfigError
+from relaytrain.model.config import PRESETS
+from relaytrain.model.init import init_weights
+from relaytrain.model.matmul import (
+    Linear,
+    add_weight_grad,
+    linear,
+    mm_t,
+    onednn_available,
+    resolve_matmul,
+    weight_grad,
+)
+from relaytrain.model.olmo3 import Olmo3
+from relaytrain.train.loss import lm_head_loss, lm_loss
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+# (tokens, in, out): both orientations of the weight gradient, and the head's shape
+SHAPES = [(96, 32, 80), (96, 80, 32), (64, 16, 512), (7, 5, 3)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+def test_auto_is_onednn_on_a_cpu_that_has_it_and_aten_elsewhere():
+    assert resolve_matmul("auto", CPU) == ("onednn" if onednn_available() else "aten")
+    assert resolve_matmul("auto", CUDA) == "aten"
+    assert resolve_matmul("aten", CPU) == "aten"
+    with pytest.raises(ValueError, match="matmul='blas'"):
+        resolve_matmul("blas", CPU)
+
+
+def test_the_config_key_is_checked():
+    assert load_config(None, ["run_dir=x"]).model.matmul == "auto"
+    assert load_config(None, ["run_dir=x", "model.matmul=onednn"]).model.matmul == "onednn"
+    with pytest.raises(ConfigError, match="'model.matmul'.*'onednn'"):
+        load_config(None, ["run_dir=x", "model.matmul=mkl"])
+
+
+@needs_onednn
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_a_linear_layer_through_onednn_is_torchs_to_float_rounding(m, k, n):
+    gen = torch.Generator().manual_seed(m * k * n)
+    x = torch.randn(2, m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    up = torch.randn(2, m, n, generator=gen)
+    outs = {}
+    for backend in ("aten", "onednn"):
+        xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = linear(xb, wb, backend)
+        # autograd.grad, as the pipeline runtime takes them: no AccumulateGrad to fix layouts
+        outs[backend] = (y.detach(), *torch.autograd.grad(y, (xb, wb), up))
+    for got, ref in zip(outs["onednn"], outs["aten"], strict=True):
+        assert got.shape == ref.shape and got.is_contiguous()  # fused AdamW reads it flat
+        assert rel_err(got, ref) < 1e-5
+
+
+@needs_onednn
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_onednn_products_do_not_depend_on_threads_or_alignment(m, k, n):
+    """What bit-identical resumes and exact mode's DP invariance rest on."""
+    gen = torch.Generator().manual_seed(1)
+    x, w, g = (torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen),
+               torch.randn(m, n, generator=gen))
+
+    def products(x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+        return [mm_t(x, w, "onednn"), mm_t(g, w.t(), "onednn"), weight_grad(g, x, "onednn")]
+
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            runs.append(products(x, g))
+    finally:
+        torch.set_num_threads(threads)
+    # The same values at storage offsets that break every vector alignment.
+    xo = torch.empty(x.numel() + 3)[3:].view_as(x).copy_(x)
+    go = torch.empty(g.numel() + 1)[1:].view_as(g).copy_(g)
+    runs.append(products(xo, go))
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["aten", pytest.param("onednn", marks=needs_onednn)])
+def test_chunked_weight_gradients_sum_to_the_whole_product(backend):
+    gen = torch.Generator().manual_seed(2)
+    g, x = torch.randn(50, 300, generator=gen), torch.randn(50, 24, generator=gen)
+    total = None
+    for s in range(0, 50, 16):
+        total = add_weight_grad(total, g[s:s + 16], x[s:s + 16], backend, torch.float32)
+    assert total.shape == (300, 24)
+    assert rel_err(total, g.t() @ x) < 1e-5
+
+
+def test_what_onednn_does_not_cover_goes_through_torch_unchanged():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 8, 16, generator=gen), torch.randn(12, 16, generator=gen)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(linear(xb, wb, "onednn"), F.linear(xb, wb))  # not fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast decides the dtype
+        assert torch.equal(linear(x, w, "onednn"), F.linear(x, w))
+    assert torch.equal(linear(x, w, "aten"), F.linear(x, w))
+
+
+def model_pair() -> tuple[Olmo3, Olmo3]:
+    cfg = PRESETS["tiny"].with_vocab(300)  # padded to 384: the head's padding rows
+    models = []
+    for matmul in ("aten", "onednn"):
+        m = Olmo3(cfg)
+        init_weights(m, 0)
+        m.configure(matmul=matmul)
+        models.append(m)
+    return models[0], models[1]
+
+
+@needs_onednn
+def test_configure_sets_every_product_and_names_stay_the_same():
+    aten, onednn = model_pair()
+    linears = [m for m in onednn.modules() if isinstance(m, Linear)]
+    assert len(linears) == 7 * onednn.cfg.n_layers + 1  # q k v o gate up down, and the head
+    assert {m.matmul for m in linears} == {"onednn"} and onednn.matmul == "onednn"
+    assert list(onednn.state_dict()) == list(aten.state_dict())
+    with pytest.raises(ValueError, match="matmul"):
+        onednn.configure(matmul="mkl")
+
+
+@needs_onednn
+def test_training_losses_and_gradients_match_the_aten_model():
+    aten, onednn = model_pair()
+    x = torch.randint(0, 300, (2, 49), generator=torch.Generator().manual_seed(4))
+    losses = []
+    for m in (aten, onednn):
+        total, ce, z = m(x[:, :-1], labels=x[:, 1:], z_loss=1e-4)
+        total.backward()
+        losses.append(ce.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    grads = dict(aten.named_parameters())
+    for name, p in onednn.named_parameters():
+        assert p.grad.is_contiguous(), name
+        assert rel_err(p.grad, grads[name].grad) < 1e-4, name
+    assert torch.count_nonzero(onednn.lm_head.weight.grad[300:]) == 0  # padded rows inert
+
+
+@needs_onednn
+@pytest.mark.parametrize("n_logits", [50, 64])  # with padded rows, and without
+def test_the_fused_head_through_onednn_is_the_loss_on_whole_logits(n_logits):
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(37, 16, generator=gen, requires_grad=True)
+    w = torch.randn(64, 16, generator=gen, requires_grad=True)
+    labels = torch.randint(0, n_logits, (37,), generator=gen)
+    labels[3] = -100
+    total, ce, z = lm_head_loss(h, w, labels, 1e-3, n_logits=n_logits, chunk=8,
+                                matmul="onednn")
+    grad_h, grad_w = torch.autograd.grad(total, (h, w))
+    assert grad_w.is_contiguous()
+    h.grad, w.grad = grad_h, grad_w
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref_total, ref_ce, ref_z = lm_loss(h2 @ w2[:n_logits].t(), labels, 1e-3)
+    ref_total.backward()
+    assert ce.item() == pytest.approx(ref_ce.item(), rel=1e-6)
+    assert z.item() == pytest.approx(ref_z.item(), rel=1e-5)
+    assert rel_err(h.grad, h2.grad) < 1e-5 and rel_err(w.grad, w2.grad) < 1e-5
