@@ -30,7 +30,7 @@ from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec, Transpo
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.runtime.faults import RaiseHook
 from relaytrain.train.evaluate import heldout_losses
-from relaytrain.train.execution import prepare_model, set_determinism
+from relaytrain.train.execution import prepare_model, retain_freed_memory, set_determinism
 from relaytrain.train.optim import (
     OPTIM_PREFIX,
     build_optimizer,
@@ -79,6 +79,7 @@ class Worker:
         self.model_cfg = self.cfg.model_config(tokenizer_vocab)
         self.device = pick_device(self.cfg.train.device)
         set_determinism(self.device, self.cfg.determinism == "exact")
+        retain_freed_memory()  # no page faults for buffers freed and re-allocated every step
         self.dataset = TokenDataset.open(self.cfg.data.path)
         self.train_split = self.dataset.split("train")
         self.placement: Placement | None = None
