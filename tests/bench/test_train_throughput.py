@@ -1,10 +1,13 @@
-"""`relaytrain bench train-throughput` runs end to end (quick, tiny preset): both training steps
-produce tokens/s, MFU and a ratio, on the same weights and data. No timing thresholds here."""
+"""`relaytrain bench train-throughput` runs end to end (quick, tiny preset): every training step
+produces tokens/s, MFU and a ratio, on the same weights and data. No timing thresholds here."""
 
 import json
 import math
 
 import pytest
+import torch
+
+from relaytrain.model.matmul import resolve_matmul
 
 pytest.importorskip("transformers")
 
@@ -33,6 +36,12 @@ def test_quick_tiny_run_reports_both_steps_and_their_ratio():
     assert math.isclose(r["ours"]["first_loss"], r["hf"]["first_loss"], rel_tol=1e-5)
     text = format_report(r)
     assert "relaytrain" in text and "HF transformers" in text and "ours / HF" in text
+    # Where the default GEMMs are oneDNN's, our step with torch's own is measured beside it.
+    assert s["ours_matmul"] == resolve_matmul("auto", torch.device("cpu"))
+    if s["ours_matmul"] == "onednn":
+        assert r["ours_aten"]["tokens_per_s"] > 0 and r["ratio_aten"] > 0
+        assert math.isclose(r["ours_aten"]["first_loss"], r["hf"]["first_loss"], rel_tol=1e-5)
+        assert "relaytrain (aten)" in text and "model.matmul=aten" in text
     json.dumps(r)  # what `--json` prints
 
 

@@ -10,34 +10,41 @@ mapped onto HF's parameter names. A step is forward, loss, backward, global-norm
 
 - Ours: `train.step.train_step` exactly as the worker calls it (a no-op gradient reduction,
   the fused chunked LM head + loss), with the z-loss on (1e-5, the default) that HF does not
-  have: ours does a little more work.
+  have: ours does a little more work. Executed as a run is by default
+  (`train.execution.prepare_model`): on the CPU its linear layers and LM head run their GEMMs
+  through oneDNN (`model.matmul: auto`), which uses AVX-512 where MKL, torch's own CPU GEMM,
+  runs AVX2 kernels (on AMD processors). So that what the GEMMs contribute is not mistaken for
+  the rest, the same step with torch's GEMMs (`model.matmul=aten`) is measured beside it
+  wherever the default is oneDNN (`ours_aten`, `ratio_aten`).
 - HF: `Olmo3ForCausalLM(input_ids, labels=..., shift_labels=...)` with SDPA attention and its
   own `ForCausalLMLoss`, `use_cache=False`, `clip_grad_norm_`, `optimizer.step()`,
   `zero_grad(set_to_none=True)`: the loop a user writes around a HF model.
 - On CUDA (issue 9): bf16 autocast with fp32 master weights for both, and a third
   variant, HF's model under `torch.compile` (sharing the HF model's weights and optimizer).
   Ours runs as a training run does by default (`train.execution.prepare_model`): compiled
-  blocks and FlexAttention for sliding layers on CUDA, the eager HF-exact path on the CPU.
+  blocks and FlexAttention for sliding layers on CUDA (cuBLAS GEMMs: `matmul: auto` is aten
+  there).
+
+The process keeps freed memory as a worker process does (`train.execution.retain_freed_memory`:
+without it our step page-faulted 110-130 MiB back in every step); the setting is process-wide,
+so HF's step gets it too (its [2048, 8192] logits exceed glibc's 32 MiB limit and are still
+mapped afresh every step).
 
 The machine may be shared, so the variants are interleaved: every round runs `steps` steps of
 each, in an order that alternates between rounds, and the ratio is the median of the per-round
 ratios (a load change hits both sides of a round alike); tokens/s are medians over rounds. Each
 variant's turn starts with one untimed step: the first step after the other model ran pays for
-the memory state that model left behind (on the CPU, glibc hands freed blocks of this size
-back to the OS, so the next step page-faults its buffers in again), a cost neither has when it
-trains alone. Without it, a `small`-preset step of ours measured 0.73 s interleaved against
-0.58 s alone. Also
-reported: the best round of each (interference only ever slows a step down, so the best is the
-least disturbed) and their ratio, the CPU seconds each step burned (all threads), the memory
-each step page-faulted in (minor faults x page size: HF's full-batch logits exceed glibc's
-32 MiB mmap ceiling, so they are mapped and faulted in afresh every step), and the load
-average before and after. HF's step faults in 277-286 MiB per step at the `small` preset, ours
-0-30 MiB, so the ratio moves with the host's cost of a page fault: the same code measured
-paired medians of 1.45x, 1.18x and 1.19x in three runs within an hour on this 2-core VM (HF at
-887, 921 and 727 ms per step); quote the figure with its rounds.
+the memory and cache state that model left behind, a cost neither has when it trains alone
+(before freed memory was retained, a `small`-preset step of ours measured 0.73 s interleaved
+without it against 0.58 s alone). Also reported: the best round of each (interference only
+ever slows a step down, so the best is the least disturbed) and their ratio, the CPU seconds
+each step burned (all threads), the memory each step page-faulted in (minor faults x page
+size), and the load average before and after. HF's step faults in about 256 MiB per step at
+the `small` preset, ours none, so the ratio moves with the host's cost of a page fault; quote
+the figure with its rounds.
 MFU uses `model.accounting.flops_per_token` (the same for both models) against
 `train.metrics.peak_flops` (on the CPU: a measured fp32 matmul at the same thread count, the
-best of one measurement per round).
+better of torch's GEMM and oneDNN's, the best of one measurement per round).
 Memory: on CUDA the allocator's peak during each variant's steps (and above what was resident
 when its step began); on the CPU, which keeps no allocator statistics, the bytes each model
 saves for its backward in one forward (activations, parameters excluded).
@@ -45,6 +52,7 @@ saves for its backward in one forward (activations, parameters excluded).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import statistics
@@ -63,7 +71,7 @@ from relaytrain.model.hf import ours_to_hf_name
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.reduce import GradReducer
-from relaytrain.train.execution import compiles, prepare_model
+from relaytrain.train.execution import compiles, prepare_model, retain_freed_memory
 from relaytrain.train.metrics import peak_flops
 from relaytrain.train.optim import build_optimizer
 from relaytrain.train.step import autocast_for, train_step
@@ -170,18 +178,9 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
          tokens: int, warmup: int, rounds: int, steps: int, threads: int, seed: int,
          hf_twin: Callable[[nn.Module], nn.Module]) -> dict[str, Any]:
     cuda = dev.type == "cuda"
+    retain_freed_memory()  # as a worker process does (process-wide: HF's step gets it too)
     optim_cfg, train_cfg = OptimSection(), TrainSection()
-    ours = Olmo3(cfg)
-    init_weights(ours, seed)
-    hf = hf_twin(ours)
-    execution = ModelSection()  # what a run gets by default: auto attention and compile
-    ours = prepare_model(ours, execution, dev)
-    ours.train()
-    hf.to(dev).train()
-    ours_opt = build_optimizer(ours, optim_cfg)
-    hf_opt = _hf_optimizer(hf, ours, ours_opt)
-    ours_params, hf_params = list(ours.parameters()), list(hf.parameters())
-    reducer = GradReducer(ours_params, None, exact=False, total_micro_batches=1)
+    execution = ModelSection()  # what a run gets by default: auto attention, matmul, compile
 
     gen = torch.Generator().manual_seed(seed)
     n_tokens = cfg.tokenizer_vocab or cfg.vocab_size
@@ -190,10 +189,28 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     batches = [b.to(dev) if cuda else b for b in batches]
     labels = [b[:, 1:].contiguous() for b in batches]
 
-    def ours_step(i: int) -> float:
-        out = train_step(ours, ours_opt, reducer, [(0, batches[i % POOL])], 1,
-                         train_cfg.z_loss, train_cfg.clip, dev)
-        return out.losses[0][1]  # the cross-entropy (HF's loss has no z-loss)
+    def our_step_with(section: ModelSection) -> tuple[Olmo3, torch.optim.Optimizer,
+                                                       Callable[[int], float]]:
+        """Our model (seed weights) executed per `section`, its optimizer and its step."""
+        model = Olmo3(cfg)
+        init_weights(model, seed)
+        model = prepare_model(model, section, dev)
+        model.train()
+        opt = build_optimizer(model, optim_cfg)
+        reducer = GradReducer(list(model.parameters()), None, exact=False,
+                              total_micro_batches=1)
+
+        def step(i: int) -> float:
+            out = train_step(model, opt, reducer, [(0, batches[i % POOL])], 1,
+                             train_cfg.z_loss, train_cfg.clip, dev)
+            return out.losses[0][1]  # the cross-entropy (HF's loss has no z-loss)
+        return model, opt, step
+
+    ours, ours_opt, ours_step = our_step_with(execution)
+    hf = hf_twin(ours)
+    hf.to(dev).train()
+    hf_opt = _hf_optimizer(hf, ours, ours_opt)
+    ours_params, hf_params = list(ours.parameters()), list(hf.parameters())
 
     def hf_step_with(model: nn.Module) -> Callable[[int], float]:
         def step(i: int) -> float:
@@ -209,6 +226,9 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
         return step
 
     variants: dict[str, Callable[[int], float]] = {"ours": ours_step, "hf": hf_step_with(hf)}
+    if ours.matmul != "aten":  # what the faster GEMMs contribute, apart from the rest
+        variants["ours_aten"] = our_step_with(
+            dataclasses.replace(execution, matmul="aten"))[2]
     if cuda:
         variants["hf_compiled"] = hf_step_with(torch.compile(hf))
 
@@ -221,7 +241,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
         saved["hf"] = _saved_bytes(
             lambda: hf(input_ids=b0[:, :-1], labels=labels[0], shift_labels=labels[0],
                        use_cache=False).loss, hf_params)
-        saved["hf_compiled"] = None
+        saved["hf_compiled"] = saved["ours_aten"] = None
         ours.zero_grad(set_to_none=True)
         hf.zero_grad(set_to_none=True)
 
@@ -291,6 +311,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
             "ours_sliding_attention": ("flex" if cuda else "sdpa mask")
             if seq_len > cfg.sliding_window else "causal (seq_len <= window)",
             "ours_compiled_blocks": compiles(execution.compile, dev),
+            "ours_matmul": ours.matmul,
             "hf_attn_implementation": "sdpa", "transformers": _transformers_version(),
             "torch": torch.__version__, "warmup_steps": warmup, "rounds": rounds,
             "steps_per_round": steps,
@@ -321,6 +342,9 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     if cuda:
         out["ratio_vs_compiled"] = statistics.median(
             [h / o for o, h in zip(step_s["ours"], step_s["hf_compiled"], strict=True)])
+    if "ours_aten" in variants:
+        out["ratio_aten"] = statistics.median(
+            [h / o for o, h in zip(step_s["ours_aten"], step_s["hf"], strict=True)])
     out["target_ratio"] = TARGET_RATIO if (preset == "small" and not cuda) else None
     return out
 
@@ -344,10 +368,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"{s['vocab_size']}), seq {s['seq_len']} x micro-batch {s['micro_batch']} = "
         f"{s['tokens_per_step']} tokens/step, {where}, {s['dtype']}, AdamW "
         f"{s['optimizer']['impl']}",
-        f"{'':18}{'tokens/s':>10}{'step ms':>10}{'CPU s/step':>12}{'MFU':>8}"
+        f"{'':20}{'tokens/s':>10}{'step ms':>10}{'CPU s/step':>12}{'MFU':>8}"
         f"{'memory':>14}{'faulted/step':>14}  first loss",
     ]
-    names = {"ours": "relaytrain", "hf": "HF transformers", "hf_compiled": "HF compiled"}
+    names = {"ours": f"relaytrain ({s['ours_matmul']})", "ours_aten": "relaytrain (aten)",
+             "hf": "HF transformers", "hf_compiled": "HF compiled"}
     for key, label in names.items():
         if key not in r:
             continue
@@ -355,7 +380,7 @@ def format_report(r: dict[str, Any]) -> str:
         mem = v["peak_memory_bytes"] if v["peak_memory_bytes"] is not None else \
             v["saved_activation_bytes"]
         mfu = "-" if v["mfu"] is None else f"{100 * v['mfu']:.1f}%"
-        lines.append(f"{label:<18}{v['tokens_per_s']:>10,.0f}{1e3 * v['step_s']:>10,.0f}"
+        lines.append(f"{label:<20}{v['tokens_per_s']:>10,.0f}{1e3 * v['step_s']:>10,.0f}"
                      f"{v['cpu_s_per_step']:>12.2f}{mfu:>8}{_mib(mem):>14}"
                      f"{_mib(v['faulted_bytes_per_step']):>14}  "
                      f"{v['first_loss']:.4f}")
@@ -371,6 +396,9 @@ def format_report(r: dict[str, Any]) -> str:
                  f" tokens/s); CPU time {r['cpu_ratio']:.2f}x){target}")
     if "ratio_vs_compiled" in r:
         lines.append(f"ours / HF compiled: {r['ratio_vs_compiled']:.2f}x")
+    if "ratio_aten" in r:
+        lines.append(f"ours with torch's own GEMMs (model.matmul=aten) / HF: "
+                     f"{r['ratio_aten']:.2f}x (median of paired rounds)")
     lines.append(f"memory column: {memory_kind}; MFU peak {r['peak_flops'] / 1e9:,.0f} GFLOP/s "
                  f"({r['peak_source']}), {r['flops_per_token'] / 1e6:,.1f} MFLOP/token")
     lines.append(f"load average before {r['load_before']}, after {r['load_after']} on "
