@@ -2,6 +2,8 @@
 float rounding, reproducibly (whatever the thread count or memory alignment), and anything it
 does not cover falls back to torch's path unchanged."""
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,9 +34,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
 
 
-def test_auto_is_onednn_on_a_cpu_that_has_it_and_aten_elsewhere():
-    assert resolve_matmul("auto", CPU) == ("onednn" if onednn_available() else "aten")
+def test_auto_is_onednn_on_an_x86_cpu_that_has_it_and_aten_elsewhere(monkeypatch):
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    assert resolve_matmul("auto", CPU) == ("onednn" if x86 and onednn_available() else "aten")
     assert resolve_matmul("auto", CUDA) == "aten"
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert resolve_matmul("auto", CPU) == "aten"
     assert resolve_matmul("aten", CPU) == "aten"
     with pytest.raises(ValueError, match="matmul='blas'"):
         resolve_matmul("blas", CPU)
