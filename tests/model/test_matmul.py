@@ -177,3 +177,29 @@ def test_the_fused_head_through_onednn_is_the_loss_on_whole_logits(n_logits):
     assert ce.item() == pytest.approx(ref_ce.item(), rel=1e-6)
     assert z.item() == pytest.approx(ref_z.item(), rel=1e-5)
     assert rel_err(h.grad, h2.grad) < 1e-5 and rel_err(w.grad, w2.grad) < 1e-5
+
+
+@needs_onednn
+@pytest.mark.timeout(240)
+def test_compiled_blocks_keep_the_onednn_products():
+    """`model.compile=blocks` on the CPU: Inductor compiles each block around our oneDNN op
+    (it lowers the mkldnn op itself only for frozen weights) and trains as the eager model."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    cfg = dataclasses.replace(PRESETS["tiny"].with_vocab(300), max_seq_len=48, sliding_window=16)
+    eager, compiled = Olmo3(cfg), Olmo3(cfg)
+    for m in (eager, compiled):
+        init_weights(m, 0)
+        m.configure(matmul="onednn")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled.compile_blocks()
+    x = torch.randint(0, 300, (2, 49), generator=torch.Generator().manual_seed(6))
+    for m in (eager, compiled):
+        m(x[:, :-1], labels=x[:, 1:], z_loss=1e-4)[0].backward()
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    grads = dict(eager.named_parameters())
+    for name, p in compiled.named_parameters():
+        assert rel_err(p.grad, grads[name].grad) < 1e-4, name
