@@ -58,7 +58,7 @@ from relaytrain.train.optim import lr_at
 RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "train.spike_factor",
                      "parallel.", "runtime.", "elastic.", "faults.", "log.", "checkpoint.",
                      "eval.", "data.prefetch", "data.path", "run_dir", "model.attention",
-                     "model.checkpointing", "model.compile")
+                     "model.checkpointing", "model.compile", "model.matmul")
 
 
 ASYNC_SCHEDULES = ("pipedream", "paci")
