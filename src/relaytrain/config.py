@@ -427,6 +427,14 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.model.attention != "flex" or cfg.train.device != "cpu",
          "config key 'model.attention': got 'flex' with train.device=cpu, but FlexAttention "
          "has no CPU backward; expected auto or sdpa on the CPU (flex needs CUDA)")
+    need(cfg.model.matmul != "onednn" or cfg.train.device != "cuda",
+         "config key 'model.matmul': got 'onednn' with train.device=cuda, but oneDNN's GEMMs "
+         "are the CPU's; expected auto or aten on a GPU")
+    if cfg.model.matmul == "onednn":
+        from relaytrain.model.matmul import onednn_available  # imports torch: only when asked
+
+        need(onednn_available(), "config key 'model.matmul': got 'onednn', but this torch "
+             "build has no oneDNN (mkldnn) kernels; expected auto or aten")
     need(cfg.seed >= 0, f"config key 'seed': got {cfg.seed}, expected an integer >= 0")
     t = cfg.train
     need(t.max_steps >= 1, f"config key 'train.max_steps': got {t.max_steps}, expected >= 1")

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import relaytrain.model.matmul as matmul_module
 from relaytrain.config import load_config
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS
@@ -50,6 +51,16 @@ def test_the_config_key_is_checked():
     assert load_config(None, ["run_dir=x", "model.matmul=onednn"]).model.matmul == "onednn"
     with pytest.raises(ConfigError, match="'model.matmul'.*'onednn'"):
         load_config(None, ["run_dir=x", "model.matmul=mkl"])
+    with pytest.raises(ConfigError, match="'model.matmul': got 'onednn' with train.device=cuda"):
+        load_config(None, ["run_dir=x", "model.matmul=onednn", "train.device=cuda"])
+
+
+def test_onednn_asked_of_a_torch_without_it_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no oneDNN"):
+        load_config(None, ["run_dir=x", "model.matmul=onednn"])
+    assert load_config(None, ["run_dir=x"]).model.matmul == "auto"  # auto falls back instead
+    assert resolve_matmul("auto", CPU) == "aten"
 
 
 @needs_onednn
@@ -142,14 +153,21 @@ def test_configure_sets_every_product_and_names_stay_the_same():
 
 
 @needs_onednn
-def test_training_losses_and_gradients_match_the_aten_model():
+def test_training_losses_and_gradients_match_the_aten_model(monkeypatch):
     aten, onednn = model_pair()
     x = torch.randint(0, 300, (2, 49), generator=torch.Generator().manual_seed(4))
-    losses = []
+    calls = []
+    inner = matmul_module._inner
+    monkeypatch.setattr(matmul_module, "_inner", lambda a, b: calls.append(1) or inner(a, b))
+    losses, products = [], []
     for m in (aten, onednn):
         total, ce, z = m(x[:, :-1], labels=x[:, 1:], z_loss=1e-4)
         total.backward()
         losses.append(ce.item())
+        products.append(len(calls))
+    # Every product went through oneDNN, and none of the aten model's: 3 per linear layer
+    # (forward, input and weight gradients) and per head chunk (one chunk here).
+    assert products == [0, 3 * (7 * onednn.cfg.n_layers + 1)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
     grads = dict(aten.named_parameters())
     for name, p in onednn.named_parameters():
