@@ -23,7 +23,8 @@ Two entry points compute the same numbers (to float rounding, `tests/train/test_
   matmul-bound (torch.profiler: the three products 87% of its time, the fp32 passes 10%), so the
   chunk is as small as keeps the matmuls efficient (`CPU_CHUNK_ELEMENTS`): with 512 tokens of
   the `small` preset's 8,192 logits the training step is as fast as scoring the whole batch at
-  once (paired median 1.005x over 30 rounds), with 128 tokens 5.6% slower.
+  once (paired median 1.005x over 30 rounds), with 128 tokens 5.6% slower (measured with
+  MKL's GEMMs, before `model.matmul`'s oneDNN path; not re-tuned for it).
 - `lm_loss(logits, labels, ...)`, for callers that have the logits (evaluation, parity): the
   same log-softmax and gradient over a whole [tokens, vocab] tensor.
 """
@@ -38,8 +39,8 @@ from torch import Tensor
 from relaytrain.model.matmul import add_weight_grad, mm_t
 
 # Logit elements per chunk of `lm_head_loss` when none is given (see the module docstring).
-# CPU: 2^22 (16 MiB fp32: 512 tokens of an 8,192-token vocabulary; chunk buffers under glibc's
-# 32 MiB mmap threshold are reused, not page-faulted in again every step). GPU: 2^27 (512 MiB
+# CPU: 2^22 (16 MiB fp32: 512 tokens of an 8,192-token vocabulary; the `aten` path's chunk
+# buffer is reused, oneDNN allocates its own, kept by `retain_freed_memory`). GPU: 2^27 (512 MiB
 # fp32, ~1,300 tokens of Olmo 3's 100k vocabulary): full-speed matmuls, small memory.
 CPU_CHUNK_ELEMENTS = 2**22
 GPU_CHUNK_ELEMENTS = 2**27
