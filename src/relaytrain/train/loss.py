@@ -23,8 +23,9 @@ Two entry points compute the same numbers (to float rounding, `tests/train/test_
   matmul-bound (torch.profiler: the three products 87% of its time, the fp32 passes 10%), so the
   chunk is as small as keeps the matmuls efficient (`CPU_CHUNK_ELEMENTS`): with 512 tokens of
   the `small` preset's 8,192 logits the training step is as fast as scoring the whole batch at
-  once (paired median 1.005x over 30 rounds), with 128 tokens 5.6% slower (measured with
-  MKL's GEMMs, before `model.matmul`'s oneDNN path; not re-tuned for it).
+  once (paired median 1.005x over 30 rounds), with 128 tokens 5.6% slower (MKL's GEMMs).
+  Through oneDNN (`model.matmul`) 512 is still the best: 256, 512, 1,024 and 2,048 tokens gave
+  steps of 277, 273, 279 and 289 ms (medians of 10 interleaved rounds).
 - `lm_loss(logits, labels, ...)`, for callers that have the logits (evaluation, parity): the
   same log-softmax and gradient over a whole [tokens, vocab] tensor.
 """
