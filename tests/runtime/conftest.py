@@ -15,18 +15,24 @@ WORDS = ("alpha beta gamma delta train model token layer norm rope window cache 
          "batch epoch seed ledger audit shard replica").split()
 
 
-@pytest.fixture(scope="session")
-def corpus_data(tmp_path_factory) -> str:
-    """A prepared data set of ~40k tokens of word salad with a little structure."""
-    src = tmp_path_factory.mktemp("corpus")
+def make_corpus(root: Path) -> str:
+    """Prepare ~40k tokens of word salad with a little structure under `root`; its path."""
+    src = root / "corpus"
+    src.mkdir()
     for i in range(80):
         r = random.Random(i)
         lines = [" ".join(r.choice(WORDS[: 8 + i % 12]) for _ in range(12)) for _ in range(40)]
         (src / f"doc{i:03d}.txt").write_text("\n".join(lines) + "\n")
-    out = tmp_path_factory.mktemp("data") / "prepared"
+    out = root / "prepared"
     assert main(["data", "prepare", "--source", str(src / "*.txt"), "--tokenizer", "bpe:320",
                  "--out", str(out), "--heldout-frac", "0.1"]) == 0
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def corpus_data(tmp_path_factory) -> str:
+    """The prepared corpus every training test shares."""
+    return make_corpus(tmp_path_factory.mktemp("data"))
 
 
 def tiny_config(run_dir: Path | str, data: str, *overrides: str) -> RunConfig:

@@ -3,6 +3,10 @@ result to the bit, do not depend on the number of workers."""
 
 from __future__ import annotations
 
+import json
+import platform
+from pathlib import Path
+
 import pytest
 
 from relaytrain.cli import main
@@ -27,6 +31,58 @@ def exact_reference(tmp_path_factory, corpus_data):
     run = tmp_path_factory.mktemp("reference") / "dp1"
     _run(run, corpus_data, 1, "determinism=exact", "train.max_steps=6")
     return run
+
+
+def run_exact_reference(run_dir, data) -> None:
+    """The recorded reference: dp 1, exact mode, torch's own GEMMs (a backend choice made by
+    measurement must not move the recorded bits)."""
+    _run(run_dir, data, 1, "determinism=exact", "train.max_steps=6", "model.matmul=aten")
+
+
+def host_key() -> str:
+    """What the bits of a float run depend on: the CPU's kernels and torch's version."""
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    flags = Path("/proc/cpuinfo").read_text()
+    return (f"{platform.machine()} {model} avx512={'avx512f' in flags} "
+            f"torch={torch.__version__}")
+
+
+def exact_curve(run_dir) -> dict:
+    """Every step's loss and gradient norm as exact floats, and a digest of the final weights."""
+    import hashlib
+
+    import torch
+
+    records = step_records(run_dir)
+    digest = hashlib.sha256()
+    state = final_state(run_dir)
+    for key in sorted(state):
+        digest.update(key.encode())
+        digest.update(state[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return {"loss": {s: records[s]["loss"].hex() for s in sorted(records)},
+            "grad_norm": {s: records[s]["grad_norm"].hex() for s in sorted(records)},
+            "weights_sha256": digest.hexdigest()}
+
+
+def test_exact_mode_reproduces_the_curve_recorded_before_the_controller_split(
+        tmp_path, corpus_data):
+    """Recorded by fixtures/record_exact_curve.py at commit 48a75a1 (before issue 20's
+    refactor); bits on the recording host, float noise elsewhere."""
+    recorded = json.loads((Path(__file__).parent / "fixtures" / "exact_curve.json").read_text())
+    run_exact_reference(tmp_path / "run", corpus_data)
+    now = exact_curve(tmp_path / "run")
+    if recorded["host"] == host_key():
+        assert now == {k: v for k, v in recorded.items() if k != "host"}
+        return
+    for key in ("loss", "grad_norm"):
+        a = {int(s): float.fromhex(v) for s, v in recorded[key].items()}
+        b = {int(s): float.fromhex(v) for s, v in now[key].items()}
+        assert sorted(a) == sorted(b)
+        assert all(abs(a[s] - b[s]) <= 1e-4 * abs(a[s]) for s in a), (key, a, b)
 
 
 def _assert_identical(run, reference) -> None:
