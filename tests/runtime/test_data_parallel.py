@@ -63,8 +63,8 @@ def exact_curve(run_dir) -> dict:
     for key in sorted(state):
         digest.update(key.encode())
         digest.update(state[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return {"loss": {s: records[s]["loss"].hex() for s in sorted(records)},
-            "grad_norm": {s: records[s]["grad_norm"].hex() for s in sorted(records)},
+    return {"loss": {str(s): records[s]["loss"].hex() for s in sorted(records)},
+            "grad_norm": {str(s): records[s]["grad_norm"].hex() for s in sorted(records)},
             "weights_sha256": digest.hexdigest()}
 
 
