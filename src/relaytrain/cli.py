@@ -16,6 +16,7 @@ from relaytrain.errors import UserError
 # subcommand -> "module:function"; the function takes the parsed args and returns an exit code.
 HANDLERS = {
     "data.prepare": "relaytrain.data.prepare:cli_prepare",
+    "data.index": "relaytrain.data.mix_index:cli_index",
     "data.audit": "relaytrain.data.audit:cli_audit",
     "train": "relaytrain.runtime.controller:cli_train",
     "eval": "relaytrain.train.evaluate:cli_eval",
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relaytrain", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    data = sub.add_parser("data", help="prepare token files; audit a run's data use")
+    data = sub.add_parser("data", help="prepare or index token files; audit a run's data use")
     dsub = data.add_subparsers(dest="data_command", required=True)
     prep = dsub.add_parser("prepare", help="tokenize text into token files and a JSON index")
     src = prep.add_mutually_exclusive_group(required=True)
@@ -50,6 +51,28 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the tokenizer's end-of-text token (default: a common name)")
     prep.add_argument("--json", action="store_true")
     prep.set_defaults(handler="data.prepare")
+    index = dsub.add_parser("index", help="index OLMo-core token arrays in place (no copy)")
+    mix = index.add_mutually_exclusive_group(required=True)
+    mix.add_argument("--mix", metavar="MANIFEST", help="OLMo-core mix: 'label,path' lines, "
+                     "paths relative to --base with {TOKENIZER} for --tokenizer-id")
+    mix.add_argument("--files", nargs="+", metavar="PATH|URL", help="token files, in order")
+    held = index.add_mutually_exclusive_group()
+    held.add_argument("--heldout-mix", metavar="MANIFEST", help="held-out files, as --mix")
+    held.add_argument("--heldout", nargs="+", metavar="PATH|URL", help="held-out token files")
+    index.add_argument("--base", default="", metavar="DIR|URL", help="where the mix's paths are")
+    index.add_argument("--tokenizer-id", default="", help="what {TOKENIZER} stands for")
+    index.add_argument("--tokenizer", default=None, metavar="FILE|DIR",
+                       help="the HF tokenizer.json the data was tokenized with")
+    index.add_argument("--eos-token", default=None, help="the tokenizer's EOS token name")
+    index.add_argument("--vocab-size", type=int, default=None, help="without --tokenizer")
+    index.add_argument("--eos-id", type=int, default=None, help="without --tokenizer")
+    index.add_argument("--pad-id", type=int, default=None, help="without --tokenizer")
+    index.add_argument("--dtype", choices=["uint16", "uint32"], default=None,
+                       help="token id width (default: uint16 up to 65,536 ids, else uint32)")
+    index.add_argument("--out", required=True, metavar="DIR")
+    index.add_argument("--workers", type=int, default=0, help="files scanned at once (0: cores)")
+    index.add_argument("--json", action="store_true")
+    index.set_defaults(handler="data.index")
     audit = dsub.add_parser("audit", help="prove exactly-once data use of a run")
     audit.add_argument("run_dir", metavar="RUN_DIR")
     audit.add_argument("--data", default=None, metavar="DIR",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from relaytrain.data.prepare import prepare
@@ -14,6 +15,7 @@ WORDS = ("alpha beta gamma delta river stone cloud light paper garden window sil
          "winter summer forest engine signal thread number letter bridge castle planet rocket "
          "socket button camera pencil def class return import yield lambda").split()
 N_DOCS = 40
+EOS = 100_257  # the dolma2 tokenizer's, for OLMo-core token files
 
 
 def make_doc(rng: random.Random, words: int) -> str:
@@ -53,3 +55,15 @@ def prepared(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("prepared") / "data"
     prepare([str(corpus / "*.txt")], out, "bpe:300", heldout_frac=0.2)
     return out
+
+
+def write_tokens(path: Path, n_tokens: int, seed: int) -> None:
+    """An OLMo-core token file: random ids below EOS, documents of random length, each
+    ending in EOS."""
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, EOS, size=n_tokens, dtype=np.int64)
+    ends = np.sort(rng.choice(n_tokens, size=max(1, n_tokens // 40), replace=False))
+    toks[ends] = EOS
+    toks[-1] = EOS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    toks.astype("<u4").tofile(path)

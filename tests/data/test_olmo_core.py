@@ -20,24 +20,14 @@ from relaytrain.data.olmo_order import (
 )
 from relaytrain.data.token_arrays import TokenArrays, parse_manifest, read_manifest
 from relaytrain.errors import DataError
+from tests.data.conftest import EOS, write_tokens
 
 olmo_data = pytest.importorskip("olmo_core.data")
 
-VOCAB, EOS, PAD = 100_278, 100_257, 100_277
+VOCAB, PAD = 100_278, 100_277
 SEQ_LEN = 16
 BATCH = 8  # instances per global batch
 SEED = 1234
-
-
-def write_tokens(path: Path, n_tokens: int, seed: int, dtype: str = "uint32") -> None:
-    """A token file of documents of random length, each ending in EOS."""
-    rng = np.random.default_rng(seed)
-    toks = rng.integers(0, EOS, size=n_tokens, dtype=np.int64)
-    ends = np.sort(rng.choice(n_tokens, size=max(1, n_tokens // 40), replace=False))
-    toks[ends] = EOS
-    toks[-1] = EOS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    toks.astype(np.dtype(dtype).newbyteorder("<")).tofile(path)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from relaytrain.data.order import heldout_ids
+from relaytrain.data.token_arrays import KIND as MIX_KIND
+from relaytrain.data.token_arrays import ArraySplit, open_splits
 from relaytrain.errors import DataError
 
 FORMAT_VERSION = 1
@@ -142,10 +144,16 @@ class TokenDataset:
         self.vocab_size = int(tok["vocab_size"])
         self.eos_id = int(tok["eos_id"])
         self.pad_id = tok.get("pad_id")
-        self.tokenizer_sha256 = str(tok["sha256"])
-        self.tokenizer_path = path / _plain_name(tok["file"], "tokenizer", path)
         self.fingerprint = str(index["fingerprint"])
         self.dtype = str(index["dtype"])
+        # "prepared" (by `data prepare`), or "olmo-core" (a mix indexed in place by `data index`)
+        self.kind = str(index.get("kind", "prepared"))
+        self._splits: dict[str, TokenSplit | ArraySplit]
+        if self.kind == MIX_KIND:
+            self._splits = dict(open_splits(path, index))
+            return
+        self.tokenizer_sha256 = str(tok["sha256"])
+        self.tokenizer_path = path / _plain_name(tok["file"], "tokenizer", path)
         self._splits = {name: TokenSplit(path, name, meta, self.dtype, self.fingerprint)
                         for name, meta in index["splits"].items()}
 
@@ -156,7 +164,7 @@ class TokenDataset:
 
             path = fetch_prepared(str(path))  # a verified local copy, cached
         root = Path(str(path).removeprefix("file://"))
-        what = "a directory written by `relaytrain data prepare`"
+        what = "a directory written by `relaytrain data prepare` or `relaytrain data index`"
         if not root.is_dir():
             raise DataError(f"data dir {root} does not exist or is not a directory; "
                             f"expected {what}")
@@ -187,6 +195,8 @@ class TokenDataset:
             if name not in ds._splits:
                 raise DataError(f"{index_file}: no '{name}' split; re-run relaytrain data prepare")
         for split in ds._splits.values():
+            if not isinstance(split, TokenSplit):
+                continue  # read in place: the sizes were checked by `data index`
             expected = split.num_tokens * split.dtype.itemsize
             try:
                 size = split.file.stat().st_size
@@ -204,7 +214,7 @@ class TokenDataset:
     def split_names(self) -> list[str]:
         return list(self._splits)
 
-    def split(self, name: str) -> TokenSplit:
+    def split(self, name: str) -> TokenSplit | ArraySplit:
         try:
             return self._splits[name]
         except KeyError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ import numpy as np
 from relaytrain.errors import DataError
 from relaytrain.storage import filesystem, redact, scheme
 
+KIND = "olmo-core"  # index.json "kind" of a mix indexed in place
 TOKENIZER_PLACEHOLDER = "{TOKENIZER}"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 MANIFEST_FORM = "'label,relative/path/{TOKENIZER}/file.npy'"
@@ -104,8 +106,6 @@ class TokenArrays:
                  vocab_size: int | None = None) -> None:
         if dtype not in DTYPES:
             raise DataError(f"token dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        if not paths:
-            raise DataError("no token files given")
         self.paths = [str(p) for p in paths]
         self.dtype = dtype
         self.vocab_size = vocab_size
@@ -154,7 +154,47 @@ class TokenArrays:
                 local = path.removeprefix("file://")
                 mm = self._maps[file] = np.memmap(local, dtype=dt, mode="r") \
                     if os.path.getsize(local) else np.zeros(0, dt)
-            return np.asarray(mm[start:start + count])
-        fs, inner = filesystem(path)
-        raw = fs.cat_file(inner, start=start * dt.itemsize, end=(start + count) * dt.itemsize)
-        return np.frombuffer(raw, dtype=dt)
+            got = np.asarray(mm[start:start + count])
+        else:
+            fs, inner = filesystem(path)
+            raw = fs.cat_file(inner, start=start * dt.itemsize, end=(start + count) * dt.itemsize)
+            got = np.frombuffer(raw, dtype=dt)
+        if got.size != count:
+            raise DataError(f"token file {redact(path)}: {got.size} tokens at token {start}, "
+                            f"expected {count}; the file is shorter than when it was indexed")
+        return got
+
+
+class ArraySplit(TokenArrays):
+    """One split of an indexed mix, read in place, with the TokenSplit interface the loader,
+    the evaluation and the controller use."""
+
+    def __init__(self, root: Path, name: str, meta: dict[str, Any], dtype: str,
+                 fingerprint: str, vocab_size: int) -> None:
+        files = meta["files"]
+        super().__init__([f["path"] for f in files], dtype,
+                         tokens=[int(f["tokens"]) for f in files], vocab_size=vocab_size)
+        self.root = root
+        self.name = name
+        self.fingerprint = fingerprint
+        self.labels = [str(f["label"]) for f in files]
+        self.num_tokens = int(meta["tokens"])
+        self.num_documents = int(meta["documents"])
+
+    def require_instances(self, seq_len: int) -> int:
+        n = self.num_instances(seq_len)
+        if n == 0:
+            hint = " or index with --heldout FILE..." if self.name == "heldout" else ""
+            raise DataError(f"{self.root}: the {self.name} split has no file of {seq_len} "
+                            f"tokens or more (no instance of seq_len {seq_len}); use a shorter "
+                            f"data.seq_len{hint}")
+        return n
+
+
+def open_splits(root: Path, index: dict[str, Any]) -> dict[str, ArraySplit]:
+    """The splits of a mix index (a missing held-out split is an empty one)."""
+    vocab = int(index["tokenizer"]["vocab_size"])
+    splits = dict(index["splits"])
+    splits.setdefault("heldout", {"files": [], "tokens": 0, "documents": 0})
+    return {name: ArraySplit(root, name, meta, index["dtype"], index["fingerprint"], vocab)
+            for name, meta in splits.items()}

@@ -1,0 +1,207 @@
+"""`relaytrain data index`: index an OLMo-core mix in place (docs/CONTRACTS.md "Mix index").
+
+Every file is streamed once, never copied: its size must be whole token ids, every id must be
+below the vocabulary, and it must end with the EOS (a file ending otherwise was tokenized with
+another EOS, or is truncated). What `train` and `data audit` need (paths, token and document
+counts, a sha256 per file, the fingerprint) goes into OUT/index.json, written last and renamed
+into place. Files are scanned in parallel; each one done is appended to OUT/index.journal, so
+an interrupted index resumes where it stopped. Bad input writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from relaytrain.data.prepare import PAD_TOKEN, _eos_id, _load_tokenizer, _tokenizer_source
+from relaytrain.data.token_arrays import (
+    DTYPES,
+    KIND,
+    MixFile,
+    dtype_for_vocab,
+    file_tokens,
+    read_manifest,
+)
+from relaytrain.errors import DataError, UserError
+from relaytrain.storage import filesystem, redact
+
+INDEX = "index.json"
+JOURNAL = "index.journal"
+CHUNK = 16 << 20  # bytes per read
+
+
+def scan_file(path: str, dtype: str, vocab_size: int, eos_id: int) -> dict[str, Any]:
+    """Stream `path` once: its token and document (EOS) counts and sha256, or a DataError naming
+    the file and its first bad token."""
+    tokens = file_tokens(path, dtype)
+    dt = DTYPES[dtype]
+    digest = hashlib.sha256()
+    documents = seen = 0
+    last = None
+    fs, inner = filesystem(path)
+    with fs.open(inner, "rb", block_size=CHUNK) as f:
+        while block := f.read(CHUNK - CHUNK % dt.itemsize):
+            digest.update(block)
+            ids = np.frombuffer(block, dtype=dt)
+            over = np.flatnonzero(ids >= vocab_size)
+            if over.size:
+                raise DataError(f"token file {redact(path)}: token id {int(ids[over[0]])} at "
+                                f"token {seen + int(over[0])} is >= the vocabulary size "
+                                f"{vocab_size}; the data was tokenized with another tokenizer")
+            documents += int(np.count_nonzero(ids == eos_id))
+            seen += ids.size
+            last = int(ids[-1])
+    if seen != tokens:
+        raise DataError(f"token file {redact(path)}: read {seen} tokens, its size says {tokens}; "
+                        "the file changed while it was indexed")
+    if last is not None and last != eos_id:
+        raise DataError(f"token file {redact(path)}: ends with token {last}, not the EOS id "
+                        f"{eos_id}; the data's EOS differs from the tokenizer's (or the file is "
+                        "truncated)")
+    return {"tokens": tokens, "documents": documents, "sha256": digest.hexdigest()}
+
+
+def _journal_key(path: str, dtype: str, vocab_size: int, eos_id: int) -> str:
+    return json.dumps([path, dtype, vocab_size, eos_id])
+
+
+def _read_journal(out: Path) -> dict[str, dict[str, Any]]:
+    done: dict[str, dict[str, Any]] = {}
+    try:
+        lines = (out / JOURNAL).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return done
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            done[rec["key"]] = rec["scan"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a torn last line: that file is scanned again
+    return done
+
+
+def index_mix(splits: dict[str, Sequence[MixFile]], out: str | os.PathLike[str], *,
+              vocab_size: int, eos_id: int, pad_id: int | None = None, dtype: str | None = None,
+              tokenizer_id: str = "", workers: int = 0) -> dict[str, Any]:
+    """Scan every file of `splits` ("train", and optionally "heldout") and write OUT/index.json;
+    returns the index."""
+    out = Path(out)
+    dtype = dtype or dtype_for_vocab(vocab_size)
+    if dtype not in DTYPES:
+        raise DataError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if vocab_size < 1 or not 0 <= eos_id < vocab_size:
+        raise DataError(f"EOS id {eos_id} is not in a vocabulary of {vocab_size} ids")
+    if not splits.get("train"):
+        raise DataError("no training files given; expected --mix MANIFEST or --files FILE...")
+    if (out / INDEX).exists():
+        raise DataError(f"--out {out}: already holds an {INDEX}; indexing never overwrites, "
+                        "choose a new directory")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        done = _read_journal(out)
+        files = [f for name in ("train", "heldout") for f in splits.get(name, ())]
+        todo = [f.path for f in files
+                if _journal_key(f.path, dtype, vocab_size, eos_id) not in done]
+        with open(out / JOURNAL, "a", encoding="utf-8") as journal, \
+                ThreadPoolExecutor(max(1, workers or os.cpu_count() or 1)) as pool:
+            for path, scan in zip(todo, pool.map(
+                    lambda p: scan_file(p, dtype, vocab_size, eos_id), todo), strict=True):
+                key = _journal_key(path, dtype, vocab_size, eos_id)
+                done[key] = scan
+                journal.write(json.dumps({"key": key, "scan": scan}) + "\n")
+                journal.flush()
+        index = _index(splits, done, dtype=dtype, vocab_size=vocab_size, eos_id=eos_id,
+                       pad_id=pad_id, tokenizer_id=tokenizer_id)
+        tmp = out / f".{INDEX}.tmp"
+        tmp.write_text(json.dumps(index, indent=1), encoding="utf-8")
+        os.replace(tmp, out / INDEX)
+        (out / JOURNAL).unlink()
+    except UserError:  # bad input: leave nothing behind (an interruption keeps the journal)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            (out / JOURNAL).unlink(missing_ok=True)
+        raise
+    return index
+
+
+def _index(splits: dict[str, Sequence[MixFile]], done: dict[str, dict[str, Any]], *,
+           dtype: str, vocab_size: int, eos_id: int, pad_id: int | None,
+           tokenizer_id: str) -> dict[str, Any]:
+    meta = {}
+    for name, files in splits.items():
+        rows = [{"label": f.label, "path": f.path,
+                 **done[_journal_key(f.path, dtype, vocab_size, eos_id)]} for f in files]
+        meta[name] = {"files": rows, "tokens": sum(r["tokens"] for r in rows),
+                      "documents": sum(r["documents"] for r in rows)}
+    content = {name: [(r["label"], os.path.basename(r["path"]), r["tokens"], r["sha256"])
+                      for r in s["files"]] for name, s in meta.items()}
+    fingerprint = hashlib.sha256(json.dumps(
+        {"kind": KIND, "dtype": dtype, "vocab_size": vocab_size, "eos_id": eos_id,
+         "splits": content}, sort_keys=True).encode()).hexdigest()
+    return {"format_version": 1, "kind": KIND, "dtype": dtype, "fingerprint": fingerprint,
+            "tokenizer": {"vocab_size": vocab_size, "eos_id": eos_id, "pad_id": pad_id,
+                          "id": tokenizer_id},
+            "splits": meta}
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+def _files(mix: str | None, files: Sequence[str] | None, base: str, tokenizer_id: str,
+           label: str) -> list[MixFile]:
+    if mix:
+        return read_manifest(mix, base, tokenizer_id)
+    return [MixFile(label, p) for p in files or ()]
+
+
+def _tokenizer_ids(args: argparse.Namespace) -> tuple[int, int, int | None]:
+    """(vocab size, EOS id, PAD id) from --tokenizer, or --vocab-size/--eos-id/--pad-id."""
+    if args.tokenizer:
+        path = _tokenizer_source(args.tokenizer)
+        if not isinstance(path, Path):
+            raise DataError(f"--tokenizer {args.tokenizer}: expected a tokenizer.json")
+        tok = _load_tokenizer(path)
+        eos = _eos_id(tok, path, args.eos_token)[1]
+        if args.eos_id is not None and args.eos_id != eos:
+            raise DataError(f"--eos-id {args.eos_id} differs from the EOS id {eos} of "
+                            f"--tokenizer {path}")
+        return tok.get_vocab_size(with_added_tokens=True), eos, tok.token_to_id(PAD_TOKEN)
+    if args.vocab_size is None or args.eos_id is None:
+        raise DataError("give --tokenizer FILE, or both --vocab-size and --eos-id")
+    return args.vocab_size, args.eos_id, args.pad_id
+
+
+def cli_index(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    vocab, eos, pad = _tokenizer_ids(args)
+    splits = {"train": _files(args.mix, args.files, args.base, args.tokenizer_id, "train")}
+    if args.heldout_mix or args.heldout:
+        splits["heldout"] = _files(args.heldout_mix, args.heldout, args.base,
+                                   args.tokenizer_id, "heldout")
+    index = index_mix(splits, args.out, vocab_size=vocab, eos_id=eos, pad_id=pad,
+                      dtype=args.dtype, tokenizer_id=args.tokenizer_id, workers=args.workers)
+    summary = {"out": str(args.out), "fingerprint": index["fingerprint"],
+               "dtype": index["dtype"], "seconds": time.perf_counter() - t0,
+               **{f"{n}_{k}": s[k] for n, s in index["splits"].items()
+                  for k in ("tokens", "documents")}}
+    summary.update({f"{n}_files": len(s["files"]) for n, s in index["splits"].items()})
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        parts = ", ".join(f"{n} {len(s['files'])} files / {s['tokens']:,} tokens / "
+                          f"{s['documents']:,} documents" for n, s in index["splits"].items())
+        print(f"indexed {args.out}: {parts} ({index['dtype']}, fingerprint "
+              f"{index['fingerprint'][:12]}) in {summary['seconds']:.1f} s", file=sys.stdout)
+    return 0

@@ -1,0 +1,161 @@
+"""`relaytrain data index`: an OLMo-core mix indexed in place, and what it refuses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from relaytrain.cli import main
+from relaytrain.data import mix_index
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.mix_index import index_mix
+from relaytrain.data.token_arrays import MixFile, TokenArrays
+from tests.data.conftest import EOS, write_tokens
+
+VOCAB = 100_278
+SIZES = {"web": [700, 333], "code": [517]}
+
+
+@pytest.fixture()
+def mix(tmp_path: Path) -> tuple[Path, Path]:
+    """(base dir, manifest) of a three-file mix in OLMo-core's layout."""
+    base = tmp_path / "store"
+    lines = ["# a synthetic mix"]
+    for s, (label, sizes) in enumerate(SIZES.items()):
+        for i, n in enumerate(sizes):
+            rel = f"preprocessed/{label}/{{TOKENIZER}}/part-{i}.npy"
+            write_tokens(base / rel.replace("{TOKENIZER}", "dolma2-tokenizer"), n, seed=10 * s + i)
+            lines.append(f"{label},{rel}")
+    write_tokens(base / "eval" / "val.npy", 200, seed=99)
+    manifest = tmp_path / "mix.txt"
+    manifest.write_text("\n".join(lines) + "\n")
+    return base, manifest
+
+
+def index_args(base: Path, manifest: Path, out: Path, *extra: str) -> list[str]:
+    return ["data", "index", "--mix", str(manifest), "--base", str(base), "--tokenizer-id",
+            "dolma2-tokenizer", "--vocab-size", str(VOCAB), "--eos-id", str(EOS), "--heldout",
+            str(base / "eval" / "val.npy"), "--out", str(out), *extra]
+
+
+def test_an_indexed_mix_is_data_train_reads_in_place(mix: tuple[Path, Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    base, manifest = mix
+    out = tmp_path / "index"
+    assert main(index_args(base, manifest, out, "--json")) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["train_files"] == 3 and summary["train_tokens"] == 700 + 333 + 517
+    assert sorted(p.name for p in out.iterdir()) == ["index.json"]  # nothing copied
+    ds = TokenDataset.open(out)
+    assert (ds.kind, ds.vocab_size, ds.eos_id, ds.dtype) == ("olmo-core", VOCAB, EOS, "uint32")
+    train = ds.split("train")
+    assert train.labels == ["web", "web", "code"]
+    assert train.num_documents == sum(
+        int(np.count_nonzero(np.fromfile(p, "<u4") == EOS)) for p in train.paths)
+    direct = TokenArrays(train.paths, "uint32")
+    ids = np.arange(direct.num_instances(16))
+    np.testing.assert_array_equal(train.instances(ids, 16), direct.instances(ids, 16))
+    assert ds.split("heldout").require_instances(16) == 200 // 16
+
+
+def test_the_fingerprint_follows_content_not_location(mix: tuple[Path, Path],
+                                                      tmp_path: Path) -> None:
+    base, manifest = mix
+    files = [MixFile("web", str(p)) for p in sorted(base.rglob("part-*.npy"))]
+    a = index_mix({"train": files}, tmp_path / "a", vocab_size=VOCAB, eos_id=EOS)
+    copies = []
+    for i, f in enumerate(files):
+        copy = tmp_path / "moved" / str(i) / Path(f.path).name
+        copy.parent.mkdir(parents=True)
+        copy.write_bytes(Path(f.path).read_bytes())
+        copies.append(MixFile("web", str(copy)))
+    b = index_mix({"train": copies}, tmp_path / "b", vocab_size=VOCAB, eos_id=EOS)
+    assert a["fingerprint"] == b["fingerprint"]
+    Path(copies[0].path).write_bytes(Path(files[1].path).read_bytes())
+    c = index_mix({"train": copies}, tmp_path / "c", vocab_size=VOCAB, eos_id=EOS)
+    assert c["fingerprint"] != a["fingerprint"]
+
+
+def test_an_interrupted_index_resumes_without_rescanning(mix: tuple[Path, Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    base, manifest = mix
+    files = [MixFile("web", str(p)) for p in sorted(base.rglob("part-*.npy"))]
+    fresh = index_mix({"train": files}, tmp_path / "fresh", vocab_size=VOCAB, eos_id=EOS)
+    scanned: list[str] = []
+    real = mix_index.scan_file
+
+    def interrupted(path: str, *args: object) -> dict:
+        if len(scanned) == 2:
+            raise KeyboardInterrupt
+        scanned.append(path)
+        return real(path, *args)
+
+    monkeypatch.setattr(mix_index, "scan_file", interrupted)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        index_mix({"train": files}, out, vocab_size=VOCAB, eos_id=EOS, workers=1)
+    assert not (out / "index.json").exists() and (out / "index.journal").exists()
+    scanned.clear()
+    monkeypatch.setattr(mix_index, "scan_file", lambda p, *a: scanned.append(p) or real(p, *a))
+    assert index_mix({"train": files}, out, vocab_size=VOCAB, eos_id=EOS, workers=1) == fresh
+    assert scanned == [files[2].path]
+    assert sorted(p.name for p in out.iterdir()) == ["index.json"]
+
+
+def corrupt(base: Path, how: str) -> str:
+    """Damage the mix's first file (or its manifest) one way; the name the error must give."""
+    part = base / "preprocessed/web/dolma2-tokenizer/part-0.npy"
+    toks = np.fromfile(part, "<u4")
+    if how == "vocab":
+        toks[123] = VOCAB + 5
+        toks.tofile(part)
+        return rf"part-0.npy: token id {VOCAB + 5} at token 123 is >= the vocabulary size {VOCAB}"
+    if how == "size":
+        part.write_bytes(part.read_bytes()[:-2])
+        return r"part-0.npy: 2798 bytes is not a multiple of 4 \(uint32 token ids\)"
+    if how == "eos":
+        toks[-1] = 7
+        toks.tofile(part)
+        return rf"part-0.npy: ends with token 7, not the EOS id {EOS}; the data's EOS differs"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["vocab", "size", "eos"])
+def test_bad_token_files_are_one_line_naming_the_file_and_write_nothing(
+        mix: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        how: str) -> None:
+    base, manifest = mix
+    message = corrupt(base, how)
+    out = tmp_path / "index"
+    assert main(index_args(base, manifest, out, "--workers", "2")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("relaytrain: error: token file ")
+    assert pytest.importorskip("re").search(message, err), err
+    assert not out.exists()
+
+
+def test_a_manifest_line_naming_nothing_is_refused_before_any_scan(
+        mix: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, manifest = mix
+    manifest.write_text(manifest.read_text() + "code,\n")
+    out = tmp_path / "index"
+    assert main(index_args(base, manifest, out)) == 2
+    err = capsys.readouterr().err
+    assert "mix.txt line 5: 'code,' names no file" in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_a_tokenizer_whose_eos_differs_from_the_given_one_is_refused(
+        mix: tuple[Path, Path], tmp_path: Path, prepared: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    base, manifest = mix
+    args = ["data", "index", "--files", str(base / "eval" / "val.npy"), "--tokenizer",
+            str(prepared / "tokenizer.json"), "--out", str(tmp_path / "index")]
+    assert main([*args, "--eos-id", str(EOS)]) == 2
+    assert "differs from the EOS id" in capsys.readouterr().err
+    assert main(args) == 2  # the tokenizer's own EOS and vocabulary do not fit the data
+    assert "is >= the vocabulary size" in capsys.readouterr().err
+    assert not (tmp_path / "index").exists()
