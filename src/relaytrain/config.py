@@ -38,9 +38,12 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    path: str | None = None  # a directory written by `relaytrain data prepare`
+    path: str | None = None  # a directory written by `relaytrain data prepare` or `data index`
     seq_len: int | None = None  # None: the model preset's max_seq_len
     prefetch: int = 2  # global batches read ahead by the loader thread
+    # relay: relaytrain's order (order.py); olmo-core: OLMo-core's order and DP slicing on an
+    # indexed OLMo-core mix (olmo_order.py), instances of seq_len tokens cut per file
+    order: Literal["relay", "olmo-core"] = "relay"
 
 
 @dataclass

@@ -11,14 +11,18 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
+import torch
 
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.loader import Loader
+from relaytrain.data.mix_index import index_mix
 from relaytrain.data.olmo_order import (
     OlmoOrder,
     micro_positions,
     rank_micro_batches,
     rank_positions,
 )
-from relaytrain.data.token_arrays import TokenArrays, parse_manifest, read_manifest
+from relaytrain.data.token_arrays import MixFile, TokenArrays, parse_manifest, read_manifest
 from relaytrain.errors import DataError
 from tests.data.conftest import EOS, write_tokens
 
@@ -61,21 +65,58 @@ def olmo_batches(paths: list[str], work_dir: Path, dp: int, rank: int,
     return out
 
 
+@pytest.fixture(scope="module")
+def indexed(mix: list[str], tmp_path_factory: pytest.TempPathFactory) -> TokenDataset:
+    out = tmp_path_factory.mktemp("index") / "mix"
+    index_mix({"train": [MixFile("synthetic", p) for p in mix]}, out, vocab_size=VOCAB,
+              eos_id=EOS)
+    return TokenDataset.open(out)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dp", [1, 2, 4])
-def test_every_step_of_two_epochs_matches_olmo_core(mix: list[str], tmp_path: Path,
-                                                    dp: int) -> None:
-    arrays = TokenArrays(mix, "uint32", vocab_size=VOCAB)
-    order = OlmoOrder(SEED, arrays.num_instances(SEQ_LEN), BATCH)
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_every_step_of_two_epochs_matches_olmo_core(mix: list[str], indexed: TokenDataset,
+                                                    tmp_path: Path, dp: int,
+                                                    micro_batch: int) -> None:
+    """What each DP rank trains on, step by step, through the loader training uses."""
+    split = indexed.split("train")
+    batches_per_epoch = split.num_instances(SEQ_LEN) // BATCH
     for rank in range(dp):
         theirs = olmo_batches(mix, tmp_path, dp, rank, epochs=2)
-        assert len(theirs) == 2 * order.batches_per_epoch
-        for k, (their_ids, their_tokens) in enumerate(theirs):
-            epochs, ids = order.global_batch(k)
-            ours = ids[rank_positions(BATCH, rank, dp)]
-            assert ours.tolist() == their_ids, f"dp {dp} rank {rank} batch {k}"
-            assert set(epochs.tolist()) == {k // order.batches_per_epoch}
-            np.testing.assert_array_equal(arrays.instances(ours, SEQ_LEN), their_tokens)
+        assert len(theirs) == 2 * batches_per_epoch
+        with Loader(split, SEQ_LEN, SEED, BATCH, micro_batch, rank, dp, prefetch=0,
+                    order="olmo-core") as loader:
+            for k, (their_ids, their_tokens) in enumerate(theirs):
+                batch = loader.get(k)
+                assert batch.ids.tolist() == their_ids, f"dp {dp} rank {rank} batch {k}"
+                assert set(batch.epochs.tolist()) == {k // batches_per_epoch}
+                rows = torch.cat([mb for _, mb in batch.micro_batches]).numpy()
+                if micro_batch == 1:  # rows in rank order; otherwise grouped by micro-batch
+                    np.testing.assert_array_equal(rows, their_tokens)
+                np.testing.assert_array_equal(rows[np.lexsort(rows.T)],
+                                              their_tokens[np.lexsort(their_tokens.T)])
+
+
+def test_the_micro_batches_are_the_same_tokens_at_every_world_size(
+        indexed: TokenDataset) -> None:
+    split = indexed.split("train")
+    seen = {}
+    for dp in (1, 2, 4):
+        got = {}
+        for rank in range(dp):
+            with Loader(split, SEQ_LEN, SEED, BATCH, 2, rank, dp, prefetch=0,
+                        order="olmo-core") as loader:
+                got.update((j, mb.numpy()) for j, mb in loader.get(5).micro_batches)
+        assert sorted(got) == list(range(BATCH // 2))
+        for j, rows in got.items():
+            np.testing.assert_array_equal(seen.setdefault(j, rows), rows)
+
+
+def test_olmo_core_order_needs_an_indexed_mix(prepared: Path) -> None:
+    with pytest.raises(DataError, match="index the mix with `relaytrain data index`"):
+        Loader(TokenDataset.open(prepared).split("train"), SEQ_LEN, SEED, BATCH, 1, 0, 1,
+               order="olmo-core")
 
 
 def test_the_epochs_differ_and_drop_the_tail(mix: list[str]) -> None:

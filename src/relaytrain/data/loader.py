@@ -3,7 +3,10 @@
 The loader holds no state beyond the next batch index: `get(k)` for any k returns exactly the
 rank's part of pure global batch k, so resume, recovery and a change of world size are a
 reposition, O(1). Per batch the work is O(global batch): the epoch permutation is computed once
-per epoch and cached, and tokens come from a memory map.
+per epoch and cached, and tokens come from a memory map (or byte ranges of remote files).
+
+Two orders (`data.order`): "relay" (order.py: rank parts and micro-batches contiguous) and
+"olmo-core" (olmo_order.py: OLMo-core's order and rank slicing, on an indexed OLMo-core mix).
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from relaytrain.data import olmo_order
 from relaytrain.data.dataset import TokenSplit
 from relaytrain.data.order import Order, micro_batch_indices, rank_part
+from relaytrain.data.token_arrays import ArraySplit
 from relaytrain.errors import DataError
+
+ORDERS = ("relay", "olmo-core")
 
 
 @dataclass(frozen=True)
@@ -25,7 +32,7 @@ class Batch:
     """One DP rank's share of global batch `batch_index` (optimizer step batch_index + 1)."""
 
     batch_index: int
-    ids: np.ndarray  # this rank's instance ids, int64, in order
+    ids: np.ndarray  # this rank's instance ids, int64, in the order's rank order
     epochs: np.ndarray  # the epoch of each id
     # (global micro-batch index, LongTensor [micro_batch, seq_len + 1]); inputs [:, :-1],
     # labels [:, 1:]
@@ -40,18 +47,39 @@ class Batch:
 class Loader:
     """Rank `dp_rank` of `dp_world`'s batches of `split`, `prefetch` global batches ahead."""
 
-    def __init__(self, split: TokenSplit, seq_len: int, seed: int, global_batch: int,
-                 micro_batch: int, dp_rank: int, dp_world: int, prefetch: int = 2) -> None:
+    def __init__(self, split: TokenSplit | ArraySplit, seq_len: int, seed: int,
+                 global_batch: int, micro_batch: int, dp_rank: int, dp_world: int,
+                 prefetch: int = 2, order: str = "relay") -> None:
         self.split = split
         self.fingerprint = split.fingerprint
         self.seq_len = int(seq_len)
         self.seed = int(seed)
         self.global_batch = int(global_batch)
         self.micro_batch = int(micro_batch)
-        self.part = rank_part(global_batch, dp_rank, dp_world)
-        self.micro_indices = micro_batch_indices(global_batch, micro_batch, dp_rank, dp_world)
+        self.order_name = order
         self.n_instances = split.require_instances(self.seq_len)
-        self.order = Order(seed, self.n_instances)
+        m = self.micro_batch
+        if order == "olmo-core":
+            if not isinstance(split, ArraySplit):
+                raise DataError(f"data.order olmo-core reads OLMo-core token arrays, but "
+                                f"{split.root} was written by `data prepare`; index the mix "
+                                "with `relaytrain data index` or use data.order relay")
+            olmo = olmo_order.OlmoOrder(seed, self.n_instances, global_batch)
+            self._global_batch = olmo.global_batch
+            self.positions = olmo_order.rank_positions(global_batch, dp_rank, dp_world)
+            self.micro_indices = olmo_order.rank_micro_batches(global_batch, m, dp_rank,
+                                                               dp_world)
+            rows = [olmo_order.micro_positions(global_batch, m, j) for j in self.micro_indices]
+        elif order == "relay":
+            relay = Order(seed, self.n_instances)
+            self._global_batch = lambda k: relay.global_batch(self.global_batch, k)
+            part = rank_part(global_batch, dp_rank, dp_world)
+            self.positions = np.arange(part.start, part.stop, dtype=np.int64)
+            self.micro_indices = micro_batch_indices(global_batch, m, dp_rank, dp_world)
+            rows = [np.arange(j * m, (j + 1) * m, dtype=np.int64) for j in self.micro_indices]
+        else:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        self._rows = np.concatenate(rows)  # global-batch positions of the micro-batches' rows
         self.prefetch = max(0, int(prefetch))
         self.next_batch = 0  # the batch after the last one returned: the loader's state
         self._cv = threading.Condition()
@@ -66,12 +94,11 @@ class Loader:
     # ---- the pure part ----------------------------------------------------------------------
     def make(self, batch_index: int) -> Batch:
         """Build batch `batch_index` synchronously (the thread calls this)."""
-        epochs, ids = self.order.global_batch(self.global_batch, batch_index)
-        epochs, ids = epochs[self.part], ids[self.part]
-        tokens = torch.from_numpy(self.split.instances(ids, self.seq_len))
+        epochs, ids = self._global_batch(batch_index)
+        tokens = torch.from_numpy(self.split.instances(ids[self._rows], self.seq_len))
         m = self.micro_batch
         micro = [(j, tokens[i * m:(i + 1) * m]) for i, j in enumerate(self.micro_indices)]
-        return Batch(batch_index, ids, epochs, micro)
+        return Batch(batch_index, ids[self.positions], epochs[self.positions], micro)
 
     # ---- the read-ahead ---------------------------------------------------------------------
     def get(self, batch_index: int) -> Batch:
@@ -138,11 +165,13 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """The resume cursor: the next batch index plus what it is only valid for."""
         return {"next_batch": self.next_batch, "fingerprint": self.fingerprint,
-                "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch}
+                "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,
+                "order_name": self.order_name}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a cursor; refuses one taken on other data or another order."""
-        for key in ("fingerprint", "seed", "seq_len", "global_batch"):
+        state = {"order_name": "relay", **state}  # cursors from before data.order
+        for key in ("fingerprint", "seed", "seq_len", "global_batch", "order_name"):
             if state.get(key) != getattr(self, key):
                 raise DataError(f"data cursor was saved with {key}={state.get(key)!r}, but this "
                                 f"run has {key}={getattr(self, key)!r}; resume on the same data "

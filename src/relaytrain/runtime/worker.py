@@ -126,7 +126,7 @@ class Worker:
         t = self.cfg.train
         self.loader = Loader(self.train_split, self.cfg.seq_len, self.cfg.seed, t.global_batch,
                              t.micro_batch, placement.dp_rank, placement.dp,
-                             prefetch=self.cfg.data.prefetch)
+                             prefetch=self.cfg.data.prefetch, order=self.cfg.data.order)
         if placement.world > 1:
             print(f"[rank {placement.rank}] joined generation {generation}: dp rank "
                   f"{placement.dp_rank}/{placement.dp}, stage {placement.stage}/{placement.pp}, "
