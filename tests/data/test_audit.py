@@ -31,7 +31,8 @@ class WorldSeededLoader(Loader):
     def __init__(self, split: TokenSplit, seq_len: int, seed: int, global_batch: int,
                  micro_batch: int, dp_rank: int, dp_world: int) -> None:
         super().__init__(split, seq_len, seed, global_batch, micro_batch, dp_rank, dp_world)
-        self.order = Order(seed * 1000 + dp_world, self.n_instances)
+        order = Order(seed * 1000 + dp_world, self.n_instances)
+        self._global_batch = lambda k: order.global_batch(global_batch, k)
 
 
 class Run:

@@ -34,6 +34,7 @@ import numpy as np
 
 from relaytrain.data.dataset import TokenDataset, TokenSplit
 from relaytrain.data.ledger import LEDGER_FILE, read_ledger
+from relaytrain.data.olmo_order import OlmoOrder, rank_positions
 from relaytrain.data.order import Order
 from relaytrain.errors import DataError
 
@@ -270,14 +271,128 @@ def _first_shared(keys: np.ndarray) -> tuple[int, int] | None:
     return int(order[dup[0]]), int(order[dup[0] + 1])
 
 
+class _Layout:
+    """Where the run's pure order (header "order": relay or olmo-core) puts each instance."""
+
+    def __init__(self, header: dict[str, Any]) -> None:
+        seed, self.B, self.n = header["seed"], header["global_batch"], header["n_instances"]
+        self.olmo = header.get("order", "relay") == "olmo-core"
+        if self.olmo:
+            self._olmo = OlmoOrder(seed, self.n, self.B)
+            self.per_epoch = self._olmo.batches_per_epoch * self.B  # the tail is dropped
+        else:
+            self._relay = Order(seed, self.n)
+            self.per_epoch = self.n
+
+    def batch(self, k: int) -> np.ndarray:
+        """The ids of step k's global batch, in order."""
+        if self.olmo:
+            return self._olmo.global_batch(k - 1)[1]
+        return self._relay.global_batch(self.B, k - 1)[1]
+
+    def parts(self, k: int, dp: int) -> np.ndarray:
+        """Step k's ids as dp ranks hold them, rank parts concatenated."""
+        ids = self.batch(k)
+        if not self.olmo or dp < 1 or self.B % dp:
+            return ids
+        return np.concatenate([ids[rank_positions(self.B, r, dp)] for r in range(dp)])
+
+    def epochs(self, k: int, size: int) -> np.ndarray:
+        """The epoch of each of the `size` positions of step k."""
+        if self.olmo:
+            return np.full(size, (k - 1) // self._olmo.batches_per_epoch, dtype=np.int64)
+        return (np.arange(size, dtype=np.int64) + (k - 1) * self.B) // self.n
+
+    def last_epoch(self, last_step: int) -> int:
+        return int(self.epochs(last_step, self.B)[-1]) if last_step else -1
+
+    def end_step(self, epoch: int) -> int:
+        """The step that completes `epoch`."""
+        if self.olmo:
+            return (epoch + 1) * self._olmo.batches_per_epoch
+        return ((epoch + 1) * self.n - 1) // self.B + 1
+
+    def epoch_ids(self, epoch: int) -> np.ndarray:
+        """The instances `epoch` uses."""
+        if self.olmo:
+            return self._olmo.permutation(epoch)[:self.per_epoch].astype(np.int64)
+        return np.arange(self.n, dtype=np.int64)
+
+
+class _EpochUse:
+    """The step that first used each instance, per open epoch: catches a second use within an
+    epoch and an epoch left incomplete."""
+
+    def __init__(self, layout: _Layout, last_epoch: int) -> None:
+        self.layout, self.last_epoch = layout, last_epoch
+        self.check = _Check("exactly_once")
+        self.used: dict[int, np.ndarray] = {}  # epoch -> step per instance (0: unused)
+        self.closed: set[int] = set()
+        self.complete = 0
+
+    def close(self, e: int) -> None:
+        self.closed.add(e)
+        seen = self.used.pop(e, np.zeros(self.layout.n, dtype=np.int64))
+        want = self.layout.epoch_ids(e)
+        unused = want[seen[want] == 0]
+        if not unused.size:
+            self.complete += 1
+        elif e < self.last_epoch:
+            end = self.layout.end_step(e)
+            self.check.fail(f"epoch {e} is incomplete: instance {int(unused[0])} never used by "
+                            f"its last step {end} ({unused.size} of {want.size} unused)", end,
+                            int(unused[0]))
+
+    def add(self, k: int, got: np.ndarray, pos_epochs: np.ndarray) -> None:
+        for e in [e for e in self.used if pos_epochs.size and e < pos_epochs[0]]:
+            self.close(e)
+        for e in np.unique(pos_epochs).tolist():
+            ids = got[pos_epochs == e]
+            ids = ids[(ids >= 0) & (ids < self.layout.n)]
+            seen = self.used.setdefault(e, np.zeros(self.layout.n, dtype=np.int64))
+            uniq, counts = np.unique(ids, return_counts=True)
+            again = uniq[(seen[uniq] != 0) | (counts > 1)]
+            if again.size:
+                i = int(again[0])
+                self.check.fail(f"instance {i} used twice in epoch {e} (steps "
+                                f"{int(seen[i]) or k} and {k})", k, i)
+            seen[ids] = np.where(seen[ids] == 0, k, seen[ids])
+
+    def finish(self) -> None:
+        for e in range(self.last_epoch + 1):
+            if e not in self.closed:
+                self.close(e)
+
+
+def _check_shards(ctx: str, k: int, parts: list[np.ndarray], dp: int, layout: _Layout,
+                  disjoint: _Check) -> np.ndarray:
+    """The epoch of each recorded position; shard sizes, ranges and overlaps go to `disjoint`."""
+    B, n = layout.B, layout.n
+    got = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if len(parts) != dp or B % max(dp, 1) or any(len(p) != B // dp for p in parts):
+        disjoint.fail(f"{ctx}: {len(parts)} parts of sizes {[len(p) for p in parts]}, "
+                      f"expected {dp} parts of {B // max(dp, 1)}", k)
+    bad = got[(got < 0) | (got >= n)]
+    if bad.size:
+        disjoint.fail(f"{ctx}: instance {int(bad[0])} is out of range [0, {n})", k, int(bad[0]))
+    # a batch straddling epochs may hold an instance once per epoch, never twice in one
+    pos_epochs = layout.epochs(k, got.size)
+    shared = _first_shared(pos_epochs * n + got)
+    if shared:
+        ranks = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+        a, b = (int(ranks[x]) for x in shared)
+        where = f"twice on rank {a}" if a == b else f"on rank {a} and rank {b}"
+        disjoint.fail(f"{ctx}: instance {int(got[shared[0]])} is {where}", k,
+                      int(got[shared[0]]))
+    return pos_epochs
+
+
 def _check_steps(segments: list[_Segment], recorded: _Steps,
                  report: AuditReport) -> list[CheckResult]:
     committed = recorded.committed
-    first = segments[0].header
-    seed, B, n = first["seed"], first["global_batch"], first["n_instances"]
-    order = Order(seed, n)
-    gaps, disjoint, cont, complete, once = (_Check(name) for name in (
-        "no_gaps", "shards_disjoint", "continuity", "shards_complete", "exactly_once"))
+    layout = _Layout(segments[0].header)
+    gaps, disjoint, cont, complete = (_Check(name) for name in (
+        "no_gaps", "shards_disjoint", "continuity", "shards_complete"))
     steps = sorted(committed)
     last = steps[-1] if steps else 0
     for s in sorted(set(range(1, last + 1)) - set(steps)):
@@ -285,102 +400,48 @@ def _check_steps(segments: list[_Segment], recorded: _Steps,
     for s in recorded.redone:
         cont.fail("recorded twice with no rollback in between: the first run of the step was "
                   "never discarded", s)
-
     batch_of: dict[bytes, int] = {}  # built on the first mismatch, to name replays
-
-    def describe(k: int, got: np.ndarray, want: np.ndarray) -> str:
-        if not batch_of:
-            other = Order(seed, n)
-            batch_of.update((np.sort(other.global_batch(B, s - 1)[1]).tobytes(), s - 1)
-                            for s in steps)
-        return _describe_mismatch(k, got, want, batch_of)
-
-    used: dict[int, np.ndarray] = {}  # open epochs: the step that used each instance (0: none)
-    last_epoch = (last * B - 1) // n if last else -1
-    complete_epochs = 0
-    closed: set[int] = set()
-
-    def close_epoch(e: int) -> None:
-        nonlocal complete_epochs
-        closed.add(e)
-        seen = used.pop(e, np.zeros(n, dtype=np.int64))
-        unused = np.flatnonzero(seen == 0)
-        if not unused.size:
-            complete_epochs += 1
-        elif e < last_epoch:
-            end_step = ((e + 1) * n - 1) // B + 1
-            once.fail(f"epoch {e} is incomplete: instance {int(unused[0])} never used by its "
-                      f"last step {end_step} ({unused.size} of {n} unused)", end_step,
-                      int(unused[0]))
-
+    use = _EpochUse(layout, layout.last_epoch(last))
     for k in steps:
         rec, seg = committed[k]
         ctx = _context(seg, segments)
         parts = [np.asarray(p, dtype=np.int64) for p in rec["parts"]]
         got = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        want = order.global_batch(B, k - 1)[1]
+        want = layout.parts(k, rec.get("dp", len(parts)))
         if rec.get("batch", k - 1) != k - 1:
             cont.fail(f"{ctx}: the record says batch {rec['batch']}, expected {k - 1}", k)
-        # shards
-        dp = rec.get("dp", len(parts))
-        if len(parts) != dp or B % max(dp, 1) or any(len(p) != B // dp for p in parts):
-            disjoint.fail(f"{ctx}: {len(parts)} parts of sizes {[len(p) for p in parts]}, "
-                          f"expected {dp} parts of {B // max(dp, 1)}", k)
-        bad = got[(got < 0) | (got >= n)]
-        if bad.size:
-            disjoint.fail(f"{ctx}: instance {int(bad[0])} is out of range [0, {n})", k,
-                          int(bad[0]))
-        # a batch straddling epochs may hold an instance once per epoch, never twice in one
-        pos_epochs = (np.arange(got.size, dtype=np.int64) + (k - 1) * B) // n
-        shared = _first_shared(pos_epochs * n + got)
-        if shared:
-            ranks = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
-            a, b = (int(ranks[x]) for x in shared)
-            where = f"twice on rank {a}" if a == b else f"on rank {a} and rank {b}"
-            disjoint.fail(f"{ctx}: instance {int(got[shared[0]])} is {where}", k,
-                          int(got[shared[0]]))
-        # continuity and completeness against the pure order
-        if not np.array_equal(got, want):
-            cont.fail(f"{ctx}: {describe(k, got, want)}", k,
+        pos_epochs = _check_shards(ctx, k, parts, rec.get("dp", len(parts)), layout, disjoint)
+        if not np.array_equal(got, want):  # continuity against the pure order
+            if not batch_of:
+                batch_of.update((np.sort(layout.batch(s)).tobytes(), s - 1) for s in steps)
+            cont.fail(f"{ctx}: {_describe_mismatch(k, got, want, batch_of)}", k,
                       int(want[0]) if want.size else None)
         lost = _missing(want, got)
         if lost.size:
             complete.fail(f"{ctx}: instance {int(lost[0])} of global batch {k - 1} is on no "
                           f"rank ({lost.size} missing)", k, int(lost[0]))
-        # exactly once per epoch, by stream position
-        for e in [e for e in used if pos_epochs.size and e < pos_epochs[0]]:
-            close_epoch(e)
-        for e in np.unique(pos_epochs).tolist():
-            ids = got[pos_epochs == e]
-            ids = ids[(ids >= 0) & (ids < n)]
-            seen = used.setdefault(e, np.zeros(n, dtype=np.int64))
-            uniq, counts = np.unique(ids, return_counts=True)
-            again = uniq[(seen[uniq] != 0) | (counts > 1)]
-            if again.size:
-                i = int(again[0])
-                before = int(seen[i]) or k
-                once.fail(f"instance {i} used twice in epoch {e} (steps {before} and {k})", k, i)
-            seen[ids] = np.where(seen[ids] == 0, k, seen[ids])
-    for e in range(last_epoch + 1):
-        if e not in closed:
-            close_epoch(e)
+        use.add(k, got, pos_epochs)
+    use.finish()
     report.steps = len(steps)
-    report.instances = len(steps) * B
-    report.epochs = last_epoch + 1
-    report.complete_epochs = complete_epochs
+    report.instances = len(steps) * layout.B
+    report.epochs = use.last_epoch + 1
+    report.complete_epochs = use.complete
     return [
         gaps.result(f"steps 1..{last} all present" if last else "no committed steps"),
         disjoint.result(f"{len(steps)} steps, dp shards disjoint"),
         cont.result(f"every step holds pure global batch k-1 across {report.resumes} "
                     f"resumes, {report.resizes} resizes"),
         complete.result("every global batch fully consumed"),
-        once.result(f"{report.instances} instances, at most once per epoch; "
-                    f"{complete_epochs} complete epochs"),
+        use.check.result(f"{report.instances} instances, at most once per epoch; "
+                         f"{use.complete} complete epochs"),
     ]
 
 
 def _check_heldout_documents(ds: TokenDataset) -> CheckResult:
     c = _Check("heldout_documents")
+    if ds.kind != "prepared":
+        return c.result("not applicable: OLMo-core token arrays carry no document text (the "
+                        "n-gram check covers contamination)")
     train = ds.doc_hashes("train")
     heldout = ds.split("heldout").doc_digests()
     shared = [i for i, d in enumerate(heldout) if bytes(d).hex() in train]

@@ -98,7 +98,7 @@ def file_tokens(path: str, dtype: str) -> int:
 class TokenArrays:
     """A list of OLMo-core token files as fixed-length instances.
 
-    `tokens[i]` is file i's token count (from its size, or given by an index); `vocab_size`,
+    `lengths[i]` is file i's token count (from its size, or given by an index); `vocab_size`,
     when given, is checked on every instance read, so an id out of range fails naming its file.
     """
 
@@ -109,8 +109,8 @@ class TokenArrays:
         self.paths = [str(p) for p in paths]
         self.dtype = dtype
         self.vocab_size = vocab_size
-        self.tokens = np.asarray(tokens if tokens is not None
-                                 else [file_tokens(p, dtype) for p in self.paths], dtype=np.int64)
+        self.lengths = np.asarray(tokens if tokens is not None
+                                  else [file_tokens(p, dtype) for p in self.paths], dtype=np.int64)
         self._maps: dict[int, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -120,7 +120,7 @@ class TokenArrays:
         """int64 [files + 1]: file i's instances are ids offsets[i] .. offsets[i+1] - 1."""
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        return np.concatenate([[0], np.cumsum(self.tokens // seq_len)])
+        return np.concatenate([[0], np.cumsum(self.lengths // seq_len)])
 
     def num_instances(self, seq_len: int) -> int:
         return int(self.offsets(seq_len)[-1])
@@ -170,13 +170,14 @@ class ArraySplit(TokenArrays):
     the evaluation and the controller use."""
 
     def __init__(self, root: Path, name: str, meta: dict[str, Any], dtype: str,
-                 fingerprint: str, vocab_size: int) -> None:
+                 fingerprint: str, vocab_size: int, eos_id: int) -> None:
         files = meta["files"]
         super().__init__([f["path"] for f in files], dtype,
                          tokens=[int(f["tokens"]) for f in files], vocab_size=vocab_size)
         self.root = root
         self.name = name
         self.fingerprint = fingerprint
+        self.eos_id = eos_id
         self.labels = [str(f["label"]) for f in files]
         self.num_tokens = int(meta["tokens"])
         self.num_documents = int(meta["documents"])
@@ -190,11 +191,50 @@ class ArraySplit(TokenArrays):
                             f"data.seq_len{hint}")
         return n
 
+    @property
+    def tokens(self) -> TokenStream:
+        """The files one after another, sliceable like TokenSplit.tokens (the audit's n-gram
+        scan reads it in chunks)."""
+        return TokenStream(self)
+
+    def doc_spans(self) -> np.ndarray:
+        """int64 [documents, 2]: (first token, length including the EOS); reads the split."""
+        ends = np.flatnonzero(np.asarray(self.tokens) == self.eos_id)
+        starts = np.concatenate([[0], ends[:-1] + 1])[:ends.size]
+        return np.stack([starts, ends - starts + 1], axis=1).astype(np.int64)
+
+
+class TokenStream:
+    """A split's files as one read-only token sequence; slices read only what they cover."""
+
+    def __init__(self, arrays: TokenArrays) -> None:
+        self.arrays = arrays
+        self.starts = np.concatenate([[0], np.cumsum(arrays.lengths)])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError("a token stream is sliced with step 1")
+        parts = []
+        for f in range(len(self.arrays.paths)):
+            lo, hi = max(start, self.starts[f]), min(stop, self.starts[f + 1])
+            if lo < hi:
+                parts.append(self.arrays.read(f, int(lo - self.starts[f]), int(hi - lo)))
+        return np.concatenate(parts) if parts else np.zeros(0, DTYPES[self.arrays.dtype])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
 
 def open_splits(root: Path, index: dict[str, Any]) -> dict[str, ArraySplit]:
     """The splits of a mix index (a missing held-out split is an empty one)."""
-    vocab = int(index["tokenizer"]["vocab_size"])
+    tok = index["tokenizer"]
     splits = dict(index["splits"])
     splits.setdefault("heldout", {"files": [], "tokens": 0, "documents": 0})
-    return {name: ArraySplit(root, name, meta, index["dtype"], index["fingerprint"], vocab)
+    return {name: ArraySplit(root, name, meta, index["dtype"], index["fingerprint"],
+                             int(tok["vocab_size"]), int(tok["eos_id"]))
             for name, meta in splits.items()}

@@ -366,7 +366,7 @@ class Controller:
         self.ledger.write(header_record(
             seed=cfg.seed, global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch,
             seq_len=cfg.seq_len, n_instances=self.n_train, fingerprint=self.dataset.fingerprint,
-            data_path=os.path.abspath(cfg.data.path), dp=self.dp))
+            data_path=os.path.abspath(cfg.data.path), dp=self.dp, order=cfg.data.order))
 
     def _latest_step_readable(self) -> int:
         """The newest committed step (0 if none), after committing what is complete; while
