@@ -17,10 +17,12 @@ from relaytrain.data.audit import audit, ngram_overlap
 from relaytrain.data.dataset import TokenDataset, TokenSplit
 from relaytrain.data.ledger import LedgerWriter, header_record, rollback_record, step_record
 from relaytrain.data.loader import Loader
+from relaytrain.data.mix_index import index_mix
 from relaytrain.data.order import Order
 from relaytrain.data.prepare import prepare
+from relaytrain.data.token_arrays import MixFile
 
-from .conftest import write_corpus
+from .conftest import EOS, write_corpus, write_tokens
 
 SEED, B, M, SEQ = 11, 8, 2, 1024  # the test corpus gives 27 instances: ~3.4 steps per epoch
 
@@ -39,20 +41,25 @@ class Run:
     """Writes a run's ledger the way the controller does: the ids are what real loaders
     returned to each rank, optionally corrupted by `mutate(step, parts)`."""
 
-    def __init__(self, run_dir: Path, data: Path, loader: type[Loader] = Loader) -> None:
+    def __init__(self, run_dir: Path, data: Path, loader: type[Loader] = Loader,
+                 order: str = "relay", seq: int = SEQ) -> None:
         self.dir, self.data, self.loader_cls = run_dir, data, loader
+        self.order, self.seq = order, seq
         self.split = TokenDataset.open(data).split("train")
         self.ledger = LedgerWriter(run_dir)
         self.loaders: list[Loader] = []
 
     def header(self, dp: int) -> dict:
-        return header_record(seed=SEED, global_batch=B, micro_batch=M, seq_len=SEQ,
-                             n_instances=self.split.num_instances(SEQ),
-                             fingerprint=self.split.fingerprint, data_path=str(self.data), dp=dp)
+        return header_record(seed=SEED, global_batch=B, micro_batch=M, seq_len=self.seq,
+                             n_instances=self.split.num_instances(self.seq),
+                             fingerprint=self.split.fingerprint, data_path=str(self.data), dp=dp,
+                             order=self.order)
 
     def start(self, dp: int) -> Run:
         """A start, resume, recovery or resize: fresh loaders and a header."""
-        self.loaders = [self.loader_cls(self.split, SEQ, SEED, B, M, r, dp) for r in range(dp)]
+        extra = {"order": self.order} if self.order != "relay" else {}
+        self.loaders = [self.loader_cls(self.split, self.seq, SEED, B, M, r, dp, **extra)
+                        for r in range(dp)]
         self.ledger.write(self.header(dp))
         return self
 
@@ -223,3 +230,45 @@ def test_bad_input_exits_2_and_a_torn_last_line_is_ignored(prepared, tmp_path, c
     assert main(["data", "audit", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "corrupt ledger line" in err[0]
+
+
+# ---- data.order olmo-core ------------------------------------------------------------------------
+
+OLMO_SEQ = 16
+
+
+@pytest.fixture()
+def olmo_mix(tmp_path: Path) -> Path:
+    """Three OLMo-core token files (18 + 10 + 13 instances of 16 tokens), indexed."""
+    files = []
+    for i, n in enumerate([300, 170, 220]):
+        write_tokens(tmp_path / "mix" / f"part-{i}.npy", n, seed=i)
+        files.append(MixFile("mix", str(tmp_path / "mix" / f"part-{i}.npy")))
+    index_mix({"train": files}, tmp_path / "index", vocab_size=100_278, eos_id=EOS)
+    return tmp_path / "index"
+
+
+def test_an_olmo_core_order_run_resized_over_epochs_passes(olmo_mix, tmp_path, capsys):
+    run = Run(tmp_path / "run", olmo_mix, order="olmo-core", seq=OLMO_SEQ)
+    run.start(2).steps(1, 4).start(4).steps(5, 9).start(1).steps(10, 12)
+    code, report = run.audit(capsys)
+    assert code == 0 and report["ok"], report["results"]
+    # 41 instances make 5 batches of 8 per epoch (the last instance is dropped): 12 steps touch
+    # epochs 0, 1 and 2, the first two complete
+    assert (report["epochs"], report["complete_epochs"]) == (3, 2)
+    assert "not applicable" in report["results"]["heldout_documents"]["detail"]
+
+
+def test_relays_contiguous_rank_slicing_of_an_olmo_core_batch_is_caught(olmo_mix, tmp_path,
+                                                                        capsys):
+    def contiguous(k: int, parts: list[np.ndarray]) -> list[np.ndarray]:
+        whole = np.empty(B, dtype=np.int64)
+        for r, p in enumerate(parts):
+            whole[r::len(parts)] = p
+        return list(whole.reshape(len(parts), -1))
+
+    run = Run(tmp_path / "run", olmo_mix, order="olmo-core", seq=OLMO_SEQ)
+    run.start(2).steps(1, 3, mutate=contiguous)
+    code, report = run.audit(capsys)
+    assert code == 1 and failed(report) == {"continuity"}
+    assert "in the wrong order (rank parts misplaced)" in report["first_failure"]["message"]
