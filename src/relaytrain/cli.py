@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", required=True, metavar="DIR")
     prep.add_argument("--text-field", default="text", help="JSONL/Parquet text field")
     prep.add_argument("--heldout-frac", type=float, default=0.05)
-    prep.add_argument("--workers", type=int, default=0, help="encoding threads (0: all cores)")
+    prep.add_argument("--workers", type=int, default=0,
+                      help="encoding processes (0: one per core); the output does not depend "
+                           "on it")
     prep.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
     prep.add_argument("--eos-token", default=None,
                       help="the tokenizer's end-of-text token (default: a common name)")

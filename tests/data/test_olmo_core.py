@@ -202,3 +202,20 @@ def test_a_token_id_outside_the_vocabulary_is_refused_naming_its_file(tmp_path: 
     with pytest.raises(DataError, match=rf"big.npy: token id {VOCAB} at token 37 is >= the "
                                         rf"vocabulary size {VOCAB}"):
         arrays.instances([2], SEQ_LEN)
+
+
+def test_olmo_core_reads_what_data_prepare_writes(prepared: Path, tmp_path: Path) -> None:
+    """data prepare's token files are OLMo-core token arrays: indexed in place, they give the
+    instances OLMo-core's dataset gives."""
+    ds = TokenDataset.open(prepared)
+    train = str(prepared / "train.bin")
+    index_mix({"train": [MixFile("train", train)]}, tmp_path / "index",
+              vocab_size=ds.vocab_size, eos_id=ds.eos_id, dtype=ds.dtype)
+    ours = TokenDataset.open(tmp_path / "index").split("train")
+    theirs = olmo_data.NumpyFSLDataset(train, sequence_length=SEQ_LEN, pad_token_id=0,
+                                       eos_token_id=ds.eos_id, vocab_size=ds.vocab_size,
+                                       dtype=np.uint16)
+    assert len(theirs) == ours.num_instances(SEQ_LEN) > 100
+    np.testing.assert_array_equal(
+        ours.instances(np.arange(len(theirs)), SEQ_LEN),
+        np.stack([theirs[i]["input_ids"].numpy() for i in range(len(theirs))]))

@@ -88,6 +88,23 @@ def test_duplicates_are_kept_once_and_preparing_again_gives_the_same_bytes(
     assert result.fingerprint == TokenDataset.open(prepared).fingerprint  # BPE training too
 
 
+@pytest.mark.timeout(120)
+def test_any_number_of_workers_writes_the_same_bytes(corpus: Path, prepared: Path, tmp_path,
+                                                     monkeypatch):
+    monkeypatch.setattr(prep, "CHUNK_DOCS", 3)  # many chunks in flight at once
+
+    def files(d: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+    tokenizer = str(prepared / "tokenizer.json")
+    one = prepare([str(corpus)], tmp_path / "one", tokenizer, heldout_frac=0.2, workers=1)
+    two = prepare([str(corpus)], tmp_path / "two", tokenizer, heldout_frac=0.2, workers=2)
+    assert one.fingerprint == two.fingerprint == TokenDataset.open(prepared).fingerprint
+    assert files(tmp_path / "one") == files(tmp_path / "two")
+    assert {k: v for k, v in files(prepared).items() if k != "index.json"} == \
+        {k: v for k, v in files(tmp_path / "two").items() if k != "index.json"}
+
+
 def test_fsspec_urls_are_sources(corpus: Path, tmp_path):
     import fsspec
 

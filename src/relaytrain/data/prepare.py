@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import platform
 import secrets
 import shutil
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -206,29 +208,81 @@ def _chunks(corpus: _Corpus) -> Iterator[list[tuple[bool, bytes, str]]]:
         yield chunk
 
 
-def _encode(tok: Any, corpus: _Corpus, writers: dict[bool, _SplitWriter], eos_id: int,
+class _Encoder:
+    """Tokens + EOS of each document of a chunk: the work a worker process does, with one
+    Rust thread (TOKENIZERS_PARALLELISM=false): the parallelism is the worker processes."""
+
+    def __init__(self, tok_file: Path, eos_id: int, dtype: type[np.unsignedinteger]) -> None:
+        tok = _load_tokenizer(tok_file)
+        self.encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        self.eos_id, self.dtype = eos_id, dtype
+
+    def __call__(self, chunk: list[tuple[bool, bytes, str]]) -> list[tuple[bool, bytes,
+                                                                          np.ndarray]]:
+        out = []
+        for (heldout, digest, _), enc in zip(chunk, self.encode(
+                [text for _, _, text in chunk], add_special_tokens=False), strict=True):
+            arr = np.empty(len(enc.ids) + 1, dtype=self.dtype)
+            arr[:-1] = enc.ids
+            arr[-1] = self.eos_id
+            out.append((heldout, digest, arr))
+        return out
+
+
+_WORKER_ENCODER: _Encoder | None = None
+
+
+def _start_worker(tok_file: Path, eos_id: int, dtype: type[np.unsignedinteger]) -> None:
+    global _WORKER_ENCODER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER_ENCODER = _Encoder(tok_file, eos_id, dtype)
+
+
+def _encode_in_worker(chunk: list[tuple[bool, bytes, str]]) -> list[tuple[bool, bytes,
+                                                                        np.ndarray]]:
+    assert _WORKER_ENCODER is not None
+    return _WORKER_ENCODER(chunk)
+
+
+def _encoded(corpus: _Corpus, encoder: tuple[Path, int, type[np.unsignedinteger]],
+             workers: int) -> Iterator[list[tuple[bool, bytes, np.ndarray]]]:
+    """The corpus's chunks encoded, in corpus order whatever `workers` is (so the output is
+    byte-identical), at most 2 chunks per worker in flight (memory flat in corpus size)."""
+    if workers == 1:
+        before = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            yield from map(_Encoder(*encoder), _chunks(corpus))
+        finally:
+            if before is None:
+                del os.environ["TOKENIZERS_PARALLELISM"]
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = before
+        return
+    # spawn: a fork of a process whose tokenizer threads have run can deadlock
+    with mp.get_context("spawn").Pool(workers, _start_worker, encoder) as pool:
+        pending: deque[Any] = deque()
+        for chunk in _chunks(corpus):
+            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _encode(corpus: _Corpus, writers: dict[bool, _SplitWriter],
+            encoder: tuple[Path, int, type[np.unsignedinteger]], workers: int,
             progress: bool) -> None:
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    dtype = writers[False].dtype
     bar = tqdm(desc="tokenizing", unit="doc", disable=None if progress else True,
                file=sys.stderr, dynamic_ncols=True)
     total = 0
     with bar:
-        for chunk in _chunks(corpus):
-            encodings = encode([text for _, _, text in chunk], add_special_tokens=False)
-            out: dict[bool, tuple[list[np.ndarray], list[bytes]]] = {False: ([], []),
-                                                                    True: ([], [])}
-            for (heldout, digest, _), enc in zip(chunk, encodings, strict=True):
-                ids = enc.ids
-                arr = np.empty(len(ids) + 1, dtype=dtype)
-                arr[:-1] = ids
-                arr[-1] = eos_id
-                out[heldout][0].append(arr)
-                out[heldout][1].append(digest)
-                total += arr.size
-            for heldout, (docs, digests) in out.items():
-                writers[heldout].add(docs, digests)
-            bar.update(len(chunk))
+        for encoded in _encoded(corpus, encoder, workers):
+            for heldout in (False, True):
+                mine = [(digest, arr) for h, digest, arr in encoded if h == heldout]
+                writers[heldout].add([a for _, a in mine], [d for d, _ in mine])
+            total += sum(arr.size for _, _, arr in encoded)
+            bar.update(len(encoded))
             bar.set_postfix_str(f"{total / 1e6:.1f}M tokens", refresh=False)
 
 
@@ -244,14 +298,19 @@ def _check_out(out: Path) -> None:
 
 def prepare(sources: Sequence[str] | None, out: str | os.PathLike[str], tokenizer: str, *,
             text_field: str = "text", heldout_frac: float = 0.05, max_docs: int | None = None,
-            eos_token: str | None = None, progress: bool = False) -> PrepareResult:
-    """Tokenize `sources` (None: the demo corpus) into the data directory `out`."""
+            eos_token: str | None = None, workers: int = 1,
+            progress: bool = False) -> PrepareResult:
+    """Tokenize `sources` (None: the demo corpus) into the data directory `out`, encoding in
+    `workers` processes (0: one per core; the CLI's default); the bytes written do not depend
+    on `workers`."""
     t0 = time.perf_counter()
     out = Path(out)
     if not 0 <= heldout_frac < 1:
         raise DataError(f"--heldout-frac {heldout_frac}: expected a fraction in [0, 1)")
     if max_docs is not None and max_docs < 1:
         raise DataError(f"--max-docs {max_docs}: expected an integer >= 1")
+    if workers < 0:
+        raise DataError(f"--workers {workers}: expected an integer >= 1, or 0 for every core")
     _check_out(out)
     tok_source = _tokenizer_source(tokenizer)
     if isinstance(tok_source, Path):  # fail on a bad tokenizer before reading any data
@@ -279,57 +338,63 @@ def prepare(sources: Sequence[str] | None, out: str | os.PathLike[str], tokenize
         eos_name, eos_id = _eos_id(tok, tok_file, eos_token)
         vocab = tok.get_vocab_size(with_added_tokens=True)
         dtype = np.uint16 if vocab <= 2**16 else np.uint32
-        writers = {False: _SplitWriter(tmp, "train", dtype), True: _SplitWriter(tmp, "heldout",
-                                                                               dtype)}
+        writers = {heldout: _SplitWriter(tmp, "heldout" if heldout else "train", dtype)
+                   for heldout in (False, True)}
         try:
-            _encode(tok, corpus, writers, eos_id, progress)
+            _encode(corpus, writers, (tok_file, eos_id, dtype), workers or os.cpu_count() or 1,
+                    progress)
         except BaseException:
             for w in writers.values():
                 w.file.close()
             raise
         splits = {w.name: w.finish() for w in writers.values()}
-        documents = {name: s["documents"] for name, s in splits.items()}
-        _check_documents(documents, corpus, heldout_frac)
-        files_meta = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                      for p in sorted(tmp.iterdir())}
-        fingerprint = hashlib.sha256(json.dumps(
-            {"format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
-             "files": files_meta, "splits": splits}, sort_keys=True).encode()).hexdigest()
-        index = {
-            "format_version": FORMAT_VERSION,
-            "dtype": np.dtype(dtype).name,
-            "fingerprint": fingerprint,
-            "tokenizer": {"file": TOKENIZER_FILE, "sha256": files_meta[TOKENIZER_FILE]["sha256"],
-                          "vocab_size": vocab, "eos_id": eos_id, "eos_token": eos_name,
-                          "pad_id": tok.token_to_id(PAD_TOKEN), "source": tokenizer},
-            "splits": splits,
-            "files": files_meta,
-            "heldout_frac": heldout_frac,
-            "split_rule": SPLIT_RULE,
-            "sources": [f"demo: {demo_root()}/**/*.py (Python {platform.python_version()})"]
-            if demo else list(sources),
-            "text_field": text_field,
-            "max_docs": max_docs,
-            "duplicates": corpus.duplicates,
-            "skipped_empty": corpus.stats.empty,
-            "skipped_files": corpus.stats.undecodable,
-            "created_by": f"relaytrain {__version__}",
-        }
-        with open(tmp / INDEX, "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        _check_documents({name: s["documents"] for name, s in splits.items()}, corpus,
+                         heldout_frac)
+        tok_meta = {"vocab_size": vocab, "eos_id": eos_id, "eos_token": eos_name,
+                    "pad_id": tok.token_to_id(PAD_TOKEN), "source": tokenizer}
+        index = _write_index(tmp, splits, np.dtype(dtype).name, tok_meta, corpus,
+                             {"heldout_frac": heldout_frac, "text_field": text_field,
+                              "max_docs": max_docs, "sources": _describe_sources(sources)})
         _check_out(out)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PrepareResult(
-        out=str(out), documents=documents,
+        out=str(out), documents={name: s["documents"] for name, s in splits.items()},
         tokens={name: s["tokens"] for name, s in splits.items()}, duplicates=corpus.duplicates,
         skipped_empty=corpus.stats.empty, skipped_files=corpus.stats.undecodable,
         seconds=time.perf_counter() - t0, tokenizer_seconds=tok_seconds,
-        dtype=np.dtype(dtype).name, vocab_size=vocab, fingerprint=fingerprint)
+        dtype=index["dtype"], vocab_size=vocab, fingerprint=index["fingerprint"])
+
+
+def _describe_sources(sources: Sequence[str] | None) -> list[str]:
+    if sources is None:
+        return [f"demo: {demo_root()}/**/*.py (Python {platform.python_version()})"]
+    return list(sources)
+
+
+def _write_index(tmp: Path, splits: dict[str, Any], dtype: str, tok_meta: dict[str, Any],
+                 corpus: _Corpus, settings: dict[str, Any]) -> dict[str, Any]:
+    """Hash every file written, then write index.json (last, so its presence means done)."""
+    files_meta = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                  for p in sorted(tmp.iterdir())}
+    fingerprint = hashlib.sha256(json.dumps(
+        {"format_version": FORMAT_VERSION, "dtype": dtype, "files": files_meta,
+         "splits": splits}, sort_keys=True).encode()).hexdigest()
+    index = {
+        "format_version": FORMAT_VERSION, "dtype": dtype, "fingerprint": fingerprint,
+        "tokenizer": {"file": TOKENIZER_FILE, "sha256": files_meta[TOKENIZER_FILE]["sha256"],
+                      **tok_meta},
+        "splits": splits, "files": files_meta, "split_rule": SPLIT_RULE, **settings,
+        "duplicates": corpus.duplicates, "skipped_empty": corpus.stats.empty,
+        "skipped_files": corpus.stats.undecodable, "created_by": f"relaytrain {__version__}",
+    }
+    with open(tmp / INDEX, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return index
 
 
 def _check_documents(documents: dict[str, int], corpus: _Corpus, heldout_frac: float) -> None:
@@ -344,11 +409,10 @@ def _check_documents(documents: dict[str, int], corpus: _Corpus, heldout_frac: f
 
 
 def cli_prepare(args: argparse.Namespace) -> int:
-    if args.workers > 0:  # the Rust encoder's thread pool; read when it first starts
-        os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     result = prepare(None if args.demo else args.source, args.out, args.tokenizer,
                      text_field=args.text_field, heldout_frac=args.heldout_frac,
-                     max_docs=args.max_docs, eos_token=args.eos_token, progress=True)
+                     max_docs=args.max_docs, eos_token=args.eos_token, workers=args.workers,
+                     progress=True)
     if result.skipped_files:
         shown = ", ".join(result.skipped_files[:3])
         more = f" and {len(result.skipped_files) - 3} more" if len(result.skipped_files) > 3 else ""
