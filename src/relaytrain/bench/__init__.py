@@ -17,7 +17,7 @@ BENCHES = {
     "recovery": ("relaytrain.bench.recovery", "bench_recovery"),
     "pipeline": ("relaytrain.bench.pipeline", "bench_pipeline"),
     "checkpoint": ("relaytrain.bench.storage", "bench_checkpoint"),
-    "prepare": ("relaytrain.bench.data", "bench_prepare"),
+    "prepare": ("relaytrain.bench.prepare", "bench_prepare"),
     "loader": ("relaytrain.bench.loader_vs_training", "bench_loader_vs_training"),
     "gpu": ("relaytrain.bench.gpu", "bench_gpu"),
 }

@@ -1,8 +1,6 @@
-"""Data benchmarks: prepare throughput on the demo corpus, and how fast the loader serves
-batches (to compare with the rate a training step consumes them).
-
-Both are self-contained: they prepare into a temporary directory and remove it.
-"""
+"""How fast the loader serves batches (to compare with the rate a training step consumes
+them); self-contained: it prepares into a temporary directory and removes it. The prepare
+benchmark is bench/prepare.py."""
 
 from __future__ import annotations
 
@@ -13,20 +11,6 @@ from pathlib import Path
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.loader import Loader
 from relaytrain.data.prepare import prepare
-
-DEMO_VOCAB = 8192  # ~8.6M tokens from CPython 3.11's standard library
-
-
-def bench_prepare(quick: bool = False) -> dict[str, float]:
-    """Demo corpus -> token files with a freshly trained byte-level BPE."""
-    max_docs, vocab = (200, 2048) if quick else (None, DEMO_VOCAB)
-    with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
-        r = prepare(None, Path(tmp) / "data", f"bpe:{vocab}", max_docs=max_docs)
-    tokens = sum(r.tokens.values())
-    encode_s = r.seconds - r.tokenizer_seconds
-    return {"documents": sum(r.documents.values()), "tokens": tokens, "vocab": r.vocab_size,
-            "seconds": r.seconds, "bpe_seconds": r.tokenizer_seconds,
-            "tokens_per_s": r.tokens_per_s, "encode_tokens_per_s": tokens / max(encode_s, 1e-9)}
 
 
 def bench_loader(quick: bool = False, seq_len: int = 256, global_batch: int = 16,
