@@ -159,3 +159,23 @@ def test_a_tokenizer_whose_eos_differs_from_the_given_one_is_refused(
     assert main(args) == 2  # the tokenizer's own EOS and vocabulary do not fit the data
     assert "is >= the vocabulary size" in capsys.readouterr().err
     assert not (tmp_path / "index").exists()
+
+
+def test_files_on_an_fsspec_url_are_indexed_and_read_in_place(mix: tuple[Path, Path],
+                                                              tmp_path: Path) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    base, _ = mix
+    fs = fsspec.filesystem("memory")
+    local = sorted(base.rglob("part-*.npy"))
+    urls = [f"memory://olmo-index-test/{i}/{p.name}" for i, p in enumerate(local)]
+    for path, url in zip(local, urls, strict=True):
+        fs.pipe(url, path.read_bytes())
+    remote = index_mix({"train": [MixFile("web", u) for u in urls]}, tmp_path / "remote",
+                       vocab_size=VOCAB, eos_id=EOS, workers=2)
+    here = index_mix({"train": [MixFile("web", str(p)) for p in local]}, tmp_path / "local",
+                     vocab_size=VOCAB, eos_id=EOS)
+    assert remote["fingerprint"] == here["fingerprint"]
+    split = TokenDataset.open(tmp_path / "remote").split("train")
+    ids = np.arange(split.num_instances(16))
+    np.testing.assert_array_equal(split.instances(ids, 16), TokenArrays(
+        [str(p) for p in local], "uint32").instances(ids, 16))
