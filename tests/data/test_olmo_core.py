@@ -114,7 +114,7 @@ def test_the_micro_batches_are_the_same_tokens_at_every_world_size(
 
 
 def test_olmo_core_order_needs_an_indexed_mix(prepared: Path) -> None:
-    with pytest.raises(DataError, match="index the mix with `relaytrain data index`"):
+    with pytest.raises(DataError, match="index its token files with `relaytrain data index`"):
         Loader(TokenDataset.open(prepared).split("train"), SEQ_LEN, SEED, BATCH, 1, 0, 1,
                order="olmo-core")
 

@@ -75,3 +75,13 @@ def test_resized_4_2_4_is_bit_identical_and_passes_the_audit(tmp_path: Path, mix
     for dp, steps in ((4, 2), (2, 4), (4, 6)):
         _run(run, mix, dp, f"train.max_steps={steps}")
     _assert_identical(run, reference)
+
+
+def test_olmo_core_order_on_prepared_data_is_refused_before_anything_is_written(
+        tmp_path: Path, corpus_data: str, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert main(["train", "configs/tiny.yaml", f"run_dir={run}", f"data.path={corpus_data}",
+                 "data.order=olmo-core"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "index its token files with `relaytrain data index`" in err
+    assert not run.exists()

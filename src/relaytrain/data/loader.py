@@ -19,12 +19,24 @@ import numpy as np
 import torch
 
 from relaytrain.data import olmo_order
-from relaytrain.data.dataset import TokenSplit
+from relaytrain.data.dataset import TokenDataset, TokenSplit
 from relaytrain.data.order import Order, micro_batch_indices, rank_part
 from relaytrain.data.token_arrays import ArraySplit
 from relaytrain.errors import DataError
 
 ORDERS = ("relay", "olmo-core")
+
+
+def _check_split(split: TokenSplit | ArraySplit, order: str) -> None:
+    if order == "olmo-core" and not isinstance(split, ArraySplit):
+        raise DataError(f"data.order olmo-core reads OLMo-core token arrays, but {split.root} "
+                        "was written by `data prepare`; index its token files with `relaytrain "
+                        "data index` or use data.order relay")
+
+
+def check_order(dataset: TokenDataset, order: str) -> None:
+    """Refuse, before anything is written, an order the data set cannot be read in."""
+    _check_split(dataset.split("train"), order)
 
 
 @dataclass(frozen=True)
@@ -60,10 +72,7 @@ class Loader:
         self.n_instances = split.require_instances(self.seq_len)
         m = self.micro_batch
         if order == "olmo-core":
-            if not isinstance(split, ArraySplit):
-                raise DataError(f"data.order olmo-core reads OLMo-core token arrays, but "
-                                f"{split.root} was written by `data prepare`; index the mix "
-                                "with `relaytrain data index` or use data.order relay")
+            _check_split(split, order)
             olmo = olmo_order.OlmoOrder(seed, self.n_instances, global_batch)
             self._global_batch = olmo.global_batch
             self.positions = olmo_order.rank_positions(global_batch, dp_rank, dp_world)

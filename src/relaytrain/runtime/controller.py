@@ -29,6 +29,7 @@ from relaytrain.data.ledger import (
     rollback_record,
     step_record,
 )
+from relaytrain.data.loader import check_order
 from relaytrain.data.order import heldout_ids
 from relaytrain.errors import CheckpointError, ConfigError, UserError
 from relaytrain.model.accounting import flops_per_token
@@ -126,6 +127,7 @@ class Controller:
         self.cfg = cfg
         self.quiet = quiet
         self.dataset = TokenDataset.open(cfg.data.path)
+        check_order(self.dataset, cfg.data.order)
         self.model_cfg = cfg.model_config(self.dataset.vocab_size)
         n_train = self.dataset.split("train").num_instances(cfg.seq_len)
         if n_train < cfg.train.global_batch:
