@@ -76,3 +76,57 @@ def test_a_source_too_small_for_its_ratio_is_refused(files: dict[str, int]) -> N
                                         r"at most 517"):
         allocate(sources(files, {"web": 0.5, "math": 0.5}, {}), files, requested_tokens=6000,
                  global_batch_tokens=GLOBAL_BATCH_TOKENS, seq_len=SEQ_LEN)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dp", [1, 2])
+def test_training_on_an_indexed_mixture_matches_olmo_cores_mixture_dataset(
+        tmp_path: Path, dp: int) -> None:
+    """OLMo-core's NumpyFSLDatasetMixture and its loader against ours on the indexed mixture:
+    every batch's ids and tokens, two epochs, a repeated source."""
+    from relaytrain.data.dataset import TokenDataset
+    from relaytrain.data.loader import Loader
+    from relaytrain.data.mix_index import MixturePlan, index_mix
+    from tests.data.conftest import EOS, write_tokens
+
+    olmo = pytest.importorskip("olmo_core.data")
+    from olmo_core.data.numpy_dataset import NumpyFSLDatasetMixture
+    files = {}
+    for i, (name, n) in enumerate({"web-0": 3000, "web-1": 2100, "code-0": 700,
+                                   "math-0": 400}.items()):
+        write_tokens(tmp_path / f"{name}.npy", n, seed=i)
+        files[str(tmp_path / f"{name}.npy")] = n
+    plan = MixturePlan(tuple(sources(files, {"web": 0.6, "code": 0.25, "math": 0.15},
+                                     {"math": 2.0, "code": 1.5})), requested_tokens=4000,
+                       global_batch=4,
+                       seq_len=SEQ_LEN)
+    index = index_mix({}, tmp_path / "index", vocab_size=100_278, eos_id=EOS, mixture=plan)
+    alloc = allocate(plan.sources, files, requested_tokens=4000,
+                     global_batch_tokens=GLOBAL_BATCH_TOKENS, seq_len=SEQ_LEN)
+    assert [(r["path"], r["tokens"]) for r in index["splits"]["train"]["files"]] == alloc
+    split = TokenDataset.open(tmp_path / "index").split("train")
+
+    for rank in range(dp):
+        dataset = NumpyFSLDatasetMixture(
+            *[p for p, _ in alloc], path_offset_index=dict(
+                ((p, i), t) for i, (p, t) in enumerate(alloc)), seed=7,
+            sequence_length=SEQ_LEN, pad_token_id=0, eos_token_id=EOS, vocab_size=100_278,
+            dtype=np.uint32)
+        dataset.work_dir = tmp_path / "olmo"
+        dataset.prepare()
+        loader = olmo.NumpyDataLoaderBase.wrap_numpy_dataset(
+            dataset, global_batch_size=GLOBAL_BATCH_TOKENS, collator=olmo.DataCollator(
+                pad_token_id=0), work_dir=tmp_path / "olmo", seed=3, dp_world_size=dp,
+            dp_rank=rank, fs_local_rank=0, num_threads=0)
+        theirs = []
+        for epoch in (1, 2):
+            loader.reshuffle(epoch=epoch, in_memory=True)
+            theirs += [(b["index"].tolist(), b["input_ids"].numpy()) for b in loader]
+            loader.reset()
+        assert len(theirs) == 2 * (split.num_instances(SEQ_LEN) // 4)
+        with Loader(split, SEQ_LEN, 3, 4, 1, rank, dp, prefetch=0, order="olmo-core") as ours:
+            for k, (ids, tokens) in enumerate(theirs):
+                batch = ours.get(k)
+                assert batch.ids.tolist() == ids, (rank, k)
+                rows = np.concatenate([mb.numpy() for _, mb in batch.micro_batches])
+                np.testing.assert_array_equal(rows, tokens)

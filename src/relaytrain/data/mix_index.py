@@ -19,11 +19,13 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from relaytrain.data.mixture import Source, allocate, check_sources
 from relaytrain.data.prepare import PAD_TOKEN, _eos_id, _load_tokenizer, _tokenizer_source
 from relaytrain.data.token_arrays import (
     DTYPES,
@@ -91,11 +93,31 @@ def _read_journal(out: Path) -> dict[str, dict[str, Any]]:
     return done
 
 
+@dataclass(frozen=True)
+class MixturePlan:
+    """A weighted training mixture (mixture.py) and what its allocation is computed for."""
+
+    sources: tuple[Source, ...]
+    requested_tokens: int
+    global_batch: int  # instances
+    seq_len: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sources": [asdict(s) for s in self.sources], **{
+            k: getattr(self, k) for k in ("requested_tokens", "global_batch", "seq_len")}}
+
+
 def index_mix(splits: dict[str, Sequence[MixFile]], out: str | os.PathLike[str], *,
               vocab_size: int, eos_id: int, pad_id: int | None = None, dtype: str | None = None,
-              tokenizer_id: str = "", workers: int = 0) -> dict[str, Any]:
+              tokenizer_id: str = "", workers: int = 0,
+              mixture: MixturePlan | None = None) -> dict[str, Any]:
     """Scan every file of `splits` ("train", and optionally "heldout") and write OUT/index.json;
-    returns the index."""
+    returns the index. With `mixture`, the training split is the mixture's sources, each file
+    taking what OLMo-core's source mixture allocates it (repeated sources repeat files)."""
+    if mixture is not None:
+        check_sources(mixture.sources, "--sources")
+        splits = {**splits, "train": [MixFile(s.name, p) for s in mixture.sources
+                                      for p in s.paths]}
     out = Path(out)
     dtype = dtype or dtype_for_vocab(vocab_size)
     if dtype not in DTYPES:
@@ -112,8 +134,8 @@ def index_mix(splits: dict[str, Sequence[MixFile]], out: str | os.PathLike[str],
     try:
         done = _read_journal(out)
         files = [f for name in ("train", "heldout") for f in splits.get(name, ())]
-        todo = [f.path for f in files
-                if _journal_key(f.path, dtype, vocab_size, eos_id) not in done]
+        todo = list(dict.fromkeys(f.path for f in files if _journal_key(
+            f.path, dtype, vocab_size, eos_id) not in done))
         with open(out / JOURNAL, "a", encoding="utf-8") as journal, \
                 ThreadPoolExecutor(max(1, workers or os.cpu_count() or 1)) as pool:
             for path, scan in zip(todo, pool.map(
@@ -122,8 +144,14 @@ def index_mix(splits: dict[str, Sequence[MixFile]], out: str | os.PathLike[str],
                 done[key] = scan
                 journal.write(json.dumps({"key": key, "scan": scan}) + "\n")
                 journal.flush()
+        if mixture is not None:
+            splits = {**splits, "train": _allocated(mixture, {
+                p: done[_journal_key(p, dtype, vocab_size, eos_id)]["tokens"]
+                for s in mixture.sources for p in s.paths})}
         index = _index(splits, done, dtype=dtype, vocab_size=vocab_size, eos_id=eos_id,
                        pad_id=pad_id, tokenizer_id=tokenizer_id)
+        if mixture is not None:
+            index["mixture"] = mixture.to_json()
         tmp = out / f".{INDEX}.tmp"
         tmp.write_text(json.dumps(index, indent=1), encoding="utf-8")
         os.replace(tmp, out / INDEX)
@@ -137,6 +165,14 @@ def index_mix(splits: dict[str, Sequence[MixFile]], out: str | os.PathLike[str],
     return index
 
 
+def _allocated(mixture: MixturePlan, file_tokens: dict[str, int]) -> list[MixFile]:
+    source_of = {p: s.name for s in mixture.sources for p in s.paths}
+    rows = allocate(mixture.sources, file_tokens, requested_tokens=mixture.requested_tokens,
+                    global_batch_tokens=mixture.global_batch * mixture.seq_len,
+                    seq_len=mixture.seq_len, where="--sources")
+    return [MixFile(source_of[path], path, take=tokens) for path, tokens in rows]
+
+
 def _index(splits: dict[str, Sequence[MixFile]], done: dict[str, dict[str, Any]], *,
            dtype: str, vocab_size: int, eos_id: int, pad_id: int | None,
            tokenizer_id: str) -> dict[str, Any]:
@@ -144,6 +180,9 @@ def _index(splits: dict[str, Sequence[MixFile]], done: dict[str, dict[str, Any]]
     for name, files in splits.items():
         rows = [{"label": f.label, "path": f.path,
                  **done[_journal_key(f.path, dtype, vocab_size, eos_id)]} for f in files]
+        for row, f in zip(rows, files, strict=True):
+            if f.take is not None:  # a mixture takes the file's first `take` tokens
+                row.update(file_tokens=row["tokens"], tokens=f.take)
         meta[name] = {"files": rows, "tokens": sum(r["tokens"] for r in rows),
                       "documents": sum(r["documents"] for r in rows)}
     content = {name: [(r["label"], os.path.basename(r["path"]), r["tokens"], r["sha256"])

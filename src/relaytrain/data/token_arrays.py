@@ -28,10 +28,12 @@ MANIFEST_FORM = "'label,relative/path/{TOKENIZER}/file.npy'"
 
 @dataclass(frozen=True)
 class MixFile:
-    """One file of a mix: its source label and where it is."""
+    """One file of a mix: its source label, where it is, and (in a weighted mixture) how many
+    of its first tokens the mixture takes (None: all)."""
 
     label: str
     path: str
+    take: int | None = None
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
