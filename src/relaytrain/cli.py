@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     mix.add_argument("--mix", metavar="MANIFEST", help="OLMo-core mix: 'label,path' lines, "
                      "paths relative to --base with {TOKENIZER} for --tokenizer-id")
     mix.add_argument("--files", nargs="+", metavar="PATH|URL", help="token files, in order")
+    mix.add_argument("--sources", metavar="MIX.yaml", help="a weighted mixture: 'sources:' of "
+                     "OLMo-core's source_name, target_ratio, paths, max_repetition_ratio, "
+                     "max_source_fraction; needs --requested-tokens, --seq-len, --global-batch")
+    index.add_argument("--requested-tokens", type=int, default=None, help="with --sources")
+    index.add_argument("--seq-len", type=int, default=None, help="with --sources")
+    index.add_argument("--global-batch", type=int, default=None,
+                       help="with --sources: instances per global batch")
     held = index.add_mutually_exclusive_group()
     held.add_argument("--heldout-mix", metavar="MANIFEST", help="held-out files, as --mix")
     held.add_argument("--heldout", nargs="+", metavar="PATH|URL", help="held-out token files")

@@ -179,3 +179,28 @@ def test_files_on_an_fsspec_url_are_indexed_and_read_in_place(mix: tuple[Path, P
     ids = np.arange(split.num_instances(16))
     np.testing.assert_array_equal(split.instances(ids, 16), TokenArrays(
         [str(p) for p in local], "uint32").instances(ids, 16))
+
+
+def test_a_weighted_mixture_is_indexed_from_a_sources_file(
+        mix: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, _ = mix
+    tok = "preprocessed/{}/dolma2-tokenizer/part-{}.npy"
+    sources = tmp_path / "mix.yaml"
+    sources.write_text(f"""sources:
+  - {{source_name: web, target_ratio: 0.7, paths: ["{tok.format('web', 0)}",
+                                                  "{tok.format('web', 1)}"]}}
+  - {{source_name: code, target_ratio: 0.3, paths: ["{tok.format('code', 0)}"],
+     max_repetition_ratio: 2.0}}
+""")
+    args = ["data", "index", "--sources", str(sources), "--base", str(base), "--vocab-size",
+            str(VOCAB), "--eos-id", str(EOS), "--requested-tokens", "1000", "--seq-len", "16",
+            "--global-batch", "4", "--out", str(tmp_path / "index")]
+    assert main(args) == 0
+    index = json.loads((tmp_path / "index" / "index.json").read_text())
+    rows = index["splits"]["train"]["files"]
+    assert [r["label"] for r in rows] == ["web", "web", "code"]
+    assert sum(r["tokens"] for r in rows) % 64 == 0 and index["mixture"]["seq_len"] == 16
+    sources.write_text(sources.read_text().replace("0.3", "0.2"))
+    assert main([*args[:-1], str(tmp_path / "bad")]) == 2
+    assert "the target ratios sum to 0.9, not 1 (web 0.7, code 0.2)" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from relaytrain.data.mixture import Source, allocate, check_sources
 from relaytrain.data.prepare import PAD_TOKEN, _eos_id, _load_tokenizer, _tokenizer_source
@@ -33,6 +34,7 @@ from relaytrain.data.token_arrays import (
     MixFile,
     dtype_for_vocab,
     file_tokens,
+    join,
     read_manifest,
 )
 from relaytrain.errors import DataError, UserError
@@ -222,15 +224,39 @@ def _tokenizer_ids(args: argparse.Namespace) -> tuple[int, int, int | None]:
     return args.vocab_size, args.eos_id, args.pad_id
 
 
+def read_plan(args: argparse.Namespace) -> MixturePlan:
+    """--sources MIX.yaml with --requested-tokens, --seq-len and --global-batch."""
+    where = f"--sources {args.sources}"
+    try:
+        doc = yaml.safe_load(Path(args.sources).read_text(encoding="utf-8"))
+        sources = tuple(Source(str(s["source_name"]), float(s["target_ratio"]),
+                               tuple(join(args.base, str(p)) for p in s["paths"]),
+                               float(s.get("max_repetition_ratio", 1.0)),
+                               float(s.get("max_source_fraction", 1.0)))
+                        for s in doc["sources"])
+    except OSError as e:
+        raise DataError(f"{where}: cannot read ({e.strerror})") from None
+    except (yaml.YAMLError, KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{where}: expected 'sources:' entries with source_name, target_ratio "
+                        f"and paths ({type(e).__name__}: {e})") from None
+    sizes = (args.requested_tokens, args.seq_len, args.global_batch)
+    if any(v is None or v < 1 for v in sizes):
+        raise DataError(f"{where} needs --requested-tokens, --seq-len and --global-batch >= 1")
+    return MixturePlan(sources, requested_tokens=args.requested_tokens,
+                       global_batch=args.global_batch, seq_len=args.seq_len)
+
+
 def cli_index(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     vocab, eos, pad = _tokenizer_ids(args)
+    plan = read_plan(args) if args.sources else None
     splits = {"train": _files(args.mix, args.files, args.base, args.tokenizer_id, "train")}
     if args.heldout_mix or args.heldout:
         splits["heldout"] = _files(args.heldout_mix, args.heldout, args.base,
                                    args.tokenizer_id, "heldout")
     index = index_mix(splits, args.out, vocab_size=vocab, eos_id=eos, pad_id=pad,
-                      dtype=args.dtype, tokenizer_id=args.tokenizer_id, workers=args.workers)
+                      dtype=args.dtype, tokenizer_id=args.tokenizer_id, workers=args.workers,
+                      mixture=plan)
     summary = {"out": str(args.out), "fingerprint": index["fingerprint"],
                "dtype": index["dtype"], "seconds": time.perf_counter() - t0,
                **{f"{n}_{k}": s[k] for n, s in index["splits"].items()
