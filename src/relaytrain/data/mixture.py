@@ -5,7 +5,8 @@ Each source has a target ratio of the requested tokens, a repetition limit (a so
 taken up to max_repetition_ratio times over) and a cap on the fraction of it used. The ratios
 must sum to 1. The requested tokens are rounded up to whole global batches of whole instances,
 shared out per file in proportion and completed by Hamilton's method (largest remainders), as
-OLMo-core does. Sampling which instances of a file are taken is not done here yet.
+OLMo-core does. A file contributing t tokens contributes its first t // seq_len instances, as
+in OLMo-core's NumpyFSLDatasetMixture (mix_index.py indexes that).
 """
 
 from __future__ import annotations
