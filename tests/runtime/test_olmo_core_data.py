@@ -13,7 +13,7 @@ from relaytrain.cli import main
 from relaytrain.runtime.controller import Controller
 from tests.runtime.conftest import final_state, same_tensors, step_records, tiny_config
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(480)  # three Ray starts at dp 4, 2, 4 on 2 shared cores
 
 VOCAB, EOS = 320, 319
 # 8 micro-batches of 1 split over 1, 2 and 4 workers; 2 micro-batches per rank at dp 4.
