@@ -29,6 +29,7 @@ from relaytrain.parallel.groups import PipelineGroups, form_groups
 from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.runtime.faults import RaiseHook
+from relaytrain.runtime.wire import StepResult, WriteReport
 from relaytrain.train.evaluate import heldout_losses
 from relaytrain.train.execution import prepare_model, retain_freed_memory, set_determinism
 from relaytrain.train.optim import (
@@ -39,7 +40,7 @@ from relaytrain.train.optim import (
     optimizer_state_tensors,
     set_lr,
 )
-from relaytrain.train.step import train_step
+from relaytrain.train.step import StepOutcome, train_step
 
 MODEL_PREFIX = "model."
 
@@ -101,6 +102,9 @@ class Worker:
         return self.cfg.checkpoint.url or os.path.join(self.cfg.run_dir, "checkpoints")
 
     # ---- membership ------------------------------------------------------------------------
+    def ping(self) -> int:
+        return os.getpid()
+
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "host": socket.gethostname(), "device": str(self.device)}
 
@@ -221,7 +225,7 @@ class Worker:
         return out
 
     # ---- training --------------------------------------------------------------------------
-    def run_steps(self, first: int, count: int) -> list[dict[str, Any]]:
+    def run_steps(self, first: int, count: int) -> list[StepResult]:
         """Optimizer steps first .. first+count-1 (1-based; step k trains global batch k-1).
 
         One call may cover several steps: tiny steps amortise the call, and asynchronous
@@ -236,10 +240,10 @@ class Worker:
             out = self._run_span(first, count)
         else:
             out = [self._step(step) for step in range(first, first + count)]
-        out[-1]["written"] = self._collect(wait=False)
+        out[-1].written = self._collect(wait=False)
         return out
 
-    def _step(self, step: int) -> dict[str, Any]:
+    def _step(self, step: int) -> StepResult:
         assert self.loader is not None and self.reducer is not None
         t0 = time.perf_counter()
         batch = self.loader.get(step - 1)
@@ -249,12 +253,21 @@ class Worker:
         out = train_step(self.model, self.optimizer, self.reducer, batch.micro_batches,
                          self.cfg.micro_batches, self.cfg.train.z_loss, self.cfg.train.clip,
                          self.device)
+        return self._result(step, out, batch.ids.tolist(), t1 - t0, self._synced_since(t1))
+
+    def _synced_since(self, t: float) -> float:
+        """Seconds since `t`, once the device has finished the work queued on it."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t2 = time.perf_counter()
-        return {"step": step, "losses": out.losses, "grad_norm": out.grad_norm,
-                "finite": out.finite, "ids": batch.ids.tolist(), "time_data": t1 - t0,
-                "time_compute": t2 - t1, "written": []}
+        return time.perf_counter() - t
+
+    @staticmethod
+    def _result(step: int, out: StepOutcome, ids: list[int], time_data: float,
+                time_compute: float) -> StepResult:
+        """The one place a step's result is formed, for plain and pipelined steps alike."""
+        return StepResult(step=step, losses=out.losses, grad_norm=out.grad_norm,
+                          finite=out.finite, ids=ids, time_data=time_data,
+                          time_compute=time_compute, pipeline=out.pipeline)
 
     # ---- pipeline parallelism (parallel.pp > 1) ----------------------------------------------
     def _new_module(self) -> Olmo3:
@@ -275,20 +288,17 @@ class Worker:
                            lambda step: lr_at(step, self.cfg.optim, self.cfg.train.max_steps),
                            self.device)
 
-    def _run_span(self, first: int, count: int) -> list[dict[str, Any]]:
+    def _run_span(self, first: int, count: int) -> list[StepResult]:
         """Steps first .. first+count-1 as one pipeline span (one step for flush schedules)."""
         assert self.loader is not None and self.pipeline is not None
         t0 = time.perf_counter()
         batches = [self.loader.get(step - 1) for step in range(first, first + count)]
         t1 = time.perf_counter()
-        out = self.pipeline.run_span(first, batches)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t2 = time.perf_counter()
-        for rec, batch in zip(out, batches, strict=True):
-            rec.update(ids=batch.ids.tolist(), time_data=(t1 - t0) / count,
-                       time_compute=(t2 - t1) / count, written=[])
-        return out
+        outs = self.pipeline.run_span(first, batches)
+        compute = self._synced_since(t1)
+        return [self._result(first + i, out, batch.ids.tolist(), (t1 - t0) / count,
+                             compute / count)
+                for i, (out, batch) in enumerate(zip(outs, batches, strict=True))]
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, step: int, part: str) -> float:
@@ -298,20 +308,20 @@ class Worker:
         self._pending.append((step, part, self.writer.submit(step, part, host)))
         return time.perf_counter() - t0
 
-    def _collect(self, wait: bool) -> list[dict[str, Any]]:
+    def _collect(self, wait: bool) -> list[WriteReport]:
         done, keep = [], []
         for step, part, fut in self._pending:
             if not wait and not fut.done():
                 keep.append((step, part, fut))
                 continue
             try:
-                done.append({"step": step, "part": part, "info": fut.result()})
+                done.append(WriteReport(step, part, info=fut.result()))
             except Exception as e:  # reported to the controller, which will not commit
-                done.append({"step": step, "part": part, "error": f"{type(e).__name__}: {e}"})
+                done.append(WriteReport(step, part, error=f"{type(e).__name__}: {e}"))
         self._pending = keep
         return done
 
-    def flush_writes(self) -> list[dict[str, Any]]:
+    def flush_writes(self) -> list[WriteReport]:
         return self._collect(wait=True)
 
     # ---- evaluation ------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -44,9 +45,8 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
                    for k, v in worker.state_tensors().items() if k.startswith(MODEL_PREFIX)}
     finally:
         worker.close()
-    for s in steps:
-        s.pop("written", None)
-    return {"rank": rank, "stage": rank // dp, "dp_rank": rank % dp, "steps": steps,
+    records = [{k: v for k, v in asdict(s).items() if k != "written"} for s in steps]
+    return {"rank": rank, "stage": rank // dp, "dp_rank": rank % dp, "steps": records,
             "weights": weights}
 
 

@@ -89,7 +89,7 @@ def run_middle_stage(schedule: str, mode: str = "perf"):
                   [(m, torch.zeros(MB, T + 1, dtype=torch.long)) for m in range(M)])
     out = runner.run_span(1, [batch])
     names = [n for n, _ in mlp.named_parameters()]
-    return cfg, names, xs, gs, net, opt, out[0]["pipeline"]
+    return cfg, names, xs, gs, net, opt, out[0].pipeline
 
 
 def weights(names, tensors):

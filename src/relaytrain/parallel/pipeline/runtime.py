@@ -85,7 +85,7 @@ from relaytrain.parallel.pipeline.schedules import (
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.evaluate import eval_chunks, instance_losses
 from relaytrain.train.optim import set_lr
-from relaytrain.train.step import autocast_for
+from relaytrain.train.step import StepOutcome, autocast_for
 
 FLUSH_SCHEDULES = ("gpipe", "1f1b")
 ACTIVATION_DTYPE = torch.float32  # residual stream between stages (fp32 under bf16 autocast too)
@@ -297,7 +297,7 @@ class StageRunner:
         self._norm_sizes: list[int] | None = None  # per stage: gradient tensors + 1 flag
 
     # ---- training ----------------------------------------------------------------------------
-    def run_span(self, first_step: int, batches: list[Batch]) -> list[dict[str, Any]]:
+    def run_span(self, first_step: int, batches: list[Batch]) -> list[StepOutcome]:
         """Train global batches `batches` (steps first_step, first_step + 1, ...) by this stage's
         list for a span of that many batches; one result per step. The pipeline is empty at the
         start and drained at the end (a consistent cut)."""
@@ -354,7 +354,7 @@ class StageRunner:
     def _step_result(self, first_step: int, b: int, batch: Batch,
                      losses: dict[int, tuple[float, float, float]], stale: dict[int, int],
                      updates: list[_Update], carried: float, shared: dict[str, Any]
-                     ) -> dict[str, Any]:
+                     ) -> StepOutcome:
         """Step first_step + b: its micro-batches' losses (last stage only, keyed by global
         micro-batch index) and staleness, and the norm of the latest update done by its end
         (`carried`, the previous span's last, if none yet)."""
@@ -366,8 +366,8 @@ class StageRunner:
         norm = done[-1].norm if done else carried
         finite = all(u.finite for u in mine) and all(
             math.isfinite(v) for values in own.values() for v in values)
-        return {"step": step, "losses": own, "grad_norm": norm, "finite": finite,
-                "pipeline": {**shared, "staleness": [stale[m] for m in mbs]}}
+        return StepOutcome(losses=own, grad_norm=norm, finite=finite,
+                           pipeline={**shared, "staleness": [stale[m] for m in mbs]})
 
     def _receives(self, actions: list[Action]) -> Iterator[tuple[int, int]]:
         """(source, tag) of every receive of the list, in list order: activations for F on all

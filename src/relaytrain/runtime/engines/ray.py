@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from relaytrain.config import RunConfig
-from relaytrain.runtime.engines.base import Engine
+from relaytrain.runtime.engines.base import Engine, Invocation
 from relaytrain.runtime.failures import (
     NodeLost,
     WorkerDied,
@@ -39,9 +39,6 @@ class _RankedWorker(Worker):
     def __repr__(self) -> str:
         rank = self.placement.rank if getattr(self, "placement", None) else "?"
         return f"Worker(id={self.wid}, rank={rank})"
-
-    def ping(self) -> int:
-        return os.getpid()
 
 
 def _import_ray(private_cluster: bool) -> None:
@@ -145,7 +142,7 @@ class RayEngine(Engine):
         while self._spares:
             wid = self._spares.pop(0)
             try:
-                self._pids[wid] = int(self.call({wid: ("ping", ())}, wait or 1.0)[wid])
+                self._pids[wid] = int(self.call({wid: lambda w: w.ping()}, wait or 1.0)[wid])
                 ray.get(self._warming.pop(wid), timeout=max(wait, 1.0))
             except (WorkerFailure, ray.exceptions.RayError):
                 self.kill(wid)
@@ -156,7 +153,8 @@ class RayEngine(Engine):
             raise WorkerDied(-1, f"no capacity to place a worker ({self._bundle()}) within "
                              f"{wait:.0f}s")
         # Construction opens the data: wait, so its errors surface here, naming the worker.
-        self._pids[wid] = int(self.call({wid: ("ping", ())}, self.cfg.runtime.setup_timeout)[wid])
+        self._pids[wid] = int(self.call({wid: lambda w: w.ping()},
+                                       self.cfg.runtime.setup_timeout)[wid])
         self._refill()
         return wid
 
@@ -172,7 +170,7 @@ class RayEngine(Engine):
                 raise WorkerDied(-1, f"no capacity to place {n} workers ({self._bundle()} each) "
                                  f"within {wait:.0f}s")
             wids.append(wid)
-        pids = self.call({w: ("ping", ()) for w in wids}, self.cfg.runtime.setup_timeout)
+        pids = self.call_all(wids, lambda w: w.ping(), self.cfg.runtime.setup_timeout)
         self._pids.update({w: int(p) for w, p in pids.items()})
         self._refill()
         return wids
@@ -217,8 +215,9 @@ class RayEngine(Engine):
         timer.daemon = True
         timer.start()
 
-    def call(self, calls: dict[int, tuple[str, tuple]], timeout: float) -> dict[int, Any]:
-        refs = {getattr(self.actors[w], m).remote(*a): w for w, (m, a) in calls.items()}
+    def run(self, invocations: dict[int, Invocation], timeout: float) -> dict[int, Any]:
+        refs = {getattr(self.actors[w], inv.method).remote(*inv.args, **inv.kwargs): w
+                for w, inv in invocations.items()}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         pending = list(refs)
