@@ -200,10 +200,6 @@ class TokenDataset:
                                 "prepare")
         return ds
 
-    @property
-    def split_names(self) -> list[str]:
-        return list(self._splits)
-
     def split(self, name: str) -> TokenSplit:
         try:
             return self._splits[name]
@@ -219,20 +215,6 @@ class TokenDataset:
     def doc_hashes(self, name: str) -> set[str]:
         """sha256 hex digests of the split's documents (for contamination checks)."""
         return self.split(name).doc_hashes()
-
-    def check_tokenizer(self, tokenizer_file: str | os.PathLike[str]) -> None:
-        """Refuse a tokenizer that is not the one the data was tokenized with."""
-        path = Path(tokenizer_file)
-        if path.is_dir():
-            path = path / "tokenizer.json"
-        try:
-            digest = sha256_file(path)
-        except OSError as e:
-            raise DataError(f"tokenizer {path}: cannot read ({e.strerror})") from None
-        if digest != self.tokenizer_sha256:
-            raise DataError(f"tokenizer {path} (sha256 {digest[:12]}) is not the one {self.path} "
-                            f"was prepared with (sha256 {self.tokenizer_sha256[:12]}); use "
-                            f"{self.tokenizer_path}")
 
     def verify(self) -> None:
         """Recompute every file's sha256 against the index (reads the whole data set)."""

@@ -31,11 +31,6 @@ class Batch:
     # labels [:, 1:]
     micro_batches: list[tuple[int, torch.Tensor]]
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens this rank trains on (labels), for throughput accounting."""
-        return sum(mb.shape[0] * (mb.shape[1] - 1) for _, mb in self.micro_batches)
-
 
 class Loader:
     """Rank `dp_rank` of `dp_world`'s batches of `split`, `prefetch` global batches ahead."""

@@ -131,13 +131,9 @@ def rope_cos_sin(cfg: Olmo3Config, yarn: bool, seq_len: int, device: torch.devic
     return emb.cos() * scale, emb.sin() * scale
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class _RopeFunction(torch.autograd.Function):
-    """`x * cos + rotate_half(x) * sin` in fp32, cast back, without materialising the rotation.
+    """`x * cos + rotate_half(x) * sin` (rotate_half(x) = [-x2, x1]) in fp32, cast back,
+    without materialising the rotation.
 
     Written half by half, `x1 c1 - x2 s1` and `x2 c2 + x1 s2`, which rounds exactly as the
     rotate-half form (negation is exact), in three passes instead of five; the backward, the
