@@ -9,7 +9,7 @@ Numerics follow HF exactly: RMSNorm and RoPE are computed in fp32 and cast back 
 dtype, so the model runs under bf16 autocast with fp32 normalisation and rotary math. Both are
 autograd functions whose forward rounds exactly as HF's ops (the logits are bit-identical on the
 CPU) and whose backward is written out in a few fused passes instead of autograd's many small
-ones (gradients agree with HF's to float rounding, ~1e-7 relative; `relaytrain parity hf`).
+ones (gradients agree with HF's to float rounding; `relaytrain parity hf`).
 
 One class serves both the whole model and a pipeline stage: a stage holds a contiguous range of
 layers (keyed by their *global* index, so parameter names are the same in every layout), the
