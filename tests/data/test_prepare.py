@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models
 
 from relaytrain.cli import main
 from relaytrain.data import prepare as prep
-from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.dataset import TokenDataset, sha256_file
 from relaytrain.data.prepare import is_heldout, prepare
 from relaytrain.errors import DataError
 
@@ -43,8 +43,9 @@ def test_prepared_directory_follows_the_contract(prepared: Path):
         assert (prepared / split["doc_offsets"]).is_file()
         assert (prepared / split["doc_hashes"]).is_file()
     assert set(index["files"]) == {p.name for p in prepared.iterdir()} - {"index.json"}
+    for name, meta in index["files"].items():
+        assert sha256_file(prepared / name) == meta["sha256"]
     ds = TokenDataset.open(prepared)
-    ds.verify()
     assert ds.fingerprint == index["fingerprint"] and ds.vocab_size == 300
 
 

@@ -69,7 +69,6 @@ def test_an_action_starts_when_its_stage_is_free_and_its_input_has_arrived():
     assert result.busy == pytest.approx((4.5, 6.25))
     assert result.bubble_fraction == pytest.approx(1 - 10.75 / 21.4)
     assert result.utilisation == pytest.approx(10.75 / 21.4)
-    assert result.throughput == pytest.approx(1 / 10.7)
 
 
 def test_recompute_is_paid_at_every_backward():

@@ -11,7 +11,6 @@ by the measured number of steps to a target loss.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from relaytrain.parallel.pipeline.schedules import Action, Schedule
@@ -98,11 +97,6 @@ class SimResult:
     @property
     def bubble_fraction(self) -> float:
         return 1.0 - self.utilisation
-
-    @property
-    def throughput(self) -> float:
-        """Micro-batches per unit time."""
-        return self.n_micro / self.makespan if self.makespan else math.inf
 
 
 class DeadlockError(RuntimeError):
