@@ -1,4 +1,4 @@
-"""The `relaytrain` command line (DESIGN.md "Command line").
+"""The `relaytrain` command line (README.md "Command line").
 
 Each subcommand's handler lives in the module that owns the concern and is imported lazily, so
 `relaytrain --help` stays fast and a subcommand only loads what it uses.

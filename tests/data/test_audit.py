@@ -40,14 +40,15 @@ class Run:
 
     def __init__(self, run_dir: Path, data: Path, loader: type[Loader] = Loader) -> None:
         self.dir, self.data, self.loader_cls = run_dir, data, loader
-        self.split = TokenDataset.open(data).split("train")
+        self.dataset = TokenDataset.open(data)
+        self.split = self.dataset.split("train")
         self.ledger = LedgerWriter(run_dir)
         self.loaders: list[Loader] = []
 
     def header(self, dp: int) -> dict:
         return header_record(seed=SEED, global_batch=B, micro_batch=M, seq_len=SEQ,
                              n_instances=self.split.num_instances(SEQ),
-                             fingerprint=self.split.fingerprint, data_path=str(self.data), dp=dp)
+                             fingerprint=self.dataset.fingerprint, data_path=str(self.data), dp=dp)
 
     def start(self, dp: int) -> Run:
         """A start, resume, recovery or resize: fresh loaders and a header."""

@@ -34,15 +34,7 @@ schedule reaches: the highest of the schedules' best held-out losses (interpolat
 evaluations). The machine's load averages before and after are recorded: on a shared machine the
 real timings carry other people's work.
 
-Measured (`relaytrain bench pipeline`, 384 s, load 0.7-3.5 on 2 cores): paci's simulated
-utilisation at S = 8 is 0.96 (target 0.90; 0.89 at S = 32), its memory equals 1f1b's at S = 2
-and 4, its time per step at S = 8 is 1.78x faster than gpipe's (the best flush schedule) and its
-time to the target held-out loss (5.759, paci's own at step 128 at S = 4) 1.57x (target 1.4):
-the flush schedules reach it at step 113.5. The steps paci loses to staleness did not grow with
-the run: over 64 steps (this bench's length before) it needed 64 to the flush schedules' 46
-(18 behind, 1.27x), over 128 steps 14.5 behind; at S = 2 it ends below them (5.671 vs
-5.717). Posting receives ahead made a real S = 2 paci step 1.17x faster (0.216 s vs 0.251 s,
-interleaved A/B on the same processes). `--quick` (47 s, S = 2 only) gave 0.96 and 1.65x.
+What it gave is in the README's "Measured" section, dated.
 """
 
 from __future__ import annotations

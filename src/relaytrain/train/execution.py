@@ -63,8 +63,8 @@ def retain_freed_memory() -> bool:
     torch's CPU tensors come straight from malloc (there is no caching allocator on the CPU),
     and glibc returns the top of its heap to the OS once more than its trim threshold is free
     and maps blocks above a moving threshold afresh. A training step frees and re-allocates
-    the same buffers every step, so each step page-faulted them in again: 110-130 MiB per step
-    of the `small` preset, about 12% of its time (`bench train-throughput`, faulted/step).
+    the same buffers every step, so each step page-faulted them in again, a sizeable share of
+    a `small` step's time (README "Measured"; `bench train-throughput` reports faulted/step).
     With fixed thresholds the process keeps its steady-state peak, which it reaches every
     step anyway. Process-wide; a no-op returning False where the C library is not glibc.
     """

@@ -15,9 +15,9 @@ import pytest
 from relaytrain.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
+    Schedule,
     build_schedule,
     in_flight_limit,
-    max_in_flight,
     staleness,
     staleness_bound,
     update_groups,
@@ -25,6 +25,19 @@ from relaytrain.parallel.pipeline.schedules import (
     weight_versions,
 )
 from relaytrain.parallel.pipeline.simulate import Costs, simulate
+
+
+def max_in_flight(actions: Schedule) -> list[int]:
+    """Per stage, the peak number of micro-batches between F and B (activation memory)."""
+    peaks = []
+    for acts in actions:
+        held = peak = 0
+        for act in acts:
+            held += {"F": 1, "B": -1, "U": 0}[act.kind]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
 
 SIZES = list(product(range(1, 7), range(1, 9), range(1, 4)))  # (S, M, n_batches)
 A = range(1, 5)

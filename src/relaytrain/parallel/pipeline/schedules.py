@@ -258,18 +258,6 @@ def staleness_bound(
     return math.ceil((in_flight_limit(stage, n_stages, in_flight) - 1) / a)
 
 
-def max_in_flight(actions: Schedule) -> list[int]:
-    """Per stage, the peak number of micro-batches between F and B (activation memory)."""
-    peaks = []
-    for acts in actions:
-        held = peak = 0
-        for act in acts:
-            held += {"F": 1, "B": -1, "U": 0}[act.kind]
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
-
-
 def weight_versions(actions: Schedule) -> list[int]:
     """Per stage, the peak number of weight copies held at once: the live weights plus every
     version still stashed for an in-flight micro-batch (1 when nothing is stashed)."""
