@@ -81,6 +81,9 @@ class CheckpointSection:
     url: str | None = None  # any fsspec URL; None: RUN_DIR/checkpoints
     keep_last: int = 3
     async_write: bool = True
+    # When every checkpoint of the run directory fails verification the run stops (exit 2)
+    # rather than silently spend its compute again; true trains again from step 0.
+    start_over: bool = False
 
 
 @dataclass

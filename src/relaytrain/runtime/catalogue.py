@@ -71,15 +71,25 @@ class CheckpointCatalogue:
         self.pending: list[PendingCheckpoint] = []
         self.last_committed = 0
 
-    def newest_good_manifest(self) -> dict[str, Any] | None:
+    def newest_good_manifest(self, start_over: bool = False) -> dict[str, Any] | None:
         """The newest committed checkpoint whose files all verify; broken ones are skipped
-        with a warning naming the file."""
+        with a warning naming the file. If there are checkpoints and none verifies, that is an
+        error unless `start_over` (training again from step 0 costs the run its compute)."""
+        broken = []
         for step in reversed(self.store.committed_steps()):
             try:
-                return self.store.verify(step)
+                manifest = self.store.verify(step)
             except CheckpointError as e:
-                warnings.warn(f"skipping checkpoint step {step}: {e}", CheckpointWarning,
-                              stacklevel=2)
+                broken.append(f"step {step}: {e}")
+                continue
+            for message in broken:
+                warnings.warn(f"skipping checkpoint {message}", CheckpointWarning, stacklevel=2)
+            return manifest
+        if broken and not start_over:
+            raise CheckpointError(
+                f"every checkpoint in {storage.redact(self.store.url)} fails verification "
+                f"({'; '.join(broken)}); restore them, or set checkpoint.start_over=true to "
+                "train again from step 0")
         return None
 
     def expect(self, step: int, parts: set[str]) -> None:

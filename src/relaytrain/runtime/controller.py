@@ -211,7 +211,7 @@ class Controller:
             warn(f"{self.store.url} was left unavailable by an injected storage outage of a "
                  "run that was killed; restored it")
         start = 0
-        manifest = self.catalogue.newest_good_manifest()
+        manifest = self.catalogue.newest_good_manifest(self.cfg.checkpoint.start_over)
         if manifest is not None:
             if manifest.get("config"):
                 check_resume_compatible(manifest["config"], self.cfg)
