@@ -26,7 +26,7 @@ from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.model.stages import build_stage, partition_layers
 from relaytrain.parallel.groups import PipelineGroups, form_groups
-from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec, Transport
+from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.runtime.faults import RaiseHook
 from relaytrain.runtime.wire import StepResult, WriteReport

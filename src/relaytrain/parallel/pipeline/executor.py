@@ -1,6 +1,6 @@
 """Executing one stage's action list (schedules.py) with torch.distributed point-to-point ops.
 
-One runtime serves every schedule: gpipe, 1f1b, pipedream and paci differ only in their lists, so
+One executor serves every schedule: gpipe, 1f1b, pipedream and paci differ only in their lists, so
 the numbers are a pure function of the lists and bit-reproducible whatever the timing. Sends are
 asynchronous (`isend`, waited at the span end: the buffered sends the schedules assume); each
 receive is posted one ahead (`irecv`, see `Transport`) so that the transfer overlaps the compute
@@ -26,7 +26,7 @@ What B then computes depends on the schedule:
   not enter), dL/dx = g W_B. Weight gradients of a layer thus use F-time activations and the
   incoming gradient, while the gradient sent upstream (and to the stage's earlier layers) passes
   through theta_B. With no update in between this is the exact gradient. tests/parallel/pipeline/
-  test_runtime.py checks it against the closed form for the SwiGLU MLP.
+  test_executor.py checks it against the closed form for the SwiGLU MLP.
 - paci, ``mode=mem`` (recompute): F runs without a graph and keeps only the stage input; B reruns
   the forward with the live weights right before the backward, so B is the exact gradient of
   f(x_F; theta_B) at the input F received, against the gradient coming back for the output F sent
