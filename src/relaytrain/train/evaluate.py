@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from relaytrain.errors import UserError
-from relaytrain.train.loss import lm_loss
+from relaytrain.model.loss import lm_loss
 from relaytrain.train.step import autocast_for
 
 
