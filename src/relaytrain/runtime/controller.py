@@ -28,7 +28,7 @@ from relaytrain.runtime.failures import RecoveryLimitExceeded, WorkerFailure
 from relaytrain.runtime.faults import FaultInjector, end_storage_outage, plan_faults
 from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped
-from relaytrain.runtime.worker import pick_device
+from relaytrain.train.execution import pick_device
 from relaytrain.train.metrics import peak_flops, warn
 
 __all__ = ["Controller", "TrainingStopped", "check_resume_compatible", "cli_train"]
