@@ -106,3 +106,9 @@ def test_execution_keys_default_to_auto_and_reject_what_cannot_run():
         load_config(None, ["model.attention=flex", "train.device=cpu"])
     assert load_config(None, ["model.attention=flex", "train.device=cuda"]).model.attention \
         == "flex"
+
+
+def test_a_runs_checkpoints_go_to_checkpoint_url_else_run_dir_checkpoints():
+    assert load_config(None, ["run_dir=runs/a"]).checkpoint_url == "runs/a/checkpoints"
+    assert load_config(None, ["run_dir=runs/a", "checkpoint.url=s3://b/ck"]).checkpoint_url \
+        == "s3://b/ck"

@@ -17,8 +17,10 @@ from typing import Any, Literal
 
 import yaml
 
+from relaytrain.checkpoint.store import run_checkpoint_url
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS, Olmo3Config
+from relaytrain.parallel.pipeline.schedules import ScheduleName
 from relaytrain.storage import redact, scheme
 
 
@@ -95,7 +97,7 @@ class PaciSection:
 class ParallelSection:
     dp: int = 1
     pp: int = 1
-    schedule: Literal["gpipe", "1f1b", "pipedream", "paci"] = "1f1b"
+    schedule: ScheduleName = "1f1b"
     stage_layers: list[int] | None = None  # layers per stage; None: balanced by cost
     # Steps per dispatch for asynchronous schedules. The pipeline drains at each end (a consistent
     # cut), which costs about (S-1)/(span x micro-batches) of the time, and a failure loses the
@@ -184,6 +186,10 @@ class RunConfig:
     @property
     def seq_len(self) -> int:
         return self.data.seq_len or self.model_config().max_seq_len
+
+    @property
+    def checkpoint_url(self) -> str:
+        return run_checkpoint_url(self.run_dir, self.checkpoint.url)
 
     @property
     def world_size(self) -> int:
@@ -496,7 +502,7 @@ def _validate_faults(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
          "runtime.engine=ray: the inline engine cannot replace its only worker")
     need(f.storage_outage_seconds > 0, "config key 'faults.storage_outage_seconds': got "
          f"{f.storage_outage_seconds}, expected > 0")
-    url = cfg.checkpoint.url or ""
+    url = cfg.checkpoint_url
     need(not f.storage_outage_at or scheme(url) == "file", "config key "
          "'faults.storage_outage_at' works on a local checkpoint root (a path or file://), but "
          f"checkpoint.url is {redact(url)!r}; make an object store unavailable from outside "

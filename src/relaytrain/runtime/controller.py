@@ -22,6 +22,7 @@ from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.order import heldout_ids
 from relaytrain.errors import ConfigError, UserError
 from relaytrain.model.accounting import flops_per_token
+from relaytrain.parallel.pipeline.schedules import asynchronous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
 from relaytrain.runtime.failures import RecoveryLimitExceeded, WorkerFailure
@@ -40,8 +41,6 @@ RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "trai
                      "eval.", "data.prefetch", "data.path", "run_dir", "model.attention",
                      "model.checkpointing", "model.compile", "model.matmul")
 
-
-ASYNC_SCHEDULES = ("pipedream", "paci")
 
 
 def make_engine(cfg: RunConfig) -> Engine:
@@ -98,9 +97,7 @@ class Controller:
         n_held = self.dataset.split("heldout").num_instances(cfg.seq_len)
         self.eval_ids = [int(i) for i in heldout_ids(n_held, cfg.eval.instances)] \
             if cfg.eval.every > 0 else []
-        self.store = CheckpointStore(cfg.checkpoint.url or
-                                     os.path.join(cfg.run_dir, "checkpoints"),
-                                     keep_last=cfg.checkpoint.keep_last)
+        self.store = CheckpointStore(cfg.checkpoint_url, keep_last=cfg.checkpoint.keep_last)
         self.faults = FaultInjector(plan_faults(cfg.faults, cfg.seed, cfg.train.max_steps,
                                                 cfg.world_size), cfg.faults.slow_seconds)
         self.catalogue = CheckpointCatalogue(self.store, self._manifest_meta,
@@ -181,7 +178,7 @@ class Controller:
         """Steps per dispatch: one, or for asynchronous pipeline schedules a span that ends at
         the next evaluation, checkpoint or fault (the pipeline drains at span ends)."""
         cfg = self.cfg
-        if cfg.parallel.pp == 1 or cfg.parallel.schedule not in ASYNC_SCHEDULES:
+        if cfg.parallel.pp == 1 or not asynchronous(cfg.parallel.schedule):
             return 1
         end = min(step + cfg.parallel.span, cfg.train.max_steps)
         for every in (cfg.eval.every, cfg.checkpoint.every):

@@ -67,15 +67,12 @@ class Worker:
         self.reducer: GradReducer | None = None
         self.groups: PipelineGroups | None = None  # pp > 1: this generation's groups
         self.pipeline: StageRunner | None = None  # pp > 1: this stage's schedule runner
-        self.store = CheckpointStore(self.checkpoint_url())
+        self.store = CheckpointStore(self.cfg.checkpoint_url)
         self.writer = AsyncCheckpointWriter(self.store)
         self._pending: list[tuple[int, str, Any]] = []
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._layout: tuple[int, int] | None = None
         self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
-
-    def checkpoint_url(self) -> str:
-        return self.cfg.checkpoint.url or os.path.join(self.cfg.run_dir, "checkpoints")
 
     # ---- membership ------------------------------------------------------------------------
     def ping(self) -> int:

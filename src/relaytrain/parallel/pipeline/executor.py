@@ -78,6 +78,7 @@ from relaytrain.data.loader import Batch
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.pipeline.schedules import (
     Action,
+    asynchronous,
     build_schedule,
     staleness_bound,
     update_groups,
@@ -87,7 +88,6 @@ from relaytrain.train.evaluate import eval_chunks, instance_losses
 from relaytrain.train.optim import set_lr
 from relaytrain.train.step import StepOutcome, autocast_for
 
-FLUSH_SCHEDULES = ("gpipe", "1f1b")
 ACTIVATION_DTYPE = torch.float32  # residual stream between stages (fp32 under bf16 autocast too)
 
 
@@ -116,13 +116,13 @@ class StageSpec:
         """`parallel.paci.{a, in_flight}` set the update cadence and in-flight cap of both
         asynchronous schedules; `flush` and `mode` are paci's only."""
         p = cfg.parallel
-        asynchronous = p.schedule not in FLUSH_SCHEDULES
+        is_async = asynchronous(p.schedule)
         return cls(schedule=p.schedule, stage=stage, n_stages=p.pp,
                    micro_per_batch=cfg.micro_batches // p.dp, dp=p.dp,
                    micro_batch=cfg.train.micro_batch, seq_len=cfg.seq_len, d_model=d_model,
                    z_loss=cfg.train.z_loss, clip=cfg.train.clip,
-                   a=p.paci.a if asynchronous else 1,
-                   in_flight=p.paci.in_flight if asynchronous else None,
+                   a=p.paci.a if is_async else 1,
+                   in_flight=p.paci.in_flight if is_async else None,
                    flush=p.paci.flush and p.schedule == "paci",
                    recompute=p.paci.mode == "mem" and p.schedule == "paci")
 
@@ -136,11 +136,11 @@ class StageSpec:
 
     @property
     def global_clip(self) -> bool:
-        return self.schedule in FLUSH_SCHEDULES or self.flush
+        return not asynchronous(self.schedule) or self.flush
 
     def schedule_actions(self, n_batches: int) -> list[list[Action]]:
         options: dict[str, Any] = {}
-        if self.schedule not in FLUSH_SCHEDULES:
+        if asynchronous(self.schedule):
             options = {"a": self.a, "in_flight": self.in_flight}
         if self.schedule == "paci":
             options["flush"] = self.flush
@@ -148,7 +148,7 @@ class StageSpec:
                               **options)
 
     def bound(self) -> int:
-        if self.schedule in FLUSH_SCHEDULES:
+        if not asynchronous(self.schedule):
             return 0
         return staleness_bound(self.schedule, self.stage, self.n_stages, self.a, self.in_flight)
 

@@ -30,11 +30,22 @@ gradients in the same order (bit-identical gradients).
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-SCHEDULES = ("gpipe", "1f1b", "pipedream", "paci")
+ScheduleName = Literal["gpipe", "1f1b", "pipedream", "paci"]  # `parallel.schedule`
+SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
+# Flush schedules drain the pipeline at every global batch: no update with a micro-batch in
+# flight, so exact gradients. The others are asynchronous and run in spans of steps.
+FLUSH_SCHEDULES = ("gpipe", "1f1b")
+
+
+def asynchronous(name: str) -> bool:
+    """Whether schedule `name` updates weights while micro-batches are in flight."""
+    return name not in FLUSH_SCHEDULES
+
 
 # Keyword options each schedule takes; any other option left at a non-default value is an error,
 # so that a setting never silently does nothing.
@@ -253,7 +264,7 @@ def staleness_bound(
     bound. For pipedream this is gradient delay only: stashing keeps F and B consistent."""
     if name not in _OPTIONS:
         raise ValueError(f"schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
-    if name in ("gpipe", "1f1b"):
+    if not asynchronous(name):
         return 0
     return math.ceil((in_flight_limit(stage, n_stages, in_flight) - 1) / a)
 
