@@ -17,7 +17,7 @@ import yaml
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import RunConfig, load_config
+from relaytrain.config import RunConfig, flatten, load_config
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.order import heldout_ids
 from relaytrain.errors import ConfigError, UserError
@@ -53,19 +53,9 @@ def make_engine(cfg: RunConfig) -> Engine:
     return InlineEngine()
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k != "overrides":
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
     """A resumed run must keep what defines its curve: model, data order, optimizer, seed."""
-    old, new = _flat(saved), _flat(cfg.to_dict())
+    old, new = flatten(saved), flatten(cfg.to_dict())
     for key in sorted(set(old) | set(new)):
         if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
             continue

@@ -75,6 +75,7 @@ from torch.func import functional_call
 
 from relaytrain.config import RunConfig
 from relaytrain.data.loader import Batch
+from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.pipeline.schedules import (
     Action,
@@ -212,27 +213,6 @@ class Transport:
 
 def _tag(mb: int, gradient: bool) -> int:
     return 2 * mb + int(gradient)
-
-
-class _SavedBytes:
-    """Saved-tensor pack hook that sums the bytes of the distinct storages autograd keeps for
-    backward, skipping the weights (they are held anyway and counted as versions)."""
-
-    def __init__(self, skip: set[int]):
-        self.skip = skip
-        self.seen: set[int] = set()
-        self.nbytes = 0
-
-    def add(self, t: Tensor) -> None:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.skip and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.nbytes += storage.nbytes()
-
-    def pack(self, t: Tensor) -> Tensor:
-        self.add(t)
-        return t
 
 
 @dataclass
@@ -381,18 +361,18 @@ class StageRunner:
     def _live_weights(self) -> int:
         return next(iter(self.params.values())).data_ptr()
 
-    def _meter(self) -> _SavedBytes:
-        return _SavedBytes({p.untyped_storage().data_ptr() for p in self.params.values()})
+    def _meter(self) -> SavedBytes:
+        """Weights are skipped: they are held anyway and counted as versions."""
+        return SavedBytes(self.params.values())
 
     def _aliases(self) -> dict[str, Tensor]:
         return {n: p.data.requires_grad_() for n, p in self.params.items()}
 
-    def _run(self, x: Tensor, leaves: dict[str, Tensor], meter: _SavedBytes,
+    def _run(self, x: Tensor, leaves: dict[str, Tensor], meter: SavedBytes,
              labels: Tensor | None = None) -> Any:
         """The stage's output, or on the last stage given `labels` its (total, ce, z) loss."""
         kwargs = {} if labels is None else {"labels": labels, "z_loss": self.spec.z_loss}
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), \
-                autocast_for(self.device):
+        with meter.counting(), autocast_for(self.device):
             return functional_call(self.module, leaves, (x,), kwargs, strict=True)
 
     def _input(self, mb: int, batches: list[Batch]) -> Tensor:
