@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from relaytrain.parallel.groups import Placement
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped, combine, ledger_parts
 from relaytrain.runtime.wire import StepResult
-from relaytrain.runtime.worker import Placement
 from tests.runtime.conftest import tiny_config
 
 LOSSES = {0: (4.0, 3.9, 0.1), 1: (3.5, 3.4, 0.1), 2: (3.25, 3.2, 0.05), 3: (3.0, 3.0, 0.0)}

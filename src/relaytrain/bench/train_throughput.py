@@ -68,6 +68,7 @@ from relaytrain.model.accounting import flops_per_token, param_count
 from relaytrain.model.config import PRESETS
 from relaytrain.model.hf import ours_to_hf_name
 from relaytrain.model.init import init_weights
+from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.execution import compiles, prepare_model, retain_freed_memory
@@ -98,19 +99,11 @@ def _hf_optimizer(hf: nn.Module, ours: nn.Module, ours_opt: torch.optim.Optimize
 
 def _saved_bytes(run: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> int:
     """Bytes of distinct storages saved for backward by `run()` (parameters excluded)."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    meter = SavedBytes(params)
+    with meter.counting():
         loss = run()
     del loss
-    return sum(seen.values())
+    return meter.nbytes
 
 
 def _minor_faults() -> int:

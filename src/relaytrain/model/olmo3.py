@@ -29,8 +29,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from relaytrain.model.config import FULL, LAYER_TYPES, SLIDING, Olmo3Config
+from relaytrain.model.loss import lm_head_loss
 from relaytrain.model.matmul import MATMUL_BACKENDS, Linear, resolve_matmul
-from relaytrain.train.loss import lm_head_loss
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -358,7 +358,7 @@ class Olmo3(nn.Module):
     `forward` takes token ids [B, T] on the first stage, hidden states [B, T, D] otherwise;
     it returns logits [B, T, tokenizer_vocab] on the last stage, hidden states otherwise.
     Given next-token `labels` [B, T] (last stage only), the last stage returns the loss
-    `(total, ce, z)` instead, from the fused head + loss (`train.loss.lm_head_loss`), which
+    `(total, ce, z)` instead, from the fused head + loss (`model.loss.lm_head_loss`), which
     never holds the whole batch's logits; that is what training calls.
     The head has `vocab_size` (padded) rows; the padded rows are left out of the logits, so
     they get no gradient and never affect the loss.

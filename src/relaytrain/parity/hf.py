@@ -29,8 +29,8 @@ from relaytrain.errors import UserError
 from relaytrain.model.config import PRESETS, SLIDING, Olmo3Config
 from relaytrain.model.hf import VOCAB_ROWS, ours_to_hf_name, ours_to_hf_state, to_hf_config
 from relaytrain.model.init import derive_seed, init_weights
+from relaytrain.model.loss import lm_loss
 from relaytrain.model.olmo3 import Olmo3
-from relaytrain.train.loss import lm_loss
 
 BARS = {"logits": 1e-5, "loss": 1e-5, "grad": 1e-5, "train_loss": 1e-5}
 PARITY_VOCAB = 500  # tokenizer size used when the preset leaves the vocabulary to the data

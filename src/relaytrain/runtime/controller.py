@@ -17,18 +17,19 @@ import yaml
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import RunConfig, load_config
+from relaytrain.config import RunConfig, flatten, load_config
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.order import heldout_ids
 from relaytrain.errors import ConfigError, UserError
 from relaytrain.model.accounting import flops_per_token
+from relaytrain.parallel.pipeline.schedules import asynchronous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
 from relaytrain.runtime.failures import RecoveryLimitExceeded, WorkerFailure
 from relaytrain.runtime.faults import FaultInjector, end_storage_outage, plan_faults
 from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped
-from relaytrain.runtime.worker import pick_device
+from relaytrain.train.execution import pick_device
 from relaytrain.train.metrics import peak_flops, warn
 
 __all__ = ["Controller", "TrainingStopped", "check_resume_compatible", "cli_train"]
@@ -41,8 +42,6 @@ RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "trai
                      "model.checkpointing", "model.compile", "model.matmul")
 
 
-ASYNC_SCHEDULES = ("pipedream", "paci")
-
 
 def make_engine(cfg: RunConfig) -> Engine:
     if cfg.runtime.engine == "ray":
@@ -54,19 +53,9 @@ def make_engine(cfg: RunConfig) -> Engine:
     return InlineEngine()
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k != "overrides":
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
     """A resumed run must keep what defines its curve: model, data order, optimizer, seed."""
-    old, new = _flat(saved), _flat(cfg.to_dict())
+    old, new = flatten(saved), flatten(cfg.to_dict())
     for key in sorted(set(old) | set(new)):
         if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
             continue
@@ -98,9 +87,7 @@ class Controller:
         n_held = self.dataset.split("heldout").num_instances(cfg.seq_len)
         self.eval_ids = [int(i) for i in heldout_ids(n_held, cfg.eval.instances)] \
             if cfg.eval.every > 0 else []
-        self.store = CheckpointStore(cfg.checkpoint.url or
-                                     os.path.join(cfg.run_dir, "checkpoints"),
-                                     keep_last=cfg.checkpoint.keep_last)
+        self.store = CheckpointStore(cfg.checkpoint_url, keep_last=cfg.checkpoint.keep_last)
         self.faults = FaultInjector(plan_faults(cfg.faults, cfg.seed, cfg.train.max_steps,
                                                 cfg.world_size), cfg.faults.slow_seconds)
         self.catalogue = CheckpointCatalogue(self.store, self._manifest_meta,
@@ -181,7 +168,7 @@ class Controller:
         """Steps per dispatch: one, or for asynchronous pipeline schedules a span that ends at
         the next evaluation, checkpoint or fault (the pipeline drains at span ends)."""
         cfg = self.cfg
-        if cfg.parallel.pp == 1 or cfg.parallel.schedule not in ASYNC_SCHEDULES:
+        if cfg.parallel.pp == 1 or not asynchronous(cfg.parallel.schedule):
             return 1
         end = min(step + cfg.parallel.span, cfg.train.max_steps)
         for every in (cfg.eval.every, cfg.checkpoint.every):

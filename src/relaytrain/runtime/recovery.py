@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relaytrain.config import RunConfig
+from relaytrain.parallel.groups import Placement, placements
 from relaytrain.runtime.catalogue import CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
 from relaytrain.runtime.failures import (
@@ -28,7 +29,6 @@ from relaytrain.runtime.failures import (
 )
 from relaytrain.runtime.faults import FaultInjector
 from relaytrain.runtime.reporter import StepReporter
-from relaytrain.runtime.worker import Placement
 from relaytrain.train.metrics import warn
 
 
@@ -60,10 +60,8 @@ class Recovery:
 
     # ---- layout ----------------------------------------------------------------------------
     def placements(self) -> dict[int, Placement]:
-        """Worker id -> its place: rank r is DP rank r % dp of stage r // dp."""
-        dp, pp = self.dp, self.cfg.parallel.pp
-        return {wid: Placement(rank=r, world=dp * pp, dp_rank=r % dp, dp=dp, stage=r // dp,
-                               pp=pp) for r, wid in enumerate(self.members)}
+        """Worker id -> its place in the current generation (`parallel.groups.placements`)."""
+        return placements(self.members, self.dp, self.cfg.parallel.pp)
 
     def writer_parts(self) -> dict[int, str]:
         """Worker id -> checkpoint part: DP rank 0 of every stage writes its stage's tensors."""

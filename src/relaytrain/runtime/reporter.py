@@ -22,8 +22,8 @@ from relaytrain.data.ledger import (
     rollback_record,
     step_record,
 )
+from relaytrain.parallel.groups import Placement
 from relaytrain.runtime.wire import StepResult
-from relaytrain.runtime.worker import Placement
 from relaytrain.train.evaluate import mean_loss
 from relaytrain.train.metrics import MemorisationAlarm, MetricsLog, SpikeDetector, TensorBoard, warn
 from relaytrain.train.optim import lr_at

@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from relaytrain.checkpoint.keys import model_key, tensor_param
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.checkpoint.writer import AsyncCheckpointWriter, snapshot_to_host
 from relaytrain.config import RunConfig, config_from_dict
@@ -25,15 +25,19 @@ from relaytrain.data.loader import Loader
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.model.stages import build_stage, partition_layers
-from relaytrain.parallel.groups import PipelineGroups, form_groups
-from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec, Transport
+from relaytrain.parallel.groups import PipelineGroups, Placement, form_groups
+from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.runtime.faults import RaiseHook
 from relaytrain.runtime.wire import StepResult, WriteReport
 from relaytrain.train.evaluate import heldout_losses
-from relaytrain.train.execution import prepare_model, retain_freed_memory, set_determinism
+from relaytrain.train.execution import (
+    pick_device,
+    prepare_model,
+    retain_freed_memory,
+    set_determinism,
+)
 from relaytrain.train.optim import (
-    OPTIM_PREFIX,
     build_optimizer,
     load_optimizer_state,
     lr_at,
@@ -41,34 +45,6 @@ from relaytrain.train.optim import (
     set_lr,
 )
 from relaytrain.train.step import StepOutcome, train_step
-
-MODEL_PREFIX = "model."
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a worker sits in a generation's layout."""
-
-    rank: int
-    world: int
-    dp_rank: int
-    dp: int
-    stage: int = 0
-    pp: int = 1
-
-
-def pick_device(kind: str) -> torch.device:
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available()
-                            else 0)
-    return torch.device("cpu")
-
-
-def tensor_param(key: str) -> str:
-    """The parameter a checkpoint tensor belongs to: `model.<name>` or `optim.<name>.<state>`."""
-    if key.startswith(MODEL_PREFIX):
-        return key[len(MODEL_PREFIX):]
-    return key[len(OPTIM_PREFIX):].rsplit(".", 1)[0]
 
 
 class Worker:
@@ -91,15 +67,12 @@ class Worker:
         self.reducer: GradReducer | None = None
         self.groups: PipelineGroups | None = None  # pp > 1: this generation's groups
         self.pipeline: StageRunner | None = None  # pp > 1: this stage's schedule runner
-        self.store = CheckpointStore(self.checkpoint_url())
+        self.store = CheckpointStore(self.cfg.checkpoint_url)
         self.writer = AsyncCheckpointWriter(self.store)
         self._pending: list[tuple[int, str, Any]] = []
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._layout: tuple[int, int] | None = None
         self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
-
-    def checkpoint_url(self) -> str:
-        return self.cfg.checkpoint.url or os.path.join(self.cfg.run_dir, "checkpoints")
 
     # ---- membership ------------------------------------------------------------------------
     def ping(self) -> int:
@@ -209,18 +182,18 @@ class Worker:
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         assert self.model is not None and self.optimizer is not None
         params = dict(self.model.named_parameters())
-        missing = [n for n in params if MODEL_PREFIX + n not in tensors]
+        missing = [n for n in params if model_key(n) not in tensors]
         if missing:
             raise KeyError(f"checkpoint lacks parameter {missing[0]!r}")
         with torch.no_grad():
             for name, p in params.items():
-                p.copy_(tensors[MODEL_PREFIX + name].to(p.dtype))
+                p.copy_(tensors[model_key(name)].to(p.dtype))
         self.optimizer.state.clear()  # nothing of the live run survives a restore
         load_optimizer_state(self.model, self.optimizer, tensors)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         assert self.model is not None and self.optimizer is not None
-        out = {MODEL_PREFIX + n: p.detach() for n, p in self.model.named_parameters()}
+        out = {model_key(n): p.detach() for n, p in self.model.named_parameters()}
         out.update(optimizer_state_tensors(self.model, self.optimizer))
         return out
 

@@ -1,8 +1,8 @@
 """Event-driven simulation of per-stage action lists: makespan, bubble, throughput, deadlocks.
 
-It executes the lists under the runtime's rules — each stage runs its list in order, a receive
+It executes the lists under the executor's rules — each stage runs its list in order, a receive
 blocks until the neighbour's send has arrived, sends are buffered — with given per-stage costs.
-The runtime posts each receive ahead (`runtime.Transport`), so a transfer travels on the link
+The executor posts each receive ahead (`executor.Transport`), so a transfer travels on the link
 while both stages compute: an action's input is there at the producer's end plus the transfer
 time, and no stage is charged for the transfer itself.
 That proves a schedule deadlock-free and gives its time per step, which the benchmark multiplies

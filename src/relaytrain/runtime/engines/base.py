@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from relaytrain.parallel.groups import Placement
     from relaytrain.runtime.wire import StepResult, WriteReport
-    from relaytrain.runtime.worker import Placement
 
 
 class WorkerAPI(Protocol):

@@ -1,4 +1,5 @@
-"""Language-model loss: cross-entropy in fp32 plus OLMo's z-loss.
+"""Language-model loss: cross-entropy in fp32 plus OLMo's z-loss. Part of the model, not of
+training: the last stage's forward returns it when given labels (the fused head + loss).
 
 The z-loss, `z_loss * logsumexp(logits)^2`, keeps the softmax normaliser near 1 so bf16
 logits do not drift; it is reported apart from the cross-entropy so curves stay comparable with
