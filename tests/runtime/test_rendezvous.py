@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -53,6 +55,36 @@ def test_a_store_on_a_node_address_listens_there_and_nowhere_else(monkeypatch):
     assert server.get("k") == b"v"
     iface = os.environ["GLOO_SOCKET_IFNAME"]
     assert iface != "lo" and rendezvous.interface_of(address) == iface
+
+
+RANK = """
+import sys, torch.distributed as dist
+from relaytrain.runtime import rendezvous
+host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo", store=rendezvous.join(host, port, 30), rank=rank, world_size=2)
+print("ready", flush=True)
+sys.stdin.read()
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_listens_on_the_interface_that_reaches_the_store():
+    """A store on this machine's network address (as on an existing cluster): both ranks' gloo
+    listen on that address, not on loopback (where this host's name resolves) nor everywhere."""
+    address = _external_address()
+    server = rendezvous.serve(address)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, address, str(server.port), str(r)],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        assert [p.stdout.readline() for p in ranks] == ["ready\n"] * 2
+        found = {(s.address, s.process) for p in ranks for s in listening_sockets(p.pid)}
+    finally:
+        for p in ranks:
+            p.communicate("", timeout=30)
+    assert found == {(address, "python")}, found
+    assert [p.returncode for p in ranks] == [0, 0]
 
 
 def test_an_address_no_interface_holds_is_an_error():
