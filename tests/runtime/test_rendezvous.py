@@ -34,7 +34,7 @@ def _external_address() -> str:
 
 def test_a_private_store_listens_on_loopback_only_and_serves_its_clients(monkeypatch):
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "eth0")  # a user's setting cannot take a private run off lo
     server = rendezvous.serve("127.0.0.1")
     assert [(s.address, s.port) for s in _mine(server.port)] == [("127.0.0.1", server.port)]
     client = rendezvous.join("127.0.0.1", server.port, timeout_s=10)
@@ -55,6 +55,9 @@ def test_a_store_on_a_node_address_listens_there_and_nowhere_else(monkeypatch):
     assert server.get("k") == b"v"
     iface = os.environ["GLOO_SOCKET_IFNAME"]
     assert iface != "lo" and rendezvous.interface_of(address) == iface
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")  # a network the user chose is kept
+    rendezvous.join(address, server.port, timeout_s=10)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "ib0"
 
 
 RANK = """

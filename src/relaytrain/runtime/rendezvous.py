@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 LISTEN_BACKLOG = 1024  # workers connect all at once at a generation's start
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # read by torch's gloo, by NCCL
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -75,8 +76,11 @@ def interface_of(address: str) -> str:
 
 def join(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """Connect to the generation's store; this process's collectives will listen on the
-    interface that reaches it (read when a process group is created)."""
-    iface = interface_of(local_address(host))
-    os.environ["GLOO_SOCKET_IFNAME"] = iface
-    os.environ["NCCL_SOCKET_IFNAME"] = iface
+    interface that reaches it (read when a process group is created). Off loopback, an
+    interface the user named (e.g. a faster network) is kept: it is one interface too."""
+    local = local_address(host)
+    iface = interface_of(local)
+    for var in IFNAME_VARS:
+        if ipaddress.ip_address(local).is_loopback or var not in os.environ:
+            os.environ[var] = iface
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
