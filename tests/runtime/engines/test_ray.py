@@ -64,6 +64,8 @@ def test_every_socket_of_a_private_cluster_run_listens_on_loopback_only(tmp_path
             while proc.poll() is None and not (
                     (run / "metrics.jsonl").exists() and step_records(run)):
                 time.sleep(0.05)
+            log.seek(0)
+            assert proc.poll() is None, f"the run ended before step 2:\n{log.read()}"
             os.kill(proc.pid, signal.SIGSTOP)
             try:
                 sockets = listening_sockets(proc.pid)
