@@ -29,7 +29,7 @@ def test_a_stopped_worker_is_named_hung_at_once_while_a_peer_failure_settles(
     os.kill(engine.pid(stopped), signal.SIGSTOP)
     try:
         with pytest.raises(WorkerHung) as hung:
-            engine.call({alive: ("ping", ()), stopped: ("ping", ())}, timeout=1.0)
+            engine.call({alive: lambda w: w.ping(), stopped: lambda w: w.ping()}, timeout=1.0)
         assert hung.value.wid == stopped
         # Its call is still outstanding. Settling must not wait the whole timeout for it (the
         # suite's deadline is shorter than that): one unanswered ping names it.
