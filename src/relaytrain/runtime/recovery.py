@@ -17,6 +17,7 @@ from typing import Any
 
 from relaytrain.config import RunConfig
 from relaytrain.parallel.groups import Placement, placements
+from relaytrain.runtime import rendezvous
 from relaytrain.runtime.catalogue import CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
 from relaytrain.runtime.failures import (
@@ -86,9 +87,7 @@ class Recovery:
         timeout = self.cfg.runtime.setup_timeout
         host, port = self.engine.store_host(), None
         if len(self.members) > 1:
-            import torch.distributed as dist
-
-            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            self._store = rendezvous.serve(host)
             port = self._store.port
         generation, collective_timeout = self.generation, self.cfg.runtime.collective_timeout
 

@@ -28,6 +28,7 @@ from relaytrain.model.stages import build_stage, partition_layers
 from relaytrain.parallel.groups import PipelineGroups, Placement, form_groups
 from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
+from relaytrain.runtime import rendezvous
 from relaytrain.runtime.faults import RaiseHook
 from relaytrain.runtime.wire import StepResult, WriteReport
 from relaytrain.train.evaluate import heldout_losses
@@ -88,8 +89,7 @@ class Worker:
         self.generation = generation
         self.placement = placement
         if placement.world > 1:
-            base = dist.TCPStore(store_host, store_port, is_master=False,
-                                 timeout=timedelta(seconds=timeout_s))
+            base = rendezvous.join(store_host, store_port, timeout_s)
             store = dist.PrefixStore(f"gen{generation}", base)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=store, rank=placement.rank,
