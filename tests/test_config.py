@@ -2,7 +2,7 @@
 
 import pytest
 
-from relaytrain.config import config_from_dict, load_config
+from relaytrain.config import config_from_dict, flatten, load_config
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS
 
@@ -106,3 +106,26 @@ def test_execution_keys_default_to_auto_and_reject_what_cannot_run():
         load_config(None, ["model.attention=flex", "train.device=cpu"])
     assert load_config(None, ["model.attention=flex", "train.device=cuda"]).model.attention \
         == "flex"
+
+
+def test_a_runs_checkpoints_go_to_checkpoint_url_else_run_dir_checkpoints():
+    assert load_config(None, ["run_dir=runs/a"]).checkpoint_url == "runs/a/checkpoints"
+    assert load_config(None, ["run_dir=runs/a", "checkpoint.url=s3://b/ck"]).checkpoint_url \
+        == "s3://b/ck"
+
+
+def test_flatten_gives_dotted_keys_with_model_overrides_as_one_value():
+    tree = {"train": {"max_steps": 5}, "eval": {},
+            "model": {"preset": "tiny", "overrides": {"n_layers": 3}}}
+    assert flatten(tree) == {"train.max_steps": 5, "model.preset": "tiny",
+                             "model.overrides": {"n_layers": 3}}
+    assert flatten(load_config(None, ["run_dir=x"]).to_dict())["parallel.paci.a"] == 1
+
+
+def test_a_pipeline_layout_must_fit_the_model():
+    with pytest.raises(ConfigError, match=r"'parallel.pp': got 4, expected 1 .. model n_layers=3"):
+        load_config(None, ["model.n_layers=3", "parallel.pp=4", "runtime.engine=ray"])
+    with pytest.raises(ConfigError, match=r"'parallel.stage_layers': got \[1, 1\], expected 2 "
+                                          "positive counts summing to n_layers=3"):
+        load_config(None, ["model.n_layers=3", "parallel.pp=2", "parallel.stage_layers=[1,1]",
+                           "runtime.engine=ray"])

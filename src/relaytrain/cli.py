@@ -1,4 +1,4 @@
-"""The `relaytrain` command line (DESIGN.md "Command line").
+"""The `relaytrain` command line (README.md "Command line").
 
 Each subcommand's handler lives in the module that owns the concern and is imported lazily, so
 `relaytrain --help` stays fast and a subcommand only loads what it uses.
@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from relaytrain.errors import UserError
 
@@ -31,7 +32,13 @@ HANDLERS = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relaytrain", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_data, _add_train, _add_eval, _add_parity, _add_convert, _add_plot,
+                _add_bench, _add_compare):
+        add(sub)
+    return p
 
+
+def _add_data(sub: Any) -> None:
     data = sub.add_parser("data", help="prepare or index token files; audit a run's data use")
     dsub = data.add_subparsers(dest="data_command", required=True)
     prep = dsub.add_parser("prepare", help="tokenize text into token files and a JSON index")
@@ -91,18 +98,24 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--json", action="store_true")
     audit.set_defaults(handler="data.audit")
 
+
+def _add_train(sub: Any) -> None:
     train = sub.add_parser("train", help="train (or resume) a run")
     train.add_argument("config", metavar="CONFIG.yaml")
     train.add_argument("overrides", nargs="*", metavar="key=value")
     train.add_argument("--json", action="store_true")
     train.set_defaults(handler="train")
 
+
+def _add_eval(sub: Any) -> None:
     ev = sub.add_parser("eval", help="evaluate a checkpoint on the held-out split")
     ev.add_argument("target", metavar="RUN_DIR|CHECKPOINT")
     ev.add_argument("--data", default=None, help="prepared data dir (default: the run's)")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(handler="eval")
 
+
+def _add_parity(sub: Any) -> None:
     par = sub.add_parser("parity", help="numerical parity with reference implementations")
     psub = par.add_subparsers(dest="parity_command", required=True)
     phf = psub.add_parser("hf", help="against HF transformers' Olmo3ForCausalLM")
@@ -115,17 +128,23 @@ def build_parser() -> argparse.ArgumentParser:
     phf.add_argument("--json", action="store_true")
     phf.set_defaults(handler="parity.hf")
 
+
+def _add_convert(sub: Any) -> None:
     conv = sub.add_parser("convert", help="HF Olmo 3 <-> relaytrain checkpoint")
     conv.add_argument("direction", choices=["hf-to-relay", "relay-to-hf"])
     conv.add_argument("src", metavar="SRC")
     conv.add_argument("dst", metavar="DST")
     conv.set_defaults(handler="convert")
 
+
+def _add_plot(sub: Any) -> None:
     plot = sub.add_parser("plot", help="plot a run's curves to a PNG")
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("--out", default=None, metavar="FILE.png")
     plot.set_defaults(handler="plot")
 
+
+def _add_bench(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench.add_argument("name", metavar="NAME")
     bench.add_argument("--device", default="cpu")
@@ -137,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gpu: run only these sections (comma-separated)")
     bench.set_defaults(handler="bench")
 
+
+def _add_compare(sub: Any) -> None:
     cmp_ = sub.add_parser("compare", help="hold a run's curve against a reference",
                           description="Compare a run's curve with a reference run point by "
                           "point; exit 0 within the tolerance, 1 outside, 2 on bad input.")
@@ -161,7 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also draw both curves and their difference")
     cmp_.add_argument("--json", action="store_true")
     cmp_.set_defaults(handler="compare")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,8 +17,11 @@ from typing import Any, Literal
 
 import yaml
 
+from relaytrain.checkpoint.store import run_checkpoint_url
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS, Olmo3Config
+from relaytrain.model.stages import check_layout
+from relaytrain.parallel.pipeline.schedules import ScheduleName
 from relaytrain.storage import redact, scheme
 
 
@@ -84,6 +87,9 @@ class CheckpointSection:
     url: str | None = None  # any fsspec URL; None: RUN_DIR/checkpoints
     keep_last: int = 3
     async_write: bool = True
+    # When every checkpoint of the run directory fails verification the run stops (exit 2)
+    # rather than silently spend its compute again; true trains again from step 0.
+    start_over: bool = False
 
 
 @dataclass
@@ -98,7 +104,7 @@ class PaciSection:
 class ParallelSection:
     dp: int = 1
     pp: int = 1
-    schedule: Literal["gpipe", "1f1b", "pipedream", "paci"] = "1f1b"
+    schedule: ScheduleName = "1f1b"
     stage_layers: list[int] | None = None  # layers per stage; None: balanced by cost
     # Steps per dispatch for asynchronous schedules. The pipeline drains at each end (a consistent
     # cut), which costs about (S-1)/(span x micro-batches) of the time, and a failure loses the
@@ -187,6 +193,10 @@ class RunConfig:
     @property
     def seq_len(self) -> int:
         return self.data.seq_len or self.model_config().max_seq_len
+
+    @property
+    def checkpoint_url(self) -> str:
+        return run_checkpoint_url(self.run_dir, self.checkpoint.url)
 
     @property
     def world_size(self) -> int:
@@ -367,8 +377,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of keys, "
                               f"got {type(loaded).__name__}")
-        for key, value in _flatten(loaded):
-            _apply_override(tree, key, value)
+        for key, value in flatten(loaded).items():
+            _apply_override(tree, key.split("."), value)
     for text in overrides:
         key, value = parse_override(text)
         _apply_override(tree, key, value)
@@ -384,17 +394,16 @@ def config_from_dict(d: dict[str, Any]) -> RunConfig:
     return cfg
 
 
-def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[list[str], Any]]:
-    out: list[tuple[list[str], Any]] = []
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config tree as its dotted keys: `{"a": {"b": 1}}` -> `{"a.b": 1}`. `model.overrides`
+    (a mapping of architecture fields) is one value; an empty section has no keys."""
+    out: dict[str, Any] = {}
     for k, v in tree.items():
-        key = (*prefix, str(k))
-        # Sections recurse; leaf mappings (model.overrides) are values.
-        if isinstance(v, dict) and key not in (("model", "overrides"),):
-            if not v:
-                continue
-            out.extend(_flatten(v, key))
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and key != "model.overrides":
+            out.update(flatten(v, key + "."))
         else:
-            out.append((list(key), v))
+            out[key] = v
     return out
 
 
@@ -456,13 +465,7 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.micro_batches % p.dp == 0,
          f"config key 'parallel.dp': got {p.dp}, but the {cfg.micro_batches} micro-batches of a "
          "global batch (train.global_batch / train.micro_batch) must split evenly over dp ranks")
-    need(p.pp <= m.n_layers, f"config key 'parallel.pp': got {p.pp}, expected <= "
-         f"model n_layers={m.n_layers}")
-    if p.stage_layers is not None:
-        need(len(p.stage_layers) == p.pp and sum(p.stage_layers) == m.n_layers
-             and min(p.stage_layers) >= 1,
-             f"config key 'parallel.stage_layers': got {p.stage_layers}, expected {p.pp} "
-             f"positive counts summing to n_layers={m.n_layers}")
+    check_layout(m.n_layers, p.pp, p.stage_layers)
     need(p.paci.a >= 1, f"config key 'parallel.paci.a': got {p.paci.a}, expected >= 1")
     need(cfg.world_size == 1 or cfg.runtime.engine == "ray",
          f"config key 'runtime.engine': got 'inline', but parallel.dp x parallel.pp = "
@@ -499,7 +502,7 @@ def _validate_faults(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
          "runtime.engine=ray: the inline engine cannot replace its only worker")
     need(f.storage_outage_seconds > 0, "config key 'faults.storage_outage_seconds': got "
          f"{f.storage_outage_seconds}, expected > 0")
-    url = cfg.checkpoint.url or ""
+    url = cfg.checkpoint_url
     need(not f.storage_outage_at or scheme(url) == "file", "config key "
          "'faults.storage_outage_at' works on a local checkpoint root (a path or file://), but "
          f"checkpoint.url is {redact(url)!r}; make an object store unavailable from outside "

@@ -39,7 +39,7 @@ class RunLog:
         by_kind: dict[str, dict[int, dict[str, Any]]] = {"step": {}, "eval": {}}
         events = []
         for rec in records:
-            kind = rec.get("kind", "step")  # DESIGN.md: a bare record per step is a step record
+            kind = rec.get("kind", "step")  # a record without a kind is a step
             if kind in by_kind:
                 step = rec.get("step")
                 if not isinstance(step, int) or isinstance(step, bool):

@@ -90,35 +90,6 @@ def filesystem(url: str, options: Mapping[str, Any] | None = None,
         raise StorageError(_missing_backend(url, e)) from None
 
 
-def check_access(url: str, options: Mapping[str, Any] | None = None) -> None:
-    """Fail early, in one line, when `url`'s bucket cannot be reached or does not exist.
-
-    One metadata request (after the client library's own retries); local paths always pass.
-    """
-    fs, path = filesystem(url, options)
-    if not _backend(url):
-        return
-    bucket = path.split("/", 1)[0]
-    where = describe(url, options)
-    try:
-        fs.info(bucket)
-    except FileNotFoundError:
-        raise StorageError(f"{where}: bucket {bucket!r} does not exist") from None
-    except PermissionError as e:
-        raise StorageError(f"{where}: access to bucket {bucket!r} denied ({_one_line(e)}); "
-                           "check the credentials in the environment") from None
-    except Exception as e:  # whatever the client library raises: this storage is unusable
-        what = "unreachable" if is_transient(e) else "cannot be used"
-        raise StorageError(f"{where}: {what} ({type(e).__name__}: {_one_line(e)})") from None
-
-
-def describe(url: str, options: Mapping[str, Any] | None = None) -> str:
-    """`url` and its endpoint, if not the provider's default, for messages (secrets removed)."""
-    endpoint = storage_options(url, options).get("endpoint_url")
-    shown = redact(url)
-    return f"{shown} (endpoint {redact(endpoint)})" if endpoint else shown
-
-
 def redact(value: Any) -> Any:
     """`value` with credentials replaced by "***": user:password in URLs, secret-looking query
     parameters (presigned URLs) and option keys, recursively through dicts and lists."""

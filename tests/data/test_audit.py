@@ -45,15 +45,16 @@ class Run:
                  order: str = "relay", seq: int = SEQ) -> None:
         self.dir, self.data, self.loader_cls = run_dir, data, loader
         self.order, self.seq = order, seq
-        self.split = TokenDataset.open(data).split("train")
+        self.dataset = TokenDataset.open(data)
+        self.split = self.dataset.split("train")
         self.ledger = LedgerWriter(run_dir)
         self.loaders: list[Loader] = []
 
     def header(self, dp: int) -> dict:
         return header_record(seed=SEED, global_batch=B, micro_batch=M, seq_len=self.seq,
                              n_instances=self.split.num_instances(self.seq),
-                             fingerprint=self.split.fingerprint, data_path=str(self.data), dp=dp,
-                             order=self.order)
+                             fingerprint=self.dataset.fingerprint, data_path=str(self.data),
+                             dp=dp, order=self.order)
 
     def start(self, dp: int) -> Run:
         """A start, resume, recovery or resize: fresh loaders and a header."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,7 @@ from tokenizers import Tokenizer, models
 
 from relaytrain.cli import main
 from relaytrain.data import prepare as prep
-from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.dataset import TokenDataset, sha256_file
 from relaytrain.data.prepare import is_heldout, prepare
 from relaytrain.errors import DataError
 
@@ -44,8 +43,9 @@ def test_prepared_directory_follows_the_contract(prepared: Path):
         assert (prepared / split["doc_offsets"]).is_file()
         assert (prepared / split["doc_hashes"]).is_file()
     assert set(index["files"]) == {p.name for p in prepared.iterdir()} - {"index.json"}
+    for name, meta in index["files"].items():
+        assert sha256_file(prepared / name) == meta["sha256"]
     ds = TokenDataset.open(prepared)
-    ds.verify()
     assert ds.fingerprint == index["fingerprint"] and ds.vocab_size == 300
 
 
@@ -219,13 +219,7 @@ def test_a_given_tokenizer_file_or_directory_is_used_as_is(prepared: Path, corpu
         prepare([str(corpus / "*.txt")], tmp_path / f"d{i}", str(tok), heldout_frac=0.2)
         again = TokenDataset.open(tmp_path / f"d{i}")
         assert again.fingerprint == ds.fingerprint  # same tokenizer, same data: same bytes
-        again.check_tokenizer(tok)
-    other = tmp_path / "other.json"
-    shutil.copy(ds.tokenizer_path, other)
-    with other.open("a") as f:
-        f.write(" ")
-    with pytest.raises(DataError, match="is not the one"):
-        ds.check_tokenizer(other)
+        assert again.tokenizer_sha256 == ds.tokenizer_sha256
 
 
 def test_special_token_text_in_a_document_is_not_eos(prepared: Path, tmp_path):

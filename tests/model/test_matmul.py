@@ -13,6 +13,7 @@ from relaytrain.config import load_config
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS
 from relaytrain.model.init import init_weights
+from relaytrain.model.loss import lm_head_loss, lm_loss
 from relaytrain.model.matmul import (
     Linear,
     add_weight_grad,
@@ -23,7 +24,6 @@ from relaytrain.model.matmul import (
     weight_grad,
 )
 from relaytrain.model.olmo3 import Olmo3
-from relaytrain.train.loss import lm_head_loss, lm_loss
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

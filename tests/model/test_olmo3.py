@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from relaytrain.model.config import FULL, PRESETS, SLIDING
 from relaytrain.model.init import init_weights
+from relaytrain.model.loss import lm_loss
 from relaytrain.model.olmo3 import (
     Olmo3,
     RMSNorm,
@@ -16,7 +17,6 @@ from relaytrain.model.olmo3 import (
     rope_cos_sin,
     sliding_window_mask,
 )
-from relaytrain.train.loss import lm_loss
 
 torch.set_num_threads(1)
 TINY = PRESETS["tiny"].with_vocab(500)  # 2 layers: sliding (window 16), full; vocab 500 -> 512
@@ -277,7 +277,7 @@ def test_init_is_truncated_normal_with_unit_norms():
 
 def test_given_labels_the_model_returns_the_loss_of_its_logits():
     """forward(x, labels) = lm_loss(forward(x), labels) in value and in every gradient, with
-    padded head rows and ignored tokens (chunking itself: tests/train/test_loss.py)."""
+    padded head rows and ignored tokens (chunking itself: tests/model/test_loss.py)."""
     m = model_of(TINY)
     g = torch.Generator().manual_seed(4)
     x = torch.randint(0, 500, (3, 21), generator=g)

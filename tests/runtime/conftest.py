@@ -53,15 +53,14 @@ def step_records(run_dir: Path | str) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """One private Ray cluster per test module, 4 CPUs (one per worker), token-authenticated.
+    """One private Ray cluster per test module, 4 CPUs (one per worker), token-authenticated
+    and on loopback, as the engine would start it.
 
     The Ray engine uses an initialised Ray as it finds it, so runs in the module skip the
     cluster start-up."""
-    import os
-    import secrets
+    from relaytrain.runtime.engines.ray import _import_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    _import_ray(private_cluster=True)
     import ray
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",

@@ -78,7 +78,9 @@ def test_scale_down_without_a_replacement_then_grow_back(tmp_path, corpus_data, 
     [rec] = _records(run, "recovery")
     assert rec["dp"] == 3  # 12 micro-batches over the 3 survivors
     [grow] = _records(run, "resize")
-    assert grow["dp"] == 4 and grow["step"] > rec["step"]
+    # The recovery record is written at the first step after the shrink; the growth comes at
+    # that step's boundary or later, once the held capacity is released (timing-dependent).
+    assert grow["dp"] == 4 and grow["step"] >= rec["step"]
     assert summary["dp"] == 4
     a, b = step_records(fault_free), step_records(run)
     assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]

@@ -12,7 +12,8 @@ import torch
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.cli import main
 from relaytrain.config import FaultsSection
-from relaytrain.runtime.controller import Controller, PendingCheckpoint
+from relaytrain.runtime.catalogue import PendingCheckpoint
+from relaytrain.runtime.controller import Controller
 from relaytrain.runtime.faults import (
     OUTAGE_SUFFIX,
     InjectedFault,
@@ -99,19 +100,19 @@ def test_training_rides_out_a_storage_outage_to_the_same_bits(tmp_path, corpus_d
 
 def test_a_commit_that_meets_an_outage_waits_for_storage_and_is_never_half_done(
         tmp_path, corpus_data, capsys):
-    ctl = Controller(tiny_config(tmp_path / "run", corpus_data))
-    part = ctl.store.write_part(2, "stage0", {"model.w": torch.ones(4)})
-    ctl.pending = [PendingCheckpoint(2, parts={"stage0": part}, expected={"stage0"})]
-    start_storage_outage(ctl.store.url)
-    ctl._commit_ready()  # what the controller does after every step
-    ctl._commit_ready()
-    assert [p.step for p in ctl.pending] == [2] and ctl.last_committed == 0
+    cat = Controller(tiny_config(tmp_path / "run", corpus_data)).catalogue
+    part = cat.store.write_part(2, "stage0", {"model.w": torch.ones(4)})
+    cat.pending = [PendingCheckpoint(2, parts={"stage0": part}, expected={"stage0"})]
+    start_storage_outage(cat.store.url)
+    cat.commit_ready()  # what the controller does after every step
+    cat.commit_ready()
+    assert [p.step for p in cat.pending] == [2] and cat.last_committed == 0
     assert capsys.readouterr().err.count("checkpoint step 2: storage unavailable") == 1
-    end_storage_outage(ctl.store.url)
-    assert ctl.store.committed_steps() == []  # nothing was committed while it was down
-    ctl._commit_ready()
-    assert ctl.pending == [] and ctl.last_committed == 2
-    assert ctl.store.verify(2)["step"] == 2
+    end_storage_outage(cat.store.url)
+    assert cat.store.committed_steps() == []  # nothing was committed while it was down
+    cat.commit_ready()
+    assert cat.pending == [] and cat.last_committed == 2
+    assert cat.store.verify(2)["step"] == 2
 
 
 def test_a_run_killed_during_an_outage_gets_its_storage_back_on_resume(tmp_path, corpus_data,

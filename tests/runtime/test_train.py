@@ -182,6 +182,29 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, c
     assert os.path.exists(run / "checkpoints" / "step_00000007" / "manifest.json")
 
 
+def test_a_run_whose_checkpoints_all_fail_verification_stops_unless_told_to_start_over(
+        tmp_path, corpus_data, capsys):
+    run = tmp_path / "run"
+    Controller(tiny_config(run, corpus_data, "train.max_steps=4", "checkpoint.every=2",
+                           "eval.every=0")).run()
+    for step in (2, 4):
+        part = run / "checkpoints" / f"step_{step:08d}" / "stage0.safetensors"
+        data = bytearray(part.read_bytes())
+        data[-10] ^= 0xFF
+        part.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    args = ["train", "configs/tiny.yaml", f"run_dir={run}", f"data.path={corpus_data}",
+            "log.progress=false", "eval.every=0", "train.max_steps=6"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "every checkpoint" in err[0] and "step 4" in err[0] \
+        and "step 2" in err[0] and "checkpoint.start_over=true" in err[0]
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    summary = Controller(tiny_config(run, corpus_data, "train.max_steps=6", "eval.every=0",
+                                     "checkpoint.start_over=true")).run()
+    assert summary["resumed_from"] == 0
+
+
 def test_compare_separates_runs_with_different_seeds(tmp_path, corpus_data, capsys):
     a, b = tmp_path / "seed0", tmp_path / "seed1"
     Controller(tiny_config(a, corpus_data, "train.max_steps=4", "seed=0")).run()

@@ -100,27 +100,6 @@ def test_client_library_errors_are_classified() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_unreachable_storage_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from relaytrain.bench.storage import free_port
-
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI")
-    fast = {"config_kwargs": {"retries": {"max_attempts": 1}}}
-    with pytest.raises(StorageError, match=r"s3://bucket/ckpt \(endpoint http://127\.0\.0\.1:"
-                                           r"\d+\): unreachable \(EndpointConnectionError") as e:
-        storage.check_access("s3://bucket/ckpt", fast)
-    assert "\n" not in str(e.value) and "wJalrXUtnFEMI" not in str(e.value)
-
-
-@pytest.mark.timeout(60)
-def test_missing_bucket_is_named(s3_server) -> None:
-    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist"):
-        storage.check_access("s3://no-such-bucket/ckpt")
-    storage.check_access(s3_server.url("ckpt"))  # the fixture's bucket exists
-
-
-@pytest.mark.timeout(60)
 def test_secrets_never_reach_the_logs(s3_server, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     store = CheckpointStore(s3_server.url("ckpt"))

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from relaytrain.checkpoint.keys import model_key, optim_key
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.checkpoint.writer import snapshot_to_host
 from relaytrain.errors import UserError
@@ -55,10 +56,10 @@ def training_state(cfg: Olmo3Config, seed: int = 0) -> dict[str, dict[str, torch
     g = torch.Generator().manual_seed(seed)
     model, optim = {}, {}
     for name, shape in param_shapes(cfg).items():
-        model[f"model.{name}"] = torch.randn(shape, generator=g)
-        optim[f"optim.{name}.exp_avg"] = torch.randn(shape, generator=g)
-        optim[f"optim.{name}.exp_avg_sq"] = torch.rand(shape, generator=g)
-        optim[f"optim.{name}.step"] = torch.tensor(1000.0)
+        model[model_key(name)] = torch.randn(shape, generator=g)
+        optim[optim_key(name, "exp_avg")] = torch.randn(shape, generator=g)
+        optim[optim_key(name, "exp_avg_sq")] = torch.rand(shape, generator=g)
+        optim[optim_key(name, "step")] = torch.tensor(1000.0)
     return {"model": model, "optim": optim}
 
 

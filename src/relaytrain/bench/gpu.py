@@ -47,10 +47,10 @@ from relaytrain.config import ModelSection, OptimSection, TrainSection, load_con
 from relaytrain.errors import UserError
 from relaytrain.model.accounting import flops_per_token, param_count
 from relaytrain.model.config import PRESETS, Olmo3Config
+from relaytrain.model.loss import GPU_CHUNK_ELEMENTS
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.execution import CUBLAS_WORKSPACE, prepare_model
-from relaytrain.train.loss import GPU_CHUNK_ELEMENTS
 from relaytrain.train.metrics import peak_flops
 from relaytrain.train.optim import build_optimizer
 from relaytrain.train.step import train_step

@@ -6,7 +6,7 @@ Two layers, kept apart so that neither hides the other:
 - **Real.** The `small` preset trained through the controller on the Ray engine (gloo) with
   S = 2 and S = 4 stages (S = 2 only with `quick`), one run per schedule: time per step,
   throughput, each stage's bubble and peak memory (as the runtime measures them,
-  `parallel/pipeline/runtime.py`), held-out loss against steps and against training time. One
+  `parallel/pipeline/executor.py`), held-out loss against steps and against training time. One
   worker per stage with one thread: on a 2-core machine S = 2 has a core per stage, S = 4 puts
   two stages on each core. The asynchronous schedules update every `a` = M micro-batches (one
   update per global batch, like the flush schedules, so all four take the same optimizer steps
@@ -34,15 +34,7 @@ schedule reaches: the highest of the schedules' best held-out losses (interpolat
 evaluations). The machine's load averages before and after are recorded: on a shared machine the
 real timings carry other people's work.
 
-Measured (`relaytrain bench pipeline`, 384 s, load 0.7-3.5 on 2 cores): paci's simulated
-utilisation at S = 8 is 0.96 (target 0.90; 0.89 at S = 32), its memory equals 1f1b's at S = 2
-and 4, its time per step at S = 8 is 1.78x faster than gpipe's (the best flush schedule) and its
-time to the target held-out loss (5.759, paci's own at step 128 at S = 4) 1.57x (target 1.4):
-the flush schedules reach it at step 113.5. The steps paci loses to staleness did not grow with
-the run: over 64 steps (this bench's length before) it needed 64 to the flush schedules' 46
-(18 behind, 1.27x), over 128 steps 14.5 behind; at S = 2 it ends below them (5.671 vs
-5.717). Posting receives ahead made a real S = 2 paci step 1.17x faster (0.216 s vs 0.251 s,
-interleaved A/B on the same processes). `--quick` (47 s, S = 2 only) gave 0.96 and 1.65x.
+What it gave is in the README's "Measured" section, dated.
 """
 
 from __future__ import annotations
@@ -63,11 +55,16 @@ from typing import Any
 
 from relaytrain.config import ParallelSection, load_config
 from relaytrain.data.prepare import prepare
-from relaytrain.parallel.pipeline.schedules import SCHEDULES, Schedule, build_schedule
+from relaytrain.parallel.pipeline.schedules import (
+    FLUSH_SCHEDULES,
+    SCHEDULES,
+    Schedule,
+    asynchronous,
+    build_schedule,
+)
 from relaytrain.parallel.pipeline.simulate import Costs, simulate
 
 SIM_STAGES = (4, 8, 16, 32)
-FLUSH = ("gpipe", "1f1b")
 TARGETS = {"paci_utilisation": 0.90, "paci_memory_vs_1f1b": 1.10, "paci_speedup_at_8": 1.40}
 
 
@@ -179,7 +176,7 @@ def _real_run(setup: Setup, S: int, name: str, data: str, runs: Path, ckpt: Path
     shutil.rmtree(run_dir, ignore_errors=True)  # an old run there would be resumed
     shutil.rmtree(ckpt, ignore_errors=True)
     M = setup.global_batch // setup.micro_batch
-    asynchronous = [] if name in FLUSH else [f"parallel.paci.a={M}"]
+    paci_a = [f"parallel.paci.a={M}"] if asynchronous(name) else []
     cfg = load_config(None, [
         f"run_dir={run_dir}", f"data.path={data}", "model.preset=small",
         f"data.seq_len={setup.seq_len}", f"train.max_steps={setup.steps}",
@@ -189,11 +186,11 @@ def _real_run(setup: Setup, S: int, name: str, data: str, runs: Path, ckpt: Path
         "eval.memo_gap=1e9",  # early in training held-out and training loss differ a lot
         "checkpoint.every=0", f"checkpoint.url={ckpt}", f"parallel.pp={S}",
         f"parallel.schedule={name}", f"parallel.span={setup.eval_every}",
-        "runtime.engine=ray", "log.progress=false", *asynchronous])
+        "runtime.engine=ray", "log.progress=false", *paci_a])
     t0 = time.perf_counter()
     Controller(cfg, quiet=True).run()
     run_s = time.perf_counter() - t0
-    return {**summarise_run(run_dir, S, 1 if name in FLUSH else setup.eval_every),
+    return {**summarise_run(run_dir, S, setup.eval_every if asynchronous(name) else 1),
             "run_s": run_s}
 
 
@@ -299,7 +296,7 @@ def _stage_bubbles(actions: Schedule, cost: Costs) -> tuple[float, list[float]]:
 
 def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
     """The bench's lists: asynchronous schedules update once per global batch (a = M)."""
-    return build_schedule(name, S, M, n_batches, **({} if name in FLUSH else {"a": M}))
+    return build_schedule(name, S, M, n_batches, **({"a": M} if asynchronous(name) else {}))
 
 
 def _predict_real(run: dict[str, Any], name: str, S: int, M: int, transfer: float
@@ -376,7 +373,7 @@ def _targets(real: dict[int, dict[str, dict[str, Any]]], sim: dict[int, dict[str
     memory = {str(S): max(r["paci"]["peak_memory"]) / max(r["1f1b"]["peak_memory"])
               for S, r in real.items()}
     at8 = ttt["seconds"]["8"]
-    flush = [at8[n] for n in FLUSH if at8[n] is not None]
+    flush = [at8[n] for n in FLUSH_SCHEDULES if at8[n] is not None]
     speedup = (min(flush) / at8["paci"]) if flush and at8["paci"] else None
     return {
         "paci_utilisation": {"value": util, "target": TARGETS["paci_utilisation"],

@@ -26,7 +26,7 @@ mapped onto HF's parameter names. A step is forward, loss, backward, global-norm
   there).
 
 The process keeps freed memory as a worker process does (`train.execution.retain_freed_memory`:
-without it our step page-faulted 110-130 MiB back in every step); the setting is process-wide,
+without it our step page-faulted its buffers back in every step); the setting is process-wide,
 so HF's step gets it too (its [2048, 8192] logits exceed glibc's 32 MiB limit and are still
 mapped afresh every step).
 
@@ -35,13 +35,12 @@ each, in an order that alternates between rounds, and the ratio is the median of
 ratios (a load change hits both sides of a round alike); tokens/s are medians over rounds. Each
 variant's turn starts with one untimed step: the first step after the other model ran pays for
 the memory and cache state that model left behind, a cost neither has when it trains alone
-(before freed memory was retained, a `small`-preset step of ours measured 0.73 s interleaved
-without it against 0.58 s alone). Also reported: the best round of each (interference only
+(README "Measured"). Also reported: the best round of each (interference only
 ever slows a step down, so the best is the least disturbed) and their ratio, the CPU seconds
 each step burned (all threads), the memory each step page-faulted in (minor faults x page
-size), and the load average before and after. HF's step faults in about 256 MiB per step at
-the `small` preset, ours none, so the ratio moves with the host's cost of a page fault; quote
-the figure with its rounds.
+size), and the load average before and after. HF's step faults in memory every step, ours
+none, so the ratio moves with the host's cost of a page fault; quote the figure with its
+rounds.
 MFU uses `model.accounting.flops_per_token` (the same for both models) against
 `train.metrics.peak_flops` (on the CPU: a measured fp32 matmul at the same thread count, the
 better of torch's GEMM and oneDNN's, the best of one measurement per round).
@@ -69,6 +68,7 @@ from relaytrain.model.accounting import flops_per_token, param_count
 from relaytrain.model.config import PRESETS
 from relaytrain.model.hf import ours_to_hf_name
 from relaytrain.model.init import init_weights
+from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.execution import compiles, prepare_model, retain_freed_memory
@@ -99,19 +99,11 @@ def _hf_optimizer(hf: nn.Module, ours: nn.Module, ours_opt: torch.optim.Optimize
 
 def _saved_bytes(run: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> int:
     """Bytes of distinct storages saved for backward by `run()` (parameters excluded)."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    meter = SavedBytes(params)
+    with meter.counting():
         loss = run()
     del loss
-    return sum(seen.values())
+    return meter.nbytes
 
 
 def _minor_faults() -> int:

@@ -318,6 +318,11 @@ class CheckpointStore:
                 "corrupt or incomplete (see the warnings above)")
 
 
+def run_checkpoint_url(run_dir: str, url: str | None = None) -> str:
+    """A run's checkpoint root: its `checkpoint.url` if set, else RUN_DIR/checkpoints."""
+    return url or posixpath.join(run_dir, "checkpoints")
+
+
 def open_checkpoint(path_or_url: str, keys: KeyFilter | None = None
                     ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Load a checkpoint from a run directory, a checkpoints root or one step directory.
@@ -337,10 +342,8 @@ def open_checkpoint(path_or_url: str, keys: KeyFilter | None = None
         raise CheckpointError(f"{path_or_url} was never committed: it has no {MANIFEST}")
     configured = (_configured_url(fs, f"{path}/config.yaml")
                   if fs.exists(f"{path}/config.yaml") else None)
-    if configured:
-        url = configured
-    elif fs.isdir(f"{path}/checkpoints"):
-        url = f"{url}/checkpoints"
+    if configured or fs.isdir(run_checkpoint_url(path)):
+        url = run_checkpoint_url(url, configured)
     store = CheckpointStore(url)
     got = store.load_latest_good(keys)
     if got is None:

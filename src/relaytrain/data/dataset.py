@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from relaytrain.data.order import heldout_ids
 from relaytrain.data.token_arrays import KIND as MIX_KIND
 from relaytrain.data.token_arrays import ArraySplit, open_splits
 from relaytrain.errors import DataError
@@ -46,11 +45,9 @@ def _plain_name(value: Any, what: str, where: Path) -> str:
 class TokenSplit:
     """One split's token stream; instance i is tokens[i*seq_len : i*seq_len + seq_len + 1]."""
 
-    def __init__(self, root: Path, name: str, meta: dict[str, Any], dtype: str,
-                 fingerprint: str) -> None:
+    def __init__(self, root: Path, name: str, meta: dict[str, Any], dtype: str) -> None:
         self.name = name
         self.root = root
-        self.fingerprint = fingerprint  # the whole data set's
         self.dtype = np.dtype(DTYPES[dtype])
         try:
             self.num_tokens = int(meta["tokens"])
@@ -154,7 +151,7 @@ class TokenDataset:
             return
         self.tokenizer_sha256 = str(tok["sha256"])
         self.tokenizer_path = path / _plain_name(tok["file"], "tokenizer", path)
-        self._splits = {name: TokenSplit(path, name, meta, self.dtype, self.fingerprint)
+        self._splits = {name: TokenSplit(path, name, meta, self.dtype)
                         for name, meta in index["splits"].items()}
 
     @classmethod
@@ -210,10 +207,6 @@ class TokenDataset:
                                 "prepare")
         return ds
 
-    @property
-    def split_names(self) -> list[str]:
-        return list(self._splits)
-
     def split(self, name: str) -> TokenSplit | ArraySplit:
         try:
             return self._splits[name]
@@ -221,37 +214,6 @@ class TokenDataset:
             raise DataError(f"{self.path}: no split '{name}' (have: "
                             f"{', '.join(self._splits)})") from None
 
-    def heldout_ids(self, seq_len: int, count: int) -> np.ndarray:
-        """The fixed held-out instances to evaluate (order.heldout_ids), or a DataError that
-        says how many tokens the held-out split has and which seq_len would fit."""
-        return heldout_ids(self.split("heldout").require_instances(seq_len), count)
-
     def doc_hashes(self, name: str) -> set[str]:
         """sha256 hex digests of the split's documents (for contamination checks)."""
         return self.split(name).doc_hashes()
-
-    def check_tokenizer(self, tokenizer_file: str | os.PathLike[str]) -> None:
-        """Refuse a tokenizer that is not the one the data was tokenized with."""
-        path = Path(tokenizer_file)
-        if path.is_dir():
-            path = path / "tokenizer.json"
-        try:
-            digest = sha256_file(path)
-        except OSError as e:
-            raise DataError(f"tokenizer {path}: cannot read ({e.strerror})") from None
-        if digest != self.tokenizer_sha256:
-            raise DataError(f"tokenizer {path} (sha256 {digest[:12]}) is not the one {self.path} "
-                            f"was prepared with (sha256 {self.tokenizer_sha256[:12]}); use "
-                            f"{self.tokenizer_path}")
-
-    def verify(self) -> None:
-        """Recompute every file's sha256 against the index (reads the whole data set)."""
-        for name, meta in self.index.get("files", {}).items():
-            path = self.path / _plain_name(name, "listed", self.path)
-            try:
-                ok = sha256_file(path) == meta["sha256"]
-            except OSError:
-                ok = False
-            if not ok:
-                raise DataError(f"{path}: missing or its sha256 does not match the index; the "
-                                "data dir was modified, re-run relaytrain data prepare")

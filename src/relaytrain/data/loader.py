@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -50,11 +49,6 @@ class Batch:
     # labels [:, 1:]
     micro_batches: list[tuple[int, torch.Tensor]]
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens this rank trains on (labels), for throughput accounting."""
-        return sum(mb.shape[0] * (mb.shape[1] - 1) for _, mb in self.micro_batches)
-
 
 class Loader:
     """Rank `dp_rank` of `dp_world`'s batches of `split`, `prefetch` global batches ahead."""
@@ -63,7 +57,6 @@ class Loader:
                  global_batch: int, micro_batch: int, dp_rank: int, dp_world: int,
                  prefetch: int = 2, order: str = "relay") -> None:
         self.split = split
-        self.fingerprint = split.fingerprint
         self.seq_len = int(seq_len)
         self.seed = int(seed)
         self.global_batch = int(global_batch)
@@ -90,7 +83,6 @@ class Loader:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         self._rows = np.concatenate(rows)  # global-batch positions of the micro-batches' rows
         self.prefetch = max(0, int(prefetch))
-        self.next_batch = 0  # the batch after the last one returned: the loader's state
         self._cv = threading.Condition()
         self._ready: dict[int, Batch] = {}
         self._produce = 0  # the next batch index the thread makes
@@ -116,7 +108,6 @@ class Loader:
             raise ValueError(f"batch_index must be >= 0, got {batch_index}")
         if self.prefetch == 0:
             batch = self.make(batch_index)
-            self.next_batch = batch_index + 1
             return batch
         with self._cv:
             if self._closed:
@@ -143,7 +134,6 @@ class Loader:
             batch = self._ready.pop(batch_index)
             for k in [k for k in self._ready if k < batch_index]:
                 del self._ready[k]
-            self.next_batch = batch_index + 1
             self._cv.notify_all()
             return batch
 
@@ -169,23 +159,6 @@ class Loader:
                     self._ready[index] = batch
                     self._produce = index + 1
                     self._cv.notify_all()
-
-    # ---- state ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The resume cursor: the next batch index plus what it is only valid for."""
-        return {"next_batch": self.next_batch, "fingerprint": self.fingerprint,
-                "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,
-                "order_name": self.order_name}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a cursor; refuses one taken on other data or another order."""
-        state = {"order_name": "relay", **state}  # cursors from before data.order
-        for key in ("fingerprint", "seed", "seq_len", "global_batch", "order_name"):
-            if state.get(key) != getattr(self, key):
-                raise DataError(f"data cursor was saved with {key}={state.get(key)!r}, but this "
-                                f"run has {key}={getattr(self, key)!r}; resume on the same data "
-                                "and order")
-        self.next_batch = int(state["next_batch"])
 
     def close(self) -> None:
         with self._cv:

@@ -172,13 +172,12 @@ class ArraySplit(TokenArrays):
     the evaluation and the controller use."""
 
     def __init__(self, root: Path, name: str, meta: dict[str, Any], dtype: str,
-                 fingerprint: str, vocab_size: int, eos_id: int) -> None:
+                 vocab_size: int, eos_id: int) -> None:
         files = meta["files"]
         super().__init__([f["path"] for f in files], dtype,
                          tokens=[int(f["tokens"]) for f in files], vocab_size=vocab_size)
         self.root = root
         self.name = name
-        self.fingerprint = fingerprint
         self.eos_id = eos_id
         self.labels = [str(f["label"]) for f in files]
         self.num_tokens = int(meta["tokens"])
@@ -237,6 +236,6 @@ def open_splits(root: Path, index: dict[str, Any]) -> dict[str, ArraySplit]:
     tok = index["tokenizer"]
     splits = dict(index["splits"])
     splits.setdefault("heldout", {"files": [], "tokens": 0, "documents": 0})
-    return {name: ArraySplit(root, name, meta, index["dtype"], index["fingerprint"],
-                             int(tok["vocab_size"]), int(tok["eos_id"]))
+    return {name: ArraySplit(root, name, meta, index["dtype"], int(tok["vocab_size"]),
+                             int(tok["eos_id"]))
             for name, meta in splits.items()}

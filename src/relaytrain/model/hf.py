@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from relaytrain.checkpoint.keys import model_key, model_tensors
 from relaytrain.errors import CheckpointError, UserError
 from relaytrain.model.config import FULL, SLIDING, Olmo3Config, pad_vocab
 
 HF_ARCHITECTURE = "Olmo3ForCausalLM"
-MODEL_PREFIX = "model."  # tensor key prefix of model weights in our checkpoints
 
 _GLOBAL_NAMES = {
     "embed.weight": "model.embed_tokens.weight",
@@ -247,7 +247,7 @@ def read_relay(src: str) -> tuple[Olmo3Config, dict[str, Tensor]]:
         cfg = Olmo3Config.from_dict(manifest["model"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {src!r}: bad model config in its manifest ({e})") from e
-    model = {k[len(MODEL_PREFIX):]: t for k, t in tensors.items() if k.startswith(MODEL_PREFIX)}
+    model = model_tensors(tensors)
     check_state(model, cfg, f"checkpoint {src!r}")
     return cfg, model
 
@@ -271,7 +271,7 @@ def write_relay(cfg: Olmo3Config, tensors: Mapping[str, Tensor], out: Path) -> N
     from relaytrain.checkpoint.store import CheckpointStore
 
     store = CheckpointStore(str(out))
-    info = store.write_part(0, "model", {MODEL_PREFIX + n: t for n, t in tensors.items()})
+    info = store.write_part(0, "model", {model_key(n): t for n, t in tensors.items()})
     store.commit(0, {"model": info}, {"model": cfg.to_dict(), "config": None, "source": "hf"})
 
 

@@ -2,21 +2,20 @@
 
 Why: torch's fp32 GEMM on the CPU is MKL's, and MKL runs its AVX2 kernels on AMD processors
 even where they have AVX-512. oneDNN, which torch ships for its own mkldnn ops and Inductor's
-CPU backend, picks kernels by instruction set: on this project's AMD EPYC (Zen 5, 2 threads)
-the `small` preset's forward and input-gradient products ran at 450-490 GFLOP/s through it and
-its weight gradients at 380-460, against 185-220 for every one of them through MKL; the
-training step took 0.6x the time (`relaytrain bench train-throughput` measures it both ways).
+CPU backend, picks kernels by instruction set, so on such hosts it runs the same products at
+about twice MKL's rate (README "Measured"; `relaytrain bench train-throughput` measures the
+step both ways).
 
 The products are the same fp32 IEEE products either way (no reduced precision); only their
-summation order, hence the last bits, differs: ~1e-6 relative. oneDNN's results were measured
-independent of the thread count and of memory alignment, so runs remain bit-reproducible and
-exact mode's DP invariance holds (`tests/model/test_matmul.py`).
+summation order, hence the last bits, differs (float rounding). oneDNN's results do not depend
+on the thread count or on memory alignment, so runs remain bit-reproducible and exact mode's DP
+invariance holds (`tests/model/test_matmul.py`).
 
 Backends: `aten` is torch's own (MKL on the CPU, cuBLAS on a GPU) and the one whose logits are
 bit-identical with HF's on the CPU; `onednn` is this module's CPU path (fp32 only: anything
 else, a GPU tensor or an autocast region falls back to `aten` call by call); `auto` resolves
-to `onednn` on an x86-64 CPU whose torch has oneDNN (the kind it was measured on; on Arm,
-where torch's oneDNN runs through other libraries, nothing was), else `aten`.
+to `onednn` on an x86-64 CPU whose torch has oneDNN (the kind of host its speed was measured
+on; on Arm, where torch's oneDNN runs through other libraries, it was not), else `aten`.
 """
 
 from __future__ import annotations
@@ -59,7 +58,8 @@ def _inner(a: Tensor, b: Tensor) -> Tensor:
     """a @ b.T through oneDNN's inner product (a [M, K], b [N, K]; transposed views allowed).
 
     An op of our own, opaque to torch.compile: Inductor lowers the mkldnn op itself only for
-    frozen (constant) weights, and compiled blocks train theirs. Costs ~6 us a call."""
+    frozen (constant) weights, and compiled blocks train theirs. The call's overhead is small
+    beside the products it wraps (README "Measured")."""
     return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 
 
@@ -83,7 +83,8 @@ def weight_grad(g: Tensor, x: Tensor, backend: str) -> Tensor:
 
     Through oneDNN the product is formed with the smaller of N and K as its rows (transposed
     back as a view when that is K, so the result may not be contiguous): both operands are
-    transposed views, and oneDNN measured 1.2-1.6x faster in that orientation than in the other.
+    transposed views, and oneDNN is faster in that orientation than in the other (README
+    "Measured").
     """
     if not _onednn_applies(backend, g, x):
         return torch.mm(g.t(), x)

@@ -9,7 +9,7 @@ Numerics follow HF exactly: RMSNorm and RoPE are computed in fp32 and cast back 
 dtype, so the model runs under bf16 autocast with fp32 normalisation and rotary math. Both are
 autograd functions whose forward rounds exactly as HF's ops (the logits are bit-identical on the
 CPU) and whose backward is written out in a few fused passes instead of autograd's many small
-ones (gradients agree with HF's to float rounding, ~1e-7 relative; `relaytrain parity hf`).
+ones (gradients agree with HF's to float rounding; `relaytrain parity hf`).
 
 One class serves both the whole model and a pipeline stage: a stage holds a contiguous range of
 layers (keyed by their *global* index, so parameter names are the same in every layout), the
@@ -29,8 +29,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from relaytrain.model.config import FULL, LAYER_TYPES, SLIDING, Olmo3Config
+from relaytrain.model.loss import lm_head_loss
 from relaytrain.model.matmul import MATMUL_BACKENDS, Linear, resolve_matmul
-from relaytrain.train.loss import lm_head_loss
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -131,13 +131,9 @@ def rope_cos_sin(cfg: Olmo3Config, yarn: bool, seq_len: int, device: torch.devic
     return emb.cos() * scale, emb.sin() * scale
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class _RopeFunction(torch.autograd.Function):
-    """`x * cos + rotate_half(x) * sin` in fp32, cast back, without materialising the rotation.
+    """`x * cos + rotate_half(x) * sin` (rotate_half(x) = [-x2, x1]) in fp32, cast back,
+    without materialising the rotation.
 
     Written half by half, `x1 c1 - x2 s1` and `x2 c2 + x1 s2`, which rounds exactly as the
     rotate-half form (negation is exact), in three passes instead of five; the backward, the
@@ -362,7 +358,7 @@ class Olmo3(nn.Module):
     `forward` takes token ids [B, T] on the first stage, hidden states [B, T, D] otherwise;
     it returns logits [B, T, tokenizer_vocab] on the last stage, hidden states otherwise.
     Given next-token `labels` [B, T] (last stage only), the last stage returns the loss
-    `(total, ce, z)` instead, from the fused head + loss (`train.loss.lm_head_loss`), which
+    `(total, ce, z)` instead, from the fused head + loss (`model.loss.lm_head_loss`), which
     never holds the whole batch's logits; that is what training calls.
     The head has `vocab_size` (padded) rows; the padded rows are left out of the logits, so
     they get no gradient and never affect the loss.

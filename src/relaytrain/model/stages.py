@@ -15,6 +15,18 @@ from relaytrain.model.config import Olmo3Config
 from relaytrain.model.olmo3 import Olmo3
 
 
+def check_layout(n_layers: int, n_stages: int, stage_layers: Sequence[int] | None) -> None:
+    """Raise ConfigError unless `n_stages` (parallel.pp) stages of at least one layer each fit,
+    with `stage_layers` (if given) positive counts per stage summing to `n_layers`."""
+    if not 1 <= n_stages <= n_layers:
+        raise ConfigError(f"config key 'parallel.pp': got {n_stages}, expected 1 .. model "
+                          f"n_layers={n_layers}")
+    if stage_layers is not None and (len(stage_layers) != n_stages or min(stage_layers) < 1
+                                     or sum(stage_layers) != n_layers):
+        raise ConfigError(f"config key 'parallel.stage_layers': got {list(stage_layers)}, "
+                          f"expected {n_stages} positive counts summing to n_layers={n_layers}")
+
+
 def partition_layers(cfg: Olmo3Config, n_stages: int, stage_layers: Sequence[int] | None = None,
                      seq_len: int | None = None) -> list[range]:
     """Contiguous layer ranges, one per stage, each non-empty.
@@ -22,16 +34,9 @@ def partition_layers(cfg: Olmo3Config, n_stages: int, stage_layers: Sequence[int
     `stage_layers` (layers per stage) overrides the balancing. Costs use `seq_len`, by default
     `cfg.max_seq_len`. Among partitions with the same maximum, the DP keeps the first found.
     """
-    n = cfg.n_layers
-    if not 1 <= n_stages <= n:
-        raise ConfigError(f"parallel.pp={n_stages}: need 1 <= stages <= n_layers={n}")
-    if stage_layers is not None:
-        counts = list(stage_layers)
-        if len(counts) != n_stages or min(counts) < 1 or sum(counts) != n:
-            raise ConfigError(f"parallel.stage_layers={counts}: need {n_stages} positive "
-                              f"counts summing to n_layers={n}")
-    else:
-        counts = _balanced_counts(cfg, n_stages, seq_len or cfg.max_seq_len)
+    check_layout(cfg.n_layers, n_stages, stage_layers)
+    counts = list(stage_layers) if stage_layers is not None else \
+        _balanced_counts(cfg, n_stages, seq_len or cfg.max_seq_len)
     ranges, start = [], 0
     for c in counts:
         ranges.append(range(start, start + c))

@@ -1,6 +1,6 @@
-"""Process groups of a data-parallel x pipeline-parallel layout.
+"""Placements and process groups of a data-parallel x pipeline-parallel layout.
 
-Rank r is DP rank r % dp of stage r // dp (the controller's placement). A stage's DP replicas
+Rank r is DP rank r % dp of stage r // dp (`placements`). A stage's DP replicas
 reduce their gradients together; one replica's stages agree on a global gradient norm; each rank
 exchanges activations with the same DP rank of the neighbouring stages.
 
@@ -12,10 +12,32 @@ destroying the default group destroys these too).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a worker sits in a generation's layout."""
+
+    rank: int
+    world: int
+    dp_rank: int
+    dp: int
+    stage: int = 0
+    pp: int = 1
+
+
+def placements(members: Sequence[int], dp: int, pp: int) -> dict[int, Placement]:
+    """Worker id -> its place, members in rank order: rank r is DP rank r % dp of stage r // dp,
+    so a stage's DP replicas are consecutive ranks."""
+    if len(members) != dp * pp:
+        raise ValueError(f"{len(members)} members for a layout of dp {dp} x pp {pp}")
+    return {wid: Placement(rank=r, world=dp * pp, dp_rank=r % dp, dp=dp, stage=r // dp, pp=pp)
+            for r, wid in enumerate(members)}
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,8 @@ class GradReducer:
         """Fold this micro-batch's gradient into the integer accumulator (exact mode).
 
         Parameter by parameter and in place, the same arithmetic as on one flat float64 copy of
-        the whole gradient, without that copy and its temporaries (61 MB each at the `small`
-        preset, page-faulted in afresh at every micro-batch): 8x less time per micro-batch."""
+        the whole gradient, without that copy and its temporaries, which were page-faulted in
+        afresh at every micro-batch and dominated the fold's time (README "Measured")."""
         if not self.exact:
             return
         assert self._acc is not None

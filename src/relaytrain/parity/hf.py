@@ -29,8 +29,8 @@ from relaytrain.errors import UserError
 from relaytrain.model.config import PRESETS, SLIDING, Olmo3Config
 from relaytrain.model.hf import VOCAB_ROWS, ours_to_hf_name, ours_to_hf_state, to_hf_config
 from relaytrain.model.init import derive_seed, init_weights
+from relaytrain.model.loss import lm_loss
 from relaytrain.model.olmo3 import Olmo3
-from relaytrain.train.loss import lm_loss
 
 BARS = {"logits": 1e-5, "loss": 1e-5, "grad": 1e-5, "train_loss": 1e-5}
 PARITY_VOCAB = 500  # tokenizer size used when the preset leaves the vocabulary to the data
@@ -70,6 +70,31 @@ def hf_twin(model: Olmo3) -> torch.nn.Module:
     hf.set_attn_implementation("sdpa")
     hf.load_state_dict(ours_to_hf_state(model.state_dict(), model.cfg), strict=True)
     return hf
+
+
+def _train_curves(ours: Olmo3, hf: torch.nn.Module, pool: list[tuple[Tensor, Tensor]],
+                  steps: int) -> tuple[list[float], list[float]]:
+    """Both models' losses over a short training run, identical optimizers and batches. The
+    batches are revisited so the loss falls (random tokens cannot be learned, but memorised)."""
+    def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                                 weight_decay=0.1, foreach=False)
+
+    opt_ours, opt_hf = adamw(ours), adamw(hf)
+    curve_ours, curve_hf = [], []
+    for step in range(steps):
+        opt_ours.zero_grad(set_to_none=True)
+        opt_hf.zero_grad(set_to_none=True)
+        inputs, labels = pool[step % len(pool)]
+        a = lm_loss(ours(inputs), labels, 0.0)[0]
+        b = lm_loss(hf(input_ids=inputs).logits, labels, 0.0)[0]
+        a.backward()
+        b.backward()
+        opt_ours.step()
+        opt_hf.step()
+        curve_ours.append(a.item())
+        curve_hf.append(b.item())
+    return curve_ours, curve_hf
 
 
 def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None,
@@ -112,27 +137,8 @@ def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None
     rel, padded_grad = _grad_rel_diffs(ours, hf, cfg)
     worst = max(rel, key=rel.get)
 
-    # Short training run, identical optimizers and batches. A few batches are revisited so the
-    # loss falls (random tokens cannot be learned, but they can be memorised).
-    def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                                 weight_decay=0.1, foreach=False)
-
-    opt_ours, opt_hf = adamw(ours), adamw(hf)
     pool = [_batch(gen, cfg, seq_len) for _ in range(TRAIN_BATCHES)]
-    curve_ours, curve_hf = [], []
-    for step in range(steps):
-        opt_ours.zero_grad(set_to_none=True)
-        opt_hf.zero_grad(set_to_none=True)
-        inputs, labels = pool[step % TRAIN_BATCHES]
-        a = lm_loss(ours(inputs), labels, 0.0)[0]
-        b = lm_loss(hf(input_ids=inputs).logits, labels, 0.0)[0]
-        a.backward()
-        b.backward()
-        opt_ours.step()
-        opt_hf.step()
-        curve_ours.append(a.item())
-        curve_hf.append(b.item())
+    curve_ours, curve_hf = _train_curves(ours, hf, pool, steps)
 
     diffs = {
         "logits": (logits_ours - logits_hf).abs().max().item(),

@@ -100,6 +100,7 @@ class FaultInjector:
         self.fired_at: dict[int, float] = {}  # pid -> when it was signalled
         self._timers: list[threading.Timer] = []
         self._outages: set[str] = set()  # local checkpoint roots that are unavailable now
+        self._blockers: list[str] = []  # files standing where checkpoint directories go
         self._lock = threading.Lock()
 
     def due(self, first: int, last: int, kinds: tuple[str, ...]) -> list[Fault]:
@@ -149,19 +150,23 @@ class FaultInjector:
         timer.start()
         self._timers.append(timer)
 
-    @staticmethod
-    def block_checkpoint_dir(root: str, step: int) -> str | None:
+    def block_checkpoint(self, root: str, step: int) -> None:
         """A plain file where the step's directory will be created: the write fails for real.
-        Local checkpoint roots only; returns the blocker path to remove afterwards."""
+        Local checkpoint roots only; `unblock` removes it once the failure was reported."""
         if "://" in root and not root.startswith("file://"):
-            return None
+            return
         path = os.path.join(root.removeprefix("file://"), f"step_{step:08d}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if not os.path.exists(path):
             with open(path, "w") as f:
                 f.write("fault injection: this file blocks the checkpoint directory\n")
-            return path
-        return None
+            self._blockers.append(path)
+
+    def unblock(self, step: int) -> None:
+        """Remove the blocker of `step`'s checkpoint, if any: it has done its job."""
+        for path in [b for b in self._blockers if b.endswith(f"step_{step:08d}")]:
+            os.remove(path)
+            self._blockers.remove(path)
 
     def cancel(self) -> None:
         """Stop what has not fired yet and end outages in progress (storage is never left

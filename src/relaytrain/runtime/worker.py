@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from relaytrain.checkpoint.keys import model_key, tensor_param
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.checkpoint.writer import AsyncCheckpointWriter, snapshot_to_host
 from relaytrain.config import RunConfig, config_from_dict
@@ -25,49 +25,27 @@ from relaytrain.data.loader import Loader
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.model.stages import build_stage, partition_layers
-from relaytrain.parallel.groups import PipelineGroups, form_groups
-from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec, Transport
+from relaytrain.parallel.groups import PipelineGroups, Placement, form_groups
+from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
+from relaytrain.runtime import rendezvous
 from relaytrain.runtime.faults import RaiseHook
+from relaytrain.runtime.wire import StepResult, WriteReport
 from relaytrain.train.evaluate import heldout_losses
-from relaytrain.train.execution import prepare_model, retain_freed_memory, set_determinism
+from relaytrain.train.execution import (
+    pick_device,
+    prepare_model,
+    retain_freed_memory,
+    set_determinism,
+)
 from relaytrain.train.optim import (
-    OPTIM_PREFIX,
     build_optimizer,
     load_optimizer_state,
     lr_at,
     optimizer_state_tensors,
     set_lr,
 )
-from relaytrain.train.step import train_step
-
-MODEL_PREFIX = "model."
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a worker sits in a generation's layout."""
-
-    rank: int
-    world: int
-    dp_rank: int
-    dp: int
-    stage: int = 0
-    pp: int = 1
-
-
-def pick_device(kind: str) -> torch.device:
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available()
-                            else 0)
-    return torch.device("cpu")
-
-
-def tensor_param(key: str) -> str:
-    """The parameter a checkpoint tensor belongs to: `model.<name>` or `optim.<name>.<state>`."""
-    if key.startswith(MODEL_PREFIX):
-        return key[len(MODEL_PREFIX):]
-    return key[len(OPTIM_PREFIX):].rsplit(".", 1)[0]
+from relaytrain.train.step import StepOutcome, train_step
 
 
 class Worker:
@@ -90,17 +68,17 @@ class Worker:
         self.reducer: GradReducer | None = None
         self.groups: PipelineGroups | None = None  # pp > 1: this generation's groups
         self.pipeline: StageRunner | None = None  # pp > 1: this stage's schedule runner
-        self.store = CheckpointStore(self.checkpoint_url())
+        self.store = CheckpointStore(self.cfg.checkpoint_url)
         self.writer = AsyncCheckpointWriter(self.store)
         self._pending: list[tuple[int, str, Any]] = []
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._layout: tuple[int, int] | None = None
         self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
 
-    def checkpoint_url(self) -> str:
-        return self.cfg.checkpoint.url or os.path.join(self.cfg.run_dir, "checkpoints")
-
     # ---- membership ------------------------------------------------------------------------
+    def ping(self) -> int:
+        return os.getpid()
+
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "host": socket.gethostname(), "device": str(self.device)}
 
@@ -111,8 +89,7 @@ class Worker:
         self.generation = generation
         self.placement = placement
         if placement.world > 1:
-            base = dist.TCPStore(store_host, store_port, is_master=False,
-                                 timeout=timedelta(seconds=timeout_s))
+            base = rendezvous.join(store_host, store_port, timeout_s)
             store = dist.PrefixStore(f"gen{generation}", base)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=store, rank=placement.rank,
@@ -205,23 +182,23 @@ class Worker:
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         assert self.model is not None and self.optimizer is not None
         params = dict(self.model.named_parameters())
-        missing = [n for n in params if MODEL_PREFIX + n not in tensors]
+        missing = [n for n in params if model_key(n) not in tensors]
         if missing:
             raise KeyError(f"checkpoint lacks parameter {missing[0]!r}")
         with torch.no_grad():
             for name, p in params.items():
-                p.copy_(tensors[MODEL_PREFIX + name].to(p.dtype))
+                p.copy_(tensors[model_key(name)].to(p.dtype))
         self.optimizer.state.clear()  # nothing of the live run survives a restore
         load_optimizer_state(self.model, self.optimizer, tensors)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         assert self.model is not None and self.optimizer is not None
-        out = {MODEL_PREFIX + n: p.detach() for n, p in self.model.named_parameters()}
+        out = {model_key(n): p.detach() for n, p in self.model.named_parameters()}
         out.update(optimizer_state_tensors(self.model, self.optimizer))
         return out
 
     # ---- training --------------------------------------------------------------------------
-    def run_steps(self, first: int, count: int) -> list[dict[str, Any]]:
+    def run_steps(self, first: int, count: int) -> list[StepResult]:
         """Optimizer steps first .. first+count-1 (1-based; step k trains global batch k-1).
 
         One call may cover several steps: tiny steps amortise the call, and asynchronous
@@ -236,10 +213,10 @@ class Worker:
             out = self._run_span(first, count)
         else:
             out = [self._step(step) for step in range(first, first + count)]
-        out[-1]["written"] = self._collect(wait=False)
+        out[-1].written = self._collect(wait=False)
         return out
 
-    def _step(self, step: int) -> dict[str, Any]:
+    def _step(self, step: int) -> StepResult:
         assert self.loader is not None and self.reducer is not None
         t0 = time.perf_counter()
         batch = self.loader.get(step - 1)
@@ -249,12 +226,21 @@ class Worker:
         out = train_step(self.model, self.optimizer, self.reducer, batch.micro_batches,
                          self.cfg.micro_batches, self.cfg.train.z_loss, self.cfg.train.clip,
                          self.device)
+        return self._result(step, out, batch.ids.tolist(), t1 - t0, self._synced_since(t1))
+
+    def _synced_since(self, t: float) -> float:
+        """Seconds since `t`, once the device has finished the work queued on it."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t2 = time.perf_counter()
-        return {"step": step, "losses": out.losses, "grad_norm": out.grad_norm,
-                "finite": out.finite, "ids": batch.ids.tolist(), "time_data": t1 - t0,
-                "time_compute": t2 - t1, "written": []}
+        return time.perf_counter() - t
+
+    @staticmethod
+    def _result(step: int, out: StepOutcome, ids: list[int], time_data: float,
+                time_compute: float) -> StepResult:
+        """The one place a step's result is formed, for plain and pipelined steps alike."""
+        return StepResult(step=step, losses=out.losses, grad_norm=out.grad_norm,
+                          finite=out.finite, ids=ids, time_data=time_data,
+                          time_compute=time_compute, pipeline=out.pipeline)
 
     # ---- pipeline parallelism (parallel.pp > 1) ----------------------------------------------
     def _new_module(self) -> Olmo3:
@@ -275,20 +261,17 @@ class Worker:
                            lambda step: lr_at(step, self.cfg.optim, self.cfg.train.max_steps),
                            self.device)
 
-    def _run_span(self, first: int, count: int) -> list[dict[str, Any]]:
+    def _run_span(self, first: int, count: int) -> list[StepResult]:
         """Steps first .. first+count-1 as one pipeline span (one step for flush schedules)."""
         assert self.loader is not None and self.pipeline is not None
         t0 = time.perf_counter()
         batches = [self.loader.get(step - 1) for step in range(first, first + count)]
         t1 = time.perf_counter()
-        out = self.pipeline.run_span(first, batches)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t2 = time.perf_counter()
-        for rec, batch in zip(out, batches, strict=True):
-            rec.update(ids=batch.ids.tolist(), time_data=(t1 - t0) / count,
-                       time_compute=(t2 - t1) / count, written=[])
-        return out
+        outs = self.pipeline.run_span(first, batches)
+        compute = self._synced_since(t1)
+        return [self._result(first + i, out, batch.ids.tolist(), (t1 - t0) / count,
+                             compute / count)
+                for i, (out, batch) in enumerate(zip(outs, batches, strict=True))]
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, step: int, part: str) -> float:
@@ -298,20 +281,20 @@ class Worker:
         self._pending.append((step, part, self.writer.submit(step, part, host)))
         return time.perf_counter() - t0
 
-    def _collect(self, wait: bool) -> list[dict[str, Any]]:
+    def _collect(self, wait: bool) -> list[WriteReport]:
         done, keep = [], []
         for step, part, fut in self._pending:
             if not wait and not fut.done():
                 keep.append((step, part, fut))
                 continue
             try:
-                done.append({"step": step, "part": part, "info": fut.result()})
+                done.append(WriteReport(step, part, info=fut.result()))
             except Exception as e:  # reported to the controller, which will not commit
-                done.append({"step": step, "part": part, "error": f"{type(e).__name__}: {e}"})
+                done.append(WriteReport(step, part, error=f"{type(e).__name__}: {e}"))
         self._pending = keep
         return done
 
-    def flush_writes(self) -> list[dict[str, Any]]:
+    def flush_writes(self) -> list[WriteReport]:
         return self._collect(wait=True)
 
     # ---- evaluation ------------------------------------------------------------------------

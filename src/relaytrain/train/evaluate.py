@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from relaytrain.errors import UserError
-from relaytrain.train.loss import lm_loss
+from relaytrain.model.loss import lm_loss
 from relaytrain.train.step import autocast_for
 
 
@@ -57,14 +57,14 @@ def mean_loss(losses: dict[int, float], ids: list[int]) -> float:
 
 
 def cli_eval(args: Any) -> int:
+    from relaytrain.checkpoint.keys import model_tensors
     from relaytrain.checkpoint.store import open_checkpoint
     from relaytrain.config import ModelSection, config_from_dict
     from relaytrain.data.dataset import TokenDataset
     from relaytrain.data.order import heldout_ids
     from relaytrain.model.config import Olmo3Config
     from relaytrain.model.olmo3 import Olmo3
-    from relaytrain.runtime.worker import MODEL_PREFIX, pick_device
-    from relaytrain.train.execution import prepare_model
+    from relaytrain.train.execution import pick_device, prepare_model
 
     manifest, tensors = open_checkpoint(args.target)
     saved = manifest.get("config")
@@ -87,8 +87,7 @@ def cli_eval(args: Any) -> int:
     ids = [int(i) for i in heldout_ids(split.num_instances(seq_len), count)]
     device = pick_device("auto")
     model = Olmo3(model_cfg)
-    model.load_state_dict({k[len(MODEL_PREFIX):]: v for k, v in tensors.items()
-                           if k.startswith(MODEL_PREFIX)})
+    model.load_state_dict(model_tensors(tensors))
     # Executed as the run was (its GEMM backend above all), so the loss is the run's to the bit.
     model = prepare_model(model, cfg.model if cfg else ModelSection(), device)
     loss = mean_loss(heldout_losses(model, split, ids, seq_len, micro, device), ids)

@@ -1,4 +1,4 @@
-"""How a training process executes on its device: the model's kernels, activation
+"""How a training process executes on its device: which device, the model's kernels, activation
 checkpointing and compilation (`model.attention`, `model.checkpointing`, `model.compile`,
 `model.matmul`), and the GPU switches `determinism: exact` needs.
 
@@ -22,6 +22,14 @@ CUBLAS_WORKSPACE = ":4096:8"
 # glibc's largest mmap threshold on 64-bit hosts (32 MiB) from the heap, trimmed past 1 GiB free.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD, TRIM_THRESHOLD = 32 * 2**20, 2**30
+
+
+def pick_device(kind: str) -> torch.device:
+    """`train.device`: `cuda` (this process's current GPU), `cpu`, or `auto` (CUDA if any)."""
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available()
+                            else 0)
+    return torch.device("cpu")
 
 
 def compiles(setting: str, device: torch.device) -> bool:
@@ -63,8 +71,8 @@ def retain_freed_memory() -> bool:
     torch's CPU tensors come straight from malloc (there is no caching allocator on the CPU),
     and glibc returns the top of its heap to the OS once more than its trim threshold is free
     and maps blocks above a moving threshold afresh. A training step frees and re-allocates
-    the same buffers every step, so each step page-faulted them in again: 110-130 MiB per step
-    of the `small` preset, about 12% of its time (`bench train-throughput`, faulted/step).
+    the same buffers every step, so each step page-faulted them in again, a sizeable share of
+    a `small` step's time (README "Measured"; `bench train-throughput` reports faulted/step).
     With fixed thresholds the process keeps its steady-state peak, which it reaches every
     step anyway. Process-wide; a no-op returning False where the C library is not glibc.
     """

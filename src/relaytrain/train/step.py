@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ class StepOutcome:
     losses: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     grad_norm: float = 0.0
     finite: bool = True
+    pipeline: dict[str, Any] | None = None  # a pipeline stage's schedule measurements
 
 
 def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:

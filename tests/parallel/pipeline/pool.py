@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -25,7 +26,9 @@ JOB_TIMEOUT = 90.0
 
 
 def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
-    from relaytrain.runtime.worker import MODEL_PREFIX, Placement, Worker
+    from relaytrain.checkpoint.keys import model_tensors
+    from relaytrain.parallel.groups import placements
+    from relaytrain.runtime.worker import Worker
 
     cfg = job["config"]
     dp, pp = cfg["parallel"]["dp"], cfg["parallel"]["pp"]
@@ -33,20 +36,18 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
         return None
     worker = Worker(cfg, job["vocab"])
     try:
-        worker.setup(job["generation"], Placement(rank, dp * pp, rank % dp, dp, rank // dp, pp),
-                     "127.0.0.1", job["port"], 30.0)
+        worker.setup(job["generation"], placements(range(dp * pp), dp, pp)[rank], "127.0.0.1",
+                     job["port"], 30.0)
         worker.build(0)
         steps, first = [], 1
         for count in job["spans"]:
             steps += worker.run_steps(first, count)
             first += count
-        weights = {k[len(MODEL_PREFIX):]: v.numpy().copy()
-                   for k, v in worker.state_tensors().items() if k.startswith(MODEL_PREFIX)}
+        weights = {k: v.numpy().copy() for k, v in model_tensors(worker.state_tensors()).items()}
     finally:
         worker.close()
-    for s in steps:
-        s.pop("written", None)
-    return {"rank": rank, "stage": rank // dp, "dp_rank": rank % dp, "steps": steps,
+    records = [{k: v for k, v in asdict(s).items() if k != "written"} for s in steps]
+    return {"rank": rank, "stage": rank // dp, "dp_rank": rank % dp, "steps": records,
             "weights": weights}
 
 

@@ -12,12 +12,15 @@ from itertools import product
 
 import pytest
 
+from relaytrain.config import load_config
+from relaytrain.errors import ConfigError
 from relaytrain.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
+    Schedule,
+    asynchronous,
     build_schedule,
     in_flight_limit,
-    max_in_flight,
     staleness,
     staleness_bound,
     update_groups,
@@ -25,6 +28,19 @@ from relaytrain.parallel.pipeline.schedules import (
     weight_versions,
 )
 from relaytrain.parallel.pipeline.simulate import Costs, simulate
+
+
+def max_in_flight(actions: Schedule) -> list[int]:
+    """Per stage, the peak number of micro-batches between F and B (activation memory)."""
+    peaks = []
+    for acts in actions:
+        held = peak = 0
+        for act in acts:
+            held += {"F": 1, "B": -1, "U": 0}[act.kind]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
 
 SIZES = list(product(range(1, 7), range(1, 9), range(1, 4)))  # (S, M, n_batches)
 A = range(1, 5)
@@ -248,3 +264,14 @@ def test_bad_arguments_are_rejected_with_what_would_be_accepted(name, sizes, kwa
 def test_validate_rejects_malformed_lists(actions, message):
     with pytest.raises(ValueError, match=message):
         validate(actions)
+
+
+def test_which_schedules_flush_is_declared_once():
+    """`asynchronous` is what the controller (spans), the executor (clipping, options) and the
+    config read; the flush schedules are exactly those whose staleness bound is 0."""
+    assert [n for n in SCHEDULES if asynchronous(n)] == ["pipedream", "paci"]
+    for name in SCHEDULES:
+        assert (staleness_bound(name, 0, 4) == 0) == (not asynchronous(name))
+    assert load_config(None, ["parallel.schedule=paci"]).parallel.schedule == "paci"
+    with pytest.raises(ConfigError, match=re.escape("'gpipe' | '1f1b' | 'pipedream' | 'paci'")):
+        load_config(None, ["parallel.schedule=zb"])

@@ -1,17 +1,21 @@
-"""The Ray engine's view of failures, on real actors: a stopped worker is named hung by a ping
-instead of being waited for."""
+"""The Ray engine on real actors: a stopped worker is named hung by a ping instead of being
+waited for; a private cluster's run listens on loopback only."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.runtime.engines.ray import RayEngine
 from relaytrain.runtime.failures import WorkerHung
-from tests.runtime.conftest import tiny_config
+from tests.runtime.conftest import step_records, tiny_config
+from tests.runtime.listening import listening_sockets
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,7 +29,7 @@ def test_a_stopped_worker_is_named_hung_at_once_while_a_peer_failure_settles(
     os.kill(engine.pid(stopped), signal.SIGSTOP)
     try:
         with pytest.raises(WorkerHung) as hung:
-            engine.call({alive: ("ping", ()), stopped: ("ping", ())}, timeout=1.0)
+            engine.call({alive: lambda w: w.ping(), stopped: lambda w: w.ping()}, timeout=1.0)
         assert hung.value.wid == stopped
         # Its call is still outstanding. Settling must not wait the whole timeout for it (the
         # suite's deadline is shorter than that): one unanswered ping names it.
@@ -36,3 +40,45 @@ def test_a_stopped_worker_is_named_hung_at_once_while_a_peer_failure_settles(
     finally:
         engine.kill(stopped)
         engine.kill(alive)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["parallel.dp=2", "parallel.pp=2"])
+def test_every_socket_of_a_private_cluster_run_listens_on_loopback_only(tmp_path, corpus_data,
+                                                                         layout):
+    """The whole process tree of `relaytrain train` (controller, Ray's GCS, raylet and agents,
+    the workers with their gloo groups, the rendezvous store), read while a generation is
+    formed: once step 1 is recorded, a slow step 2 holds the generation open and the controller
+    is stopped while the test reads."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_", "GLOO_", "NCCL_"))}  # as a user's shell would have it
+    run = tmp_path / "run"
+    with open(tmp_path / "out.txt", "w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "relaytrain.cli", "train", "configs/tiny.yaml",
+             f"run_dir={run}", f"data.path={corpus_data}", "runtime.engine=ray", layout,
+             "train.max_steps=3", "checkpoint.every=0", "eval.every=0", "faults.slow_at=[2]",
+             "faults.slow_seconds=3", "log.progress=false"],
+            env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None and not (
+                    (run / "metrics.jsonl").exists() and step_records(run)):
+                time.sleep(0.05)
+            log.seek(0)
+            assert proc.poll() is None, f"the run ended before step 2:\n{log.read()}"
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                sockets = listening_sockets(proc.pid)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        log.seek(0)
+        assert proc.returncode == 0, log.read()
+    processes = {s.process for s in sockets}
+    assert {"gcs_server", "raylet"} <= processes, sockets
+    workers = {s.pid for s in sockets if s.process.startswith("ray::_RankedWor")}
+    assert len(workers) == 2, sockets
+    assert [s for s in sockets if not s.loopback] == []

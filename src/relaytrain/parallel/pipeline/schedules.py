@@ -1,10 +1,10 @@
 """Pipeline schedules as pure per-stage action lists, and their analysis.
 
 A schedule is a deterministic function of its arguments: one list of actions per stage, which one
-runtime executes in order with blocking point-to-point receives. Even the asynchronous schedules
+executor runs in order with blocking point-to-point receives. Even the asynchronous schedules
 therefore give the same numbers bit for bit whatever the timing; only the list order matters.
 
-Contract with the runtime (S stages, M = ``micro_per_batch``, one *span* of ``n_batches`` global
+Contract with the executor (S stages, M = ``micro_per_batch``, one *span* of ``n_batches`` global
 batches; the pipeline is empty at the start and at the end of every span):
 
 - Micro-batches are numbered ``0 .. n_batches*M - 1`` in data order; micro-batch ``m`` is
@@ -19,7 +19,7 @@ batches; the pipeline is empty at the start and at the end of every span):
   updates of this stage in the span from 1. Every ``B`` of a list is followed by some ``U``.
 - ``version`` (``pipedream`` only, else ``None``): ``F(m)`` and ``B(m)`` run with this stage's
   weights as they were after ``version`` updates in the span (0: the weights at span start), so
-  the runtime stashes that version at ``F(m)`` and may drop it after ``B(m)``. ``None``: use the
+  the executor stashes that version at ``F(m)`` and may drop it after ``B(m)``. ``None``: use the
   live weights, whatever updates happened in between (paci's bounded inconsistency).
 
 Every schedule accumulates the gradients of a stage in ascending micro-batch order (FIFO), so the
@@ -30,11 +30,22 @@ gradients in the same order (bit-identical gradients).
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-SCHEDULES = ("gpipe", "1f1b", "pipedream", "paci")
+ScheduleName = Literal["gpipe", "1f1b", "pipedream", "paci"]  # `parallel.schedule`
+SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
+# Flush schedules drain the pipeline at every global batch: no update with a micro-batch in
+# flight, so exact gradients. The others are asynchronous and run in spans of steps.
+FLUSH_SCHEDULES = ("gpipe", "1f1b")
+
+
+def asynchronous(name: str) -> bool:
+    """Whether schedule `name` updates weights while micro-batches are in flight."""
+    return name not in FLUSH_SCHEDULES
+
 
 # Keyword options each schedule takes; any other option left at a non-default value is an error,
 # so that a setting never silently does nothing.
@@ -174,11 +185,11 @@ def _stage_actions(
 
 
 # --------------------------------------------------------------------------------------------
-# Analysis: pure functions of the action lists (what the runtime will actually execute).
+# Analysis: pure functions of the action lists (what the executor will actually execute).
 
 
 def validate(actions: Schedule) -> None:
-    """Raise ValueError unless the lists are well formed for the runtime.
+    """Raise ValueError unless the lists are well formed for the executor.
 
     Every stage handles the same micro-batches, each with exactly one F and, later, one B; U's are
     numbered 1, 2, ... and no gradient is left after the last U; a stashed version is one the
@@ -253,21 +264,9 @@ def staleness_bound(
     bound. For pipedream this is gradient delay only: stashing keeps F and B consistent."""
     if name not in _OPTIONS:
         raise ValueError(f"schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
-    if name in ("gpipe", "1f1b"):
+    if not asynchronous(name):
         return 0
     return math.ceil((in_flight_limit(stage, n_stages, in_flight) - 1) / a)
-
-
-def max_in_flight(actions: Schedule) -> list[int]:
-    """Per stage, the peak number of micro-batches between F and B (activation memory)."""
-    peaks = []
-    for acts in actions:
-        held = peak = 0
-        for act in acts:
-            held += {"F": 1, "B": -1, "U": 0}[act.kind]
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
 
 
 def weight_versions(actions: Schedule) -> list[int]:

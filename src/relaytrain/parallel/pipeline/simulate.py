@@ -1,8 +1,8 @@
 """Event-driven simulation of per-stage action lists: makespan, bubble, throughput, deadlocks.
 
-It executes the lists under the runtime's rules — each stage runs its list in order, a receive
+It executes the lists under the executor's rules — each stage runs its list in order, a receive
 blocks until the neighbour's send has arrived, sends are buffered — with given per-stage costs.
-The runtime posts each receive ahead (`runtime.Transport`), so a transfer travels on the link
+The executor posts each receive ahead (`executor.Transport`), so a transfer travels on the link
 while both stages compute: an action's input is there at the producer's end plus the transfer
 time, and no stage is charged for the transfer itself.
 That proves a schedule deadlock-free and gives its time per step, which the benchmark multiplies
@@ -11,10 +11,9 @@ by the measured number of steps to a target loss.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from relaytrain.parallel.pipeline.schedules import Action, Schedule, build_schedule
+from relaytrain.parallel.pipeline.schedules import Action, Schedule
 
 
 @dataclass(frozen=True)
@@ -92,21 +91,12 @@ class SimResult:
     timeline: tuple[Span, ...] = ()
 
     @property
-    def stage_bubble(self) -> tuple[float, ...]:
-        return tuple(1.0 - b / self.makespan if self.makespan else 0.0 for b in self.busy)
-
-    @property
     def utilisation(self) -> float:
         return sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 1.0
 
     @property
     def bubble_fraction(self) -> float:
         return 1.0 - self.utilisation
-
-    @property
-    def throughput(self) -> float:
-        """Micro-batches per unit time."""
-        return self.n_micro / self.makespan if self.makespan else math.inf
 
 
 class DeadlockError(RuntimeError):
@@ -178,42 +168,3 @@ def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False) -> SimRe
     n_micro = len({a.mb for acts in actions for a in acts if a.kind == "F"})
     spans.sort(key=lambda s: (s.start, s.stage))
     return SimResult(max(free, default=0.0), tuple(busy), n_micro, tuple(spans))
-
-
-@dataclass(frozen=True)
-class SteadyState:
-    """Time per global batch once the pipeline is full, and the stage utilisation then."""
-
-    time_per_batch: float
-    utilisation: float
-
-    @property
-    def bubble_fraction(self) -> float:
-        return 1.0 - self.utilisation
-
-
-def simulate_steady(
-    name: str,
-    n_stages: int,
-    micro_per_batch: int,
-    cost: Costs,
-    *,
-    n_batches: int | None = None,
-    a: int = 1,
-    in_flight: int | None = None,
-    flush: bool = False,
-) -> SteadyState:
-    """Steady-state time per global batch: the makespan growth from n to 2n batches divided by n,
-    so the fill and drain of an asynchronous pipeline (paid once per span) cancel, while a flush
-    schedule pays its bubble in every batch. ``n_batches`` defaults to enough batches for the
-    warm-up (2S micro-batches); raise it when the steady state has a longer period."""
-    n = n_batches or max(2, math.ceil(2 * n_stages / micro_per_batch))
-    options = {"a": a, "in_flight": in_flight, "flush": flush}
-    short, long = (
-        simulate(build_schedule(name, n_stages, micro_per_batch, batches, **options), cost)
-        for batches in (n, 2 * n)
-    )
-    time_per_batch = (long.makespan - short.makespan) / n
-    work_per_batch = (sum(long.busy) - sum(short.busy)) / n
-    utilisation = work_per_batch / (n_stages * time_per_batch) if time_per_batch else 1.0
-    return SteadyState(time_per_batch, utilisation)

@@ -1,11 +1,106 @@
 """What the controller needs from an engine: start workers, call them with a deadline, stop
 them. Workers are named by an id the engine hands out (a rank can move to another worker after a
-resize); failures come back as `WorkerFailure` exceptions naming the worker."""
+resize); failures come back as `WorkerFailure` exceptions naming the worker.
+
+Calls are written against `WorkerAPI`, the worker's interface, as `lambda w: w.run_steps(1, 2)`:
+the engine records the one method call the lambda makes, checks it against the interface (a
+misspelt method or wrong arguments fail in the controller, before any worker is reached) and
+runs it on each worker its own way (a direct call in process, a remote call on a Ray actor).
+"""
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from relaytrain.parallel.groups import Placement
+    from relaytrain.runtime.wire import StepResult, WriteReport
+
+
+class WorkerAPI(Protocol):
+    """The methods the controller may call on a worker (runtime/worker.py implements them)."""
+
+    def ping(self) -> int:
+        """The worker process's own PID (answered on a second thread, even mid-step)."""
+
+    def setup(self, generation: int, placement: Placement, store_host: str | None,
+              store_port: int | None, timeout_s: float) -> dict[str, Any]:
+        """Join a generation's process groups and take this rank's data shard."""
+
+    def build(self, step: int, tensors: dict[str, torch.Tensor] | None) -> int:
+        """Hold the state after `step` (given tensors, own snapshot, checkpoint or seed)."""
+
+    def warm_up(self) -> None:
+        """A standby spare builds its model ahead of a promotion."""
+
+    def run_steps(self, first: int, count: int) -> list[StepResult]:
+        """Train steps first .. first+count-1."""
+
+    def snapshot_step(self) -> int | None:
+        """The step of the in-memory snapshot, if any."""
+
+    def snapshot_tensors(self, step: int) -> dict[str, torch.Tensor]:
+        """The in-memory snapshot of `step`, for a replacement to load."""
+
+    def take_snapshot(self, step: int) -> None:
+        """Keep the current state (after `step`) in memory."""
+
+    def save(self, step: int, part: str) -> float:
+        """Start writing checkpoint part `part` of `step` in the background."""
+
+    def flush_writes(self) -> list[WriteReport]:
+        """Wait for every background write; their reports."""
+
+    def evaluate(self, ids: list[int]) -> dict[int, float]:
+        """Held-out losses of this rank's share of `ids`."""
+
+    def arm_fault(self, step: int) -> None:
+        """Fault injection: raise when `step` starts."""
+
+    def close(self) -> None:
+        """Finish writes and leave the process groups."""
+
+
+WorkerCall = Callable[[WorkerAPI], Any]
+
+
+class Invocation(NamedTuple):
+    method: str
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+_SIGNATURES = {name: inspect.signature(fn) for name, fn in vars(WorkerAPI).items()
+               if not name.startswith("_") and callable(fn)}
+
+
+class _Recorder:
+    """Stands in for a worker: records the method call a `WorkerCall` makes."""
+
+    def __getattr__(self, name: str) -> Callable[..., Invocation]:
+        if name not in _SIGNATURES:
+            raise AttributeError(f"{name!r} is not a method of the worker interface "
+                                 f"(WorkerAPI: {', '.join(sorted(_SIGNATURES))})")
+
+        def record(*args: Any, **kwargs: Any) -> Invocation:
+            _SIGNATURES[name].bind(None, *args, **kwargs)  # TypeError on a wrong call
+            return Invocation(name, args, kwargs)
+
+        return record
+
+
+def invocation(call: WorkerCall) -> Invocation:
+    """The one checked method call `call` makes on a worker."""
+    out = call(_Recorder())  # type: ignore[arg-type]
+    if not isinstance(out, Invocation):
+        raise TypeError("a worker call is one method call on the worker, e.g. "
+                        "`lambda w: w.run_steps(1, 1)`")
+    return out
 
 
 class Engine(ABC):
@@ -18,16 +113,21 @@ class Engine(ABC):
         """`n` workers (an engine may start them concurrently)."""
         return [self.spawn(worker_args, wait) for _ in range(n)]
 
-    @abstractmethod
-    def call(self, calls: dict[int, tuple[str, tuple]], timeout: float) -> dict[int, Any]:
-        """Run `method(*args)` on each worker concurrently; results by worker id.
+    def call(self, calls: dict[int, WorkerCall], timeout: float) -> dict[int, Any]:
+        """Run each worker's call concurrently; results by worker id.
 
         Raises the first `WorkerFailure` seen; the other calls may still be running
         (`settle` waits for them)."""
+        return self.run({w: invocation(c) for w, c in calls.items()}, timeout)
 
-    def call_all(self, wids: list[int], method: str, *args: Any, timeout: float
-                 ) -> dict[int, Any]:
-        return self.call({w: (method, args) for w in wids}, timeout)
+    def call_all(self, wids: list[int], call: WorkerCall, timeout: float) -> dict[int, Any]:
+        """The same call on every worker of `wids`."""
+        inv = invocation(call)
+        return self.run({w: inv for w in wids}, timeout)
+
+    @abstractmethod
+    def run(self, invocations: dict[int, Invocation], timeout: float) -> dict[int, Any]:
+        """Carry out checked invocations (see `call`)."""
 
     def settle(self, timeout: float) -> dict[int, BaseException | None]:
         """Wait for calls still running after a failure: per worker, None if it finished, the

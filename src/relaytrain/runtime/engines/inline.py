@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from relaytrain.runtime.engines.base import Engine
+from relaytrain.runtime.engines.base import Engine, Invocation
 from relaytrain.runtime.worker import Worker
 
 
@@ -19,10 +19,11 @@ class InlineEngine(Engine):
         self.worker = Worker(*worker_args)
         return 0
 
-    def call(self, calls: dict[int, tuple[str, tuple]], timeout: float) -> dict[int, Any]:
+    def run(self, invocations: dict[int, Invocation], timeout: float) -> dict[int, Any]:
         # In-process calls cannot be abandoned; a failure is an ordinary exception here.
         assert self.worker is not None
-        return {w: getattr(self.worker, m)(*a) for w, (m, a) in calls.items()}
+        return {w: getattr(self.worker, inv.method)(*inv.args, **inv.kwargs)
+                for w, inv in invocations.items()}
 
     def pid(self, wid: int) -> int:
         return os.getpid()

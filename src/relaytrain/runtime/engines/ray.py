@@ -2,8 +2,9 @@
 
 Ray is only the transport and the process manager here: the controller decides what to replace
 (Ray Train's trainer loop would restart the whole group). With no address, a private local
-cluster is started on 127.0.0.1 without a dashboard and with token authentication, and shut down
-at the end; with `runtime.address` the same code joins an existing cluster.
+cluster is started without a dashboard and with token authentication, every process of it
+listening on loopback only, and shut down at the end; with `runtime.address` the same code joins
+an existing cluster.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from typing import Any
 
 from relaytrain.config import RunConfig
-from relaytrain.runtime.engines.base import Engine
+from relaytrain.runtime.engines.base import Engine, Invocation
 from relaytrain.runtime.failures import (
     NodeLost,
     WorkerDied,
@@ -27,6 +28,7 @@ from relaytrain.runtime.failures import (
 from relaytrain.runtime.worker import Worker
 
 PING_TIMEOUT = 2.0
+LOOPBACK = "127.0.0.1"
 
 
 class _RankedWorker(Worker):
@@ -40,21 +42,21 @@ class _RankedWorker(Worker):
         rank = self.placement.rank if getattr(self, "placement", None) else "?"
         return f"Worker(id={self.wid}, rank={rank})"
 
-    def ping(self) -> int:
-        return os.getpid()
-
 
 def _import_ray(private_cluster: bool) -> None:
-    """Import Ray, first enabling token authentication for a private cluster.
+    """Import Ray, first enabling token authentication and loopback for a private cluster.
 
     Ray reads RAY_AUTH_MODE when it is imported, so the secret (fresh per cluster, inherited by
     the processes Ray starts, never printed) must be in the environment before that; a cluster
-    given by address keeps whatever its operator configured."""
+    given by address keeps whatever its operator configured. Ray also decides at import whether
+    a node on 127.0.0.1 really stays there (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`): otherwise it
+    swaps in the machine's external address, and its servers then listen on every interface."""
     global ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy
     if private_cluster and "ray" not in sys.modules:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
             os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -118,9 +120,15 @@ class RayEngine(Engine):
         if rt.address is None:
             need = (self.cfg.world_size + self.cfg.elastic.spares) * rt.cpus_per_worker
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
-                     include_dashboard=False, _node_ip_address="127.0.0.1",
+                     include_dashboard=False, _node_ip_address=LOOPBACK,
                      runtime_env={"env_vars": env}, log_to_driver=True,
                      configure_logging=False)
+            if ray.util.get_node_ip_address() != LOOPBACK:
+                ray.shutdown()
+                raise RuntimeError(
+                    "the private Ray cluster would listen beyond loopback: Ray was imported "
+                    "before relaytrain could configure it; set "
+                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in the environment")
         else:
             ray.init(address=rt.address, runtime_env={"env_vars": env}, log_to_driver=True,
                      configure_logging=False)
@@ -145,7 +153,7 @@ class RayEngine(Engine):
         while self._spares:
             wid = self._spares.pop(0)
             try:
-                self._pids[wid] = int(self.call({wid: ("ping", ())}, wait or 1.0)[wid])
+                self._pids[wid] = int(self.call({wid: lambda w: w.ping()}, wait or 1.0)[wid])
                 ray.get(self._warming.pop(wid), timeout=max(wait, 1.0))
             except (WorkerFailure, ray.exceptions.RayError):
                 self.kill(wid)
@@ -156,7 +164,8 @@ class RayEngine(Engine):
             raise WorkerDied(-1, f"no capacity to place a worker ({self._bundle()}) within "
                              f"{wait:.0f}s")
         # Construction opens the data: wait, so its errors surface here, naming the worker.
-        self._pids[wid] = int(self.call({wid: ("ping", ())}, self.cfg.runtime.setup_timeout)[wid])
+        self._pids[wid] = int(self.call({wid: lambda w: w.ping()},
+                                       self.cfg.runtime.setup_timeout)[wid])
         self._refill()
         return wid
 
@@ -172,7 +181,7 @@ class RayEngine(Engine):
                 raise WorkerDied(-1, f"no capacity to place {n} workers ({self._bundle()} each) "
                                  f"within {wait:.0f}s")
             wids.append(wid)
-        pids = self.call({w: ("ping", ()) for w in wids}, self.cfg.runtime.setup_timeout)
+        pids = self.call_all(wids, lambda w: w.ping(), self.cfg.runtime.setup_timeout)
         self._pids.update({w: int(p) for w, p in pids.items()})
         self._refill()
         return wids
@@ -217,8 +226,9 @@ class RayEngine(Engine):
         timer.daemon = True
         timer.start()
 
-    def call(self, calls: dict[int, tuple[str, tuple]], timeout: float) -> dict[int, Any]:
-        refs = {getattr(self.actors[w], m).remote(*a): w for w, (m, a) in calls.items()}
+    def run(self, invocations: dict[int, Invocation], timeout: float) -> dict[int, Any]:
+        refs = {getattr(self.actors[w], inv.method).remote(*inv.args, **inv.kwargs): w
+                for w, inv in invocations.items()}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         pending = list(refs)
@@ -292,8 +302,10 @@ class RayEngine(Engine):
                           + ("" if silent else " (every late worker answers pings: a slow step)"))
 
     def store_host(self) -> str:
+        """Loopback for a private cluster; on an existing one, the address Ray uses for the
+        controller's node (the one its workers already reach it at)."""
         if self.cfg.runtime.address is None:
-            return "127.0.0.1"
+            return LOOPBACK
         return ray.util.get_node_ip_address()
 
     def pid(self, wid: int) -> int:

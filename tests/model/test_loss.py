@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from relaytrain.train.loss import lm_head_loss, lm_loss
+from relaytrain.model.loss import lm_head_loss, lm_loss
 
 
 def reference(logits, labels, z_loss, ignore_index=-100):

@@ -1,4 +1,5 @@
-"""Language-model loss: cross-entropy in fp32 plus OLMo's z-loss.
+"""Language-model loss: cross-entropy in fp32 plus OLMo's z-loss. Part of the model, not of
+training: the last stage's forward returns it when given labels (the fused head + loss).
 
 The z-loss, `z_loss * logsumexp(logits)^2`, keeps the softmax normaliser near 1 so bf16
 logits do not drift; it is reported apart from the cross-entropy so curves stay comparable with
@@ -20,12 +21,9 @@ Two entry points compute the same numbers (to float rounding, `tests/train/test_
   tokens than D. Under autocast the matmuls run in the autocast dtype and `grad W` is summed in
   the weight's dtype (fp32 master weights).
   Chunk size: on a GPU it bounds the memory (`GPU_CHUNK_ELEMENTS`). On the CPU the head is
-  matmul-bound (torch.profiler: the three products 87% of its time, the fp32 passes 10%), so the
-  chunk is as small as keeps the matmuls efficient (`CPU_CHUNK_ELEMENTS`): with 512 tokens of
-  the `small` preset's 8,192 logits the training step is as fast as scoring the whole batch at
-  once (paired median 1.005x over 30 rounds), with 128 tokens 5.6% slower (MKL's GEMMs).
-  Through oneDNN (`model.matmul`) 512 is still the best: 256, 512, 1,024 and 2,048 tokens gave
-  steps of 277, 273, 279 and 289 ms (medians of 10 interleaved rounds).
+  matmul-bound, so the chunk is as small as keeps the matmuls efficient (`CPU_CHUNK_ELEMENTS`):
+  512 tokens of the `small` preset's 8,192 logits, as fast as scoring the whole batch at once
+  with MKL's GEMMs and the fastest size through oneDNN's (README "Measured").
 - `lm_loss(logits, labels, ...)`, for callers that have the logits (evaluation, parity): the
   same log-softmax and gradient over a whole [tokens, vocab] tensor.
 """
@@ -62,8 +60,7 @@ def _chunk_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> Tenso
 
     Only `lm_head_loss`'s forward uses it, and nothing of it outlives the call, so handing out
     the same memory every time is safe. A fresh one per call cost page faults on the CPU: glibc
-    returns freed blocks this large to the OS now and then (16-37 MiB of faults in half of the
-    `small` preset's bench steps), and the CPU allocator has no cache.
+    returns freed blocks this large to the OS now and then, and the CPU allocator has no cache.
     """
     key = (device, dtype)
     buf = _chunk_buffers.get(key)

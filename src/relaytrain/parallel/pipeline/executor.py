@@ -1,6 +1,6 @@
 """Executing one stage's action list (schedules.py) with torch.distributed point-to-point ops.
 
-One runtime serves every schedule: gpipe, 1f1b, pipedream and paci differ only in their lists, so
+One executor serves every schedule: gpipe, 1f1b, pipedream and paci differ only in their lists, so
 the numbers are a pure function of the lists and bit-reproducible whatever the timing. Sends are
 asynchronous (`isend`, waited at the span end: the buffered sends the schedules assume); each
 receive is posted one ahead (`irecv`, see `Transport`) so that the transfer overlaps the compute
@@ -26,7 +26,7 @@ What B then computes depends on the schedule:
   not enter), dL/dx = g W_B. Weight gradients of a layer thus use F-time activations and the
   incoming gradient, while the gradient sent upstream (and to the stage's earlier layers) passes
   through theta_B. With no update in between this is the exact gradient. tests/parallel/pipeline/
-  test_runtime.py checks it against the closed form for the SwiGLU MLP.
+  test_executor.py checks it against the closed form for the SwiGLU MLP.
 - paci, ``mode=mem`` (recompute): F runs without a graph and keeps only the stage input; B reruns
   the forward with the live weights right before the backward, so B is the exact gradient of
   f(x_F; theta_B) at the input F received, against the gradient coming back for the output F sent
@@ -75,9 +75,11 @@ from torch.func import functional_call
 
 from relaytrain.config import RunConfig
 from relaytrain.data.loader import Batch
+from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.pipeline.schedules import (
     Action,
+    asynchronous,
     build_schedule,
     staleness_bound,
     update_groups,
@@ -85,9 +87,8 @@ from relaytrain.parallel.pipeline.schedules import (
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.evaluate import eval_chunks, instance_losses
 from relaytrain.train.optim import set_lr
-from relaytrain.train.step import autocast_for
+from relaytrain.train.step import StepOutcome, autocast_for
 
-FLUSH_SCHEDULES = ("gpipe", "1f1b")
 ACTIVATION_DTYPE = torch.float32  # residual stream between stages (fp32 under bf16 autocast too)
 
 
@@ -116,13 +117,13 @@ class StageSpec:
         """`parallel.paci.{a, in_flight}` set the update cadence and in-flight cap of both
         asynchronous schedules; `flush` and `mode` are paci's only."""
         p = cfg.parallel
-        asynchronous = p.schedule not in FLUSH_SCHEDULES
+        is_async = asynchronous(p.schedule)
         return cls(schedule=p.schedule, stage=stage, n_stages=p.pp,
                    micro_per_batch=cfg.micro_batches // p.dp, dp=p.dp,
                    micro_batch=cfg.train.micro_batch, seq_len=cfg.seq_len, d_model=d_model,
                    z_loss=cfg.train.z_loss, clip=cfg.train.clip,
-                   a=p.paci.a if asynchronous else 1,
-                   in_flight=p.paci.in_flight if asynchronous else None,
+                   a=p.paci.a if is_async else 1,
+                   in_flight=p.paci.in_flight if is_async else None,
                    flush=p.paci.flush and p.schedule == "paci",
                    recompute=p.paci.mode == "mem" and p.schedule == "paci")
 
@@ -136,11 +137,11 @@ class StageSpec:
 
     @property
     def global_clip(self) -> bool:
-        return self.schedule in FLUSH_SCHEDULES or self.flush
+        return not asynchronous(self.schedule) or self.flush
 
     def schedule_actions(self, n_batches: int) -> list[list[Action]]:
         options: dict[str, Any] = {}
-        if self.schedule not in FLUSH_SCHEDULES:
+        if asynchronous(self.schedule):
             options = {"a": self.a, "in_flight": self.in_flight}
         if self.schedule == "paci":
             options["flush"] = self.flush
@@ -148,7 +149,7 @@ class StageSpec:
                               **options)
 
     def bound(self) -> int:
-        if self.schedule in FLUSH_SCHEDULES:
+        if not asynchronous(self.schedule):
             return 0
         return staleness_bound(self.schedule, self.stage, self.n_stages, self.a, self.in_flight)
 
@@ -156,8 +157,8 @@ class StageSpec:
 class Transport:
     """Messages with the neighbouring stages. Sends are asynchronous and complete by `drain`.
     gloo moves a message only once its receive is posted (a rendezvous: a blocking receive made
-    when the data is needed pays the whole transfer, about 0.3 ms for 64 KB on one host, even if
-    the sender finished long before), so `expect` takes a span's receives in order and keeps the
+    when the data is needed pays the whole transfer, even if the sender finished long before;
+    README "Measured"), so `expect` takes a span's receives in order and keeps the
     next one from each neighbour posted: it arrives during the compute before it is needed.
     `waited` accumulates the seconds spent blocked. Tags keep the two directions and the
     micro-batches apart."""
@@ -212,27 +213,6 @@ class Transport:
 
 def _tag(mb: int, gradient: bool) -> int:
     return 2 * mb + int(gradient)
-
-
-class _SavedBytes:
-    """Saved-tensor pack hook that sums the bytes of the distinct storages autograd keeps for
-    backward, skipping the weights (they are held anyway and counted as versions)."""
-
-    def __init__(self, skip: set[int]):
-        self.skip = skip
-        self.seen: set[int] = set()
-        self.nbytes = 0
-
-    def add(self, t: Tensor) -> None:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.skip and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.nbytes += storage.nbytes()
-
-    def pack(self, t: Tensor) -> Tensor:
-        self.add(t)
-        return t
 
 
 @dataclass
@@ -297,7 +277,7 @@ class StageRunner:
         self._norm_sizes: list[int] | None = None  # per stage: gradient tensors + 1 flag
 
     # ---- training ----------------------------------------------------------------------------
-    def run_span(self, first_step: int, batches: list[Batch]) -> list[dict[str, Any]]:
+    def run_span(self, first_step: int, batches: list[Batch]) -> list[StepOutcome]:
         """Train global batches `batches` (steps first_step, first_step + 1, ...) by this stage's
         list for a span of that many batches; one result per step. The pipeline is empty at the
         start and drained at the end (a consistent cut)."""
@@ -354,7 +334,7 @@ class StageRunner:
     def _step_result(self, first_step: int, b: int, batch: Batch,
                      losses: dict[int, tuple[float, float, float]], stale: dict[int, int],
                      updates: list[_Update], carried: float, shared: dict[str, Any]
-                     ) -> dict[str, Any]:
+                     ) -> StepOutcome:
         """Step first_step + b: its micro-batches' losses (last stage only, keyed by global
         micro-batch index) and staleness, and the norm of the latest update done by its end
         (`carried`, the previous span's last, if none yet)."""
@@ -366,8 +346,8 @@ class StageRunner:
         norm = done[-1].norm if done else carried
         finite = all(u.finite for u in mine) and all(
             math.isfinite(v) for values in own.values() for v in values)
-        return {"step": step, "losses": own, "grad_norm": norm, "finite": finite,
-                "pipeline": {**shared, "staleness": [stale[m] for m in mbs]}}
+        return StepOutcome(losses=own, grad_norm=norm, finite=finite,
+                           pipeline={**shared, "staleness": [stale[m] for m in mbs]})
 
     def _receives(self, actions: list[Action]) -> Iterator[tuple[int, int]]:
         """(source, tag) of every receive of the list, in list order: activations for F on all
@@ -381,18 +361,18 @@ class StageRunner:
     def _live_weights(self) -> int:
         return next(iter(self.params.values())).data_ptr()
 
-    def _meter(self) -> _SavedBytes:
-        return _SavedBytes({p.untyped_storage().data_ptr() for p in self.params.values()})
+    def _meter(self) -> SavedBytes:
+        """Weights are skipped: they are held anyway and counted as versions."""
+        return SavedBytes(self.params.values())
 
     def _aliases(self) -> dict[str, Tensor]:
         return {n: p.data.requires_grad_() for n, p in self.params.items()}
 
-    def _run(self, x: Tensor, leaves: dict[str, Tensor], meter: _SavedBytes,
+    def _run(self, x: Tensor, leaves: dict[str, Tensor], meter: SavedBytes,
              labels: Tensor | None = None) -> Any:
         """The stage's output, or on the last stage given `labels` its (total, ce, z) loss."""
         kwargs = {} if labels is None else {"labels": labels, "z_loss": self.spec.z_loss}
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), \
-                autocast_for(self.device):
+        with meter.counting(), autocast_for(self.device):
             return functional_call(self.module, leaves, (x,), kwargs, strict=True)
 
     def _input(self, mb: int, batches: list[Batch]) -> Tensor:

@@ -1,4 +1,4 @@
-"""The pipeline runtime: what each schedule's backward computes when updates happen between a
+"""The stage executor: what each schedule's backward computes when updates happen between a
 micro-batch's F and B (in-process, a middle stage with scripted neighbours), then real
 multi-process pipelines of the production Worker over gloo (a pool of processes started once):
 flush schedules equal the unpipelined model, every schedule reruns bit for bit, measured
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from relaytrain.data.loader import Batch
 from relaytrain.model.config import PRESETS
 from relaytrain.model.olmo3 import MLP
-from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec
+from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec
 from relaytrain.parallel.pipeline.schedules import (
     build_schedule,
     staleness,
@@ -89,7 +89,7 @@ def run_middle_stage(schedule: str, mode: str = "perf"):
                   [(m, torch.zeros(MB, T + 1, dtype=torch.long)) for m in range(M)])
     out = runner.run_span(1, [batch])
     names = [n for n, _ in mlp.named_parameters()]
-    return cfg, names, xs, gs, net, opt, out[0]["pipeline"]
+    return cfg, names, xs, gs, net, opt, out[0].pipeline
 
 
 def weights(names, tensors):
@@ -132,7 +132,7 @@ def close(a: dict, b: dict, tol: float = 1e-5) -> bool:
 
 
 def test_naive_inplace_update_between_forward_and_backward_trips_autograd():
-    """The problem the runtime solves: without the aliases, stock autograd refuses."""
+    """The problem the executor solves: without the aliases, stock autograd refuses."""
     cfg = PRESETS["tiny"].with_vocab(64)
     mlp = MLP(cfg)
     y = mlp(torch.randn(MB, T, cfg.d_model)).sum()

@@ -1,0 +1,285 @@
+"""Membership, recovery and elasticity: which workers form the run, and what happens when one
+fails (docs/RECOVERY.md).
+
+The workers of a run form a *generation*: one process-group layout, joined through a fresh
+rendezvous. A failure ends the generation; `recover` is the one entry point. It names what
+failed, replaces it (or, without capacity, shrinks the data-parallel size), forms the next
+generation and restores the newest consistent state: every survivor's in-memory snapshot if
+each stage still has one, else the newest committed checkpoint. `maybe_grow` adds workers back
+at a step boundary once capacity returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from relaytrain.config import RunConfig
+from relaytrain.parallel.groups import Placement, placements
+from relaytrain.runtime import rendezvous
+from relaytrain.runtime.catalogue import CheckpointCatalogue
+from relaytrain.runtime.engines.base import Engine, WorkerCall
+from relaytrain.runtime.failures import (
+    NodeLost,
+    RecoveryLimitExceeded,
+    WorkerDied,
+    WorkerFailure,
+    WorkerHung,
+    WorkerRaised,
+)
+from relaytrain.runtime.faults import FaultInjector
+from relaytrain.runtime.reporter import StepReporter
+from relaytrain.train.metrics import warn
+
+
+@dataclass
+class Restore:
+    """Where the state after a failure comes from."""
+
+    step: int
+    source: str  # "memory" (survivors' snapshots) or "checkpoint"
+
+
+class Recovery:
+    def __init__(self, cfg: RunConfig, engine: Engine, worker_args: tuple,
+                 catalogue: CheckpointCatalogue, reporter: StepReporter, faults: FaultInjector):
+        self.cfg = cfg
+        self.engine = engine
+        self.worker_args = worker_args
+        self.catalogue = catalogue
+        self.reporter = reporter
+        self.faults = faults
+        self.members: list[int] = []  # worker id of each rank
+        self.dp = self.target_dp = cfg.parallel.dp
+        self.generation = -1
+        self.initial_pids: dict[int, int] = {}
+        self.recovery_times: list[float] = []
+        self.log: list[dict[str, Any]] = []  # the recovery records written so far
+        self._pending: dict[str, Any] | None = None  # completed by the next step
+        self._store: Any = None  # this generation's rendezvous store (kept alive)
+
+    # ---- layout ----------------------------------------------------------------------------
+    def placements(self) -> dict[int, Placement]:
+        """Worker id -> its place in the current generation (`parallel.groups.placements`)."""
+        return placements(self.members, self.dp, self.cfg.parallel.pp)
+
+    def writer_parts(self) -> dict[int, str]:
+        """Worker id -> checkpoint part: DP rank 0 of every stage writes its stage's tensors."""
+        return {w: f"stage{p.stage}" for w, p in self.placements().items() if p.dp_rank == 0}
+
+    # ---- generations -----------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """The run's first workers, holding the state after `step`."""
+        self.members = self.engine.spawn_many(self.cfg.world_size, self.worker_args,
+                                              self.cfg.runtime.setup_timeout)
+        self.initial_pids = {w: self.engine.pid(w) for w in self.members}
+        self.form_generation(step)
+
+    def form_generation(self, step: int,
+                        tensors: dict[int, dict[str, Any]] | None = None) -> float:
+        """Join every member into a new process-group generation holding the state of `step`.
+
+        `tensors` gives a state to some workers (replacements pulling a peer's snapshot); the
+        others restore their own snapshot of `step`, or the checkpoint. Returns when the
+        groups were formed (the rest is restoring state)."""
+        self.generation += 1
+        timeout = self.cfg.runtime.setup_timeout
+        host, port = self.engine.store_host(), None
+        if len(self.members) > 1:
+            self._store = rendezvous.serve(host)
+            port = self._store.port
+        generation, collective_timeout = self.generation, self.cfg.runtime.collective_timeout
+
+        def setup(p: Placement) -> WorkerCall:
+            return lambda w: w.setup(generation, p, host, port, collective_timeout)
+
+        def build(t: dict[str, Any] | None) -> WorkerCall:
+            return lambda w: w.build(step, t)
+
+        self.engine.call({wid: setup(p) for wid, p in self.placements().items()}, timeout)
+        formed = time.time()
+        given = tensors or {}
+        self.engine.call({wid: build(given.get(wid)) for wid in self.members}, timeout)
+        return formed
+
+    # ---- failures --------------------------------------------------------------------------
+    def recover(self, failure: WorkerFailure, done: int, in_flight: int) -> int:
+        """Replace what failed, re-form, restore the newest consistent state; the step to
+        continue from. `done`: the last step recorded; `in_flight`: the steps of the failed
+        dispatch (a whole span for an asynchronous pipeline), lost with it."""
+        t_detect = time.time()
+        self._check_limit(failure, t_detect)
+        pids = {w: self.engine.pid(w) for w in self.members}
+        failed, failure = self._settle(failure)
+        rank = self.members.index(failure.wid) if failure.wid in self.members else -1
+        fired = self.faults.fired_at.get(pids.get(failure.wid, -1))
+        warn(f"step {done + 1}: worker rank {rank} (pid {pids.get(failure.wid, '?')}) "
+             f"{failure.kind}: {failure.message}")
+        for wid in failed:
+            self.engine.kill(wid)
+        if self.cfg.faults.hold_capacity_s > 0:
+            self.engine.hold_capacity(self.cfg.faults.hold_capacity_s)
+        survivors = [w for w in self.members if w not in failed]
+        old = self.placements()
+        restore = self._restore_point(survivors, old)
+        replaced, shrunk = self._replace(failed, survivors)
+        tensors = self._donations(replaced, survivors, old, restore)
+        t_reform0 = time.time()
+        t_restore0 = self.form_generation(restore.step, tensors)
+        t_done = time.time()
+        lost = range(restore.step + 1, done + 1)
+        self.reporter.rollback(lost, restore.step)
+        if shrunk:
+            self.reporter.header(restore.step, self.dp)
+        self.catalogue.forget_after(restore.step)
+        self._pending = {
+            "failed_step": done + 1, "rank": rank, "cause": failure.kind,
+            "message": failure.message, "source": restore.source, "dp": self.dp,
+            "lost_steps": len(lost) + in_flight, "restored_step": restore.step,
+            # detect: fault -> exception; replace: settle, kill, start replacements, pull
+            # the snapshot; reform: new process groups; restore: rebuild from the state.
+            "phases": {"detect": t_detect - fired if fired else None,
+                       "replace": t_reform0 - t_detect, "reform": t_restore0 - t_reform0,
+                       "restore": t_done - t_restore0},
+            "t_fault": fired or t_detect, "t_ready": t_done}
+        return restore.step
+
+    def _check_limit(self, failure: WorkerFailure, now: float) -> None:
+        """Too many recoveries within elastic.recovery_window is a crash loop: stop."""
+        el = self.cfg.elastic
+        self.recovery_times.append(now)
+        window = [t for t in self.recovery_times if t > now - el.recovery_window]
+        if len(window) > el.max_recoveries:
+            raise RecoveryLimitExceeded(
+                f"{len(window)} recoveries within {el.recovery_window:.0f}s exceed "
+                f"elastic.max_recoveries={el.max_recoveries}: stopping a crash loop "
+                f"(last failure: {failure})")
+
+    def _settle(self, failure: WorkerFailure) -> tuple[set[int], WorkerFailure]:
+        """The workers that failed, and the failure to report: a collective error that a
+        peer's death caused is collateral, the dead or hung peer is named instead."""
+        failed: set[int] = set()
+        if not isinstance(failure, WorkerRaised):
+            failed.add(failure.wid)
+            self.engine.kill(failure.wid)  # a hung peer must go before its partners unblock
+        # Survivors blocked on the failed worker inside a collective fail with it (a closed
+        # connection) or at the collective timeout.
+        settled = self.engine.settle(self.cfg.runtime.collective_timeout + 5)
+        failed |= {w for w, e in settled.items()
+                   if isinstance(e, WorkerDied | WorkerHung | NodeLost)}
+        if not failed:  # only exceptions: the worker that raised first is the failure
+            failed.add(failure.wid)
+        elif isinstance(failure, WorkerRaised):
+            failure = next(settled[w] for w in sorted(failed) if w in settled)
+        return failed, failure
+
+    def _restore_point(self, survivors: list[int], old: dict[int, Placement]) -> Restore:
+        """Every survivor's snapshot of the last completed step (taken at the start of the
+        failed step), if each stage still has one and they agree; else the newest checkpoint."""
+        snaps = self.engine.call_all(survivors, lambda w: w.snapshot_step(),
+                                     self.cfg.runtime.call_timeout) if survivors else {}
+        stages_left = {old[w].stage for w in survivors}
+        if (len(set(snaps.values())) == 1 and None not in snaps.values()
+                and stages_left == set(range(self.cfg.parallel.pp))):
+            return Restore(next(iter(snaps.values())), "memory")
+        step = self.catalogue.latest_readable_step()
+        warn(f"no complete in-memory snapshot survived; restoring checkpoint step {step} from "
+             f"{self.catalogue.store.url}")
+        return Restore(step, "checkpoint")
+
+    def _replace(self, failed: set[int], survivors: list[int]) -> tuple[dict[int, int], bool]:
+        """A new worker in each failed worker's rank ({new: old}); without capacity for all of
+        them, none, and the run shrinks to the survivors (True)."""
+        members = list(self.members)
+        replaced: dict[int, int] = {}
+        for wid in [w for w in self.members if w in failed]:
+            try:
+                new = self.engine.spawn(self.worker_args, self.cfg.elastic.replace_timeout)
+            except WorkerFailure:
+                for w in replaced:
+                    self.engine.kill(w)
+                self.members = self._shrink(survivors)
+                return {}, True
+            members[members.index(wid)] = new
+            replaced[new] = wid
+        self.members = members
+        return replaced, False
+
+    def _donations(self, replaced: dict[int, int], survivors: list[int],
+                   old: dict[int, Placement], restore: Restore) -> dict[int, dict[str, Any]]:
+        """From memory, each replacement loads a surviving peer's snapshot of its stage."""
+        if restore.source != "memory":
+            return {}
+        out = {}
+        for new, wid in replaced.items():
+            donor = next(w for w in survivors if old[w].stage == old[wid].stage)
+            out[new] = self.engine.call({donor: lambda w: w.snapshot_tensors(restore.step)},
+                                        self.cfg.runtime.call_timeout)[donor]
+        return out
+
+    def recovered(self, step: int) -> None:
+        """After the first step following a recovery: record its timeline."""
+        rec, self._pending = self._pending, None
+        if rec is None:
+            return
+        now = time.time()
+        rec["phases"]["first_step"] = now - rec.pop("t_ready")
+        rec["total_s"] = now - rec.pop("t_fault")
+        self.log.append(self.reporter.write("recovery", step=step, **rec))
+        self.engine.refill()
+
+    # ---- elasticity ------------------------------------------------------------------------
+    def _shrink(self, survivors: list[int]) -> list[int]:
+        """Continue on fewer workers with the same global batch: the largest DP size the
+        survivors allow that splits the micro-batches evenly."""
+        cfg = self.cfg
+        if cfg.parallel.pp > 1:
+            raise RecoveryLimitExceeded("no replacement could be placed within "
+                                        f"elastic.replace_timeout={cfg.elastic.replace_timeout}s"
+                                        " and a pipeline cannot run with a stage missing")
+        fits = [d for d in range(len(survivors), 0, -1)
+                if cfg.micro_batches % d == 0 and d >= cfg.elastic.min_workers]
+        if not fits:
+            raise RecoveryLimitExceeded(
+                f"only {len(survivors)} worker(s) left and no replacement within "
+                f"elastic.replace_timeout={cfg.elastic.replace_timeout}s; elastic.min_workers="
+                f"{cfg.elastic.min_workers}")
+        keep, extra = survivors[: fits[0]], survivors[fits[0]:]
+        for wid in extra:
+            self.engine.kill(wid)
+        warn(f"no replacement within {cfg.elastic.replace_timeout:.0f}s: continuing on "
+             f"{fits[0]} worker(s) with the same global batch")
+        self.dp = fits[0]
+        return keep
+
+    def maybe_grow(self, step: int) -> None:
+        """Grow back to the configured DP size at a step boundary once capacity returns."""
+        cfg = self.cfg
+        if self.dp >= self.target_dp or step >= cfg.train.max_steps:
+            return
+        if not self.engine.has_capacity(0.2):
+            return
+        t0 = time.time()
+        timeout = cfg.runtime.call_timeout
+        self.engine.call_all(self.members, lambda w: w.take_snapshot(step), timeout)
+        donor = self.members[0]
+        state = self.engine.call({donor: lambda w: w.snapshot_tensors(step)}, timeout)[donor]
+        added = []
+        while len(self.members) + len(added) < self.target_dp * cfg.parallel.pp:
+            try:
+                added.append(self.engine.spawn(self.worker_args, 0.2))
+            except WorkerFailure:
+                break
+        d = max(x for x in range(1, len(self.members) + len(added) + 1)
+                if cfg.micro_batches % x == 0)
+        for wid in added[d - len(self.members):]:
+            self.engine.kill(wid)
+        added = added[: d - len(self.members)]
+        if not added:
+            return
+        self.members += added
+        self.dp = d
+        self.form_generation(step, {w: state for w in added})
+        self.reporter.header(step, self.dp)
+        self.reporter.write("resize", step=step, dp=self.dp, seconds=time.time() - t0)

@@ -1,0 +1,218 @@
+"""The step reporter: everything the run directory records about training as it goes.
+
+It turns the workers' `StepResult`s into one step record (metrics.jsonl, TensorBoard, the
+progress bar), the data ledger's lines (which ids each DP rank trained on, restarts, rollbacks),
+the loss-spike and memorisation alarms, and the held-out evaluation record. It decides nothing
+about workers; the controller tells it what happened.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from relaytrain.config import RunConfig
+from relaytrain.data.ledger import (
+    LedgerWriter,
+    header_record,
+    read_ledger,
+    rollback_record,
+    step_record,
+)
+from relaytrain.parallel.groups import Placement
+from relaytrain.runtime.wire import StepResult
+from relaytrain.train.evaluate import mean_loss
+from relaytrain.train.metrics import MemorisationAlarm, MetricsLog, SpikeDetector, TensorBoard, warn
+from relaytrain.train.optim import lr_at
+
+
+class TrainingStopped(Exception):
+    """The run stopped on purpose (divergence, memorisation alarm with stop_on_alarm)."""
+
+
+def combine(step: int, results: dict[int, StepResult], placements: dict[int, Placement],
+            cfg: RunConfig) -> dict[str, Any]:
+    """One step's record from every worker's result. The loss is summed over micro-batches in
+    index order, so the number does not depend on how micro-batches were split over ranks."""
+    losses: dict[int, tuple[float, float, float]] = {}
+    for r in results.values():
+        losses.update({int(k): v for k, v in r.losses.items()})
+    m = cfg.micro_batches
+    order = [losses[j] for j in range(m)]
+    last_stage = min(w for w, p in placements.items() if p.stage == cfg.parallel.pp - 1)
+    record = {"loss": math.fsum(v[0] for v in order) / m,
+              "ce_loss": math.fsum(v[1] for v in order) / m,
+              "z_loss": math.fsum(v[2] for v in order) / m,
+              "grad_norm": results[last_stage].grad_norm,
+              "lr": lr_at(step, cfg.optim, cfg.train.max_steps),
+              "time_data": max(r.time_data for r in results.values()),
+              "time_compute": max(r.time_compute for r in results.values())}
+    if cfg.parallel.pp > 1:  # every stage's schedule measurements (its DP rank 0's)
+        record["pipeline"] = {str(p.stage): results[w].pipeline
+                              for w, p in placements.items() if p.dp_rank == 0}
+    return record
+
+
+def ledger_parts(results: dict[int, StepResult], placements: dict[int, Placement]
+                 ) -> list[list[int]]:
+    """The ids each DP rank trained on (read from the first stage's workers)."""
+    parts = {p.dp_rank: results[w].ids for w, p in placements.items() if p.stage == 0}
+    return [parts[i] for i in range(len(parts))]
+
+
+class StepReporter:
+    def __init__(self, cfg: RunConfig, fingerprint: str, n_instances: int, quiet: bool,
+                 last_checkpoint: Callable[[], int]):
+        self.cfg = cfg
+        self.last_checkpoint = last_checkpoint  # for the message of a diverged run
+        self.fingerprint = fingerprint
+        self.n_instances = n_instances
+        self.quiet = quiet
+        self.tokens_per_step = cfg.train.global_batch * cfg.seq_len
+        self.spikes = SpikeDetector(cfg.train.spike_factor)
+        self.alarm = MemorisationAlarm(cfg.eval.memo_gap, cfg.eval.memo_patience)
+        self.recent_losses: list[float] = []
+        self.last: dict[str, Any] = {"loss": math.nan}
+        self.heldout = math.nan
+        self.productive_s = 0.0
+        self.flops_per_token = 0.0
+        self.peak_flops = 0.0
+        self.metrics: MetricsLog | None = None
+        self.ledger: LedgerWriter | None = None
+        self.tensorboard: TensorBoard | None = None
+        self.bar: Any = None
+
+    # ---- the run's files -------------------------------------------------------------------
+    def open(self, start: int, dp: int) -> None:
+        """Open the run's records at `start`: ledger lines past it (a run killed before its
+        next checkpoint) are rolled back, and the order parameters written again."""
+        cfg = self.cfg
+        self.metrics = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl"))
+        if cfg.log.tensorboard:
+            self.tensorboard = TensorBoard(os.path.join(cfg.run_dir, "tensorboard"))
+        path = os.path.join(cfg.run_dir, "ledger.jsonl")
+        ledger_last = _ledger_last_step(path)
+        self.ledger = LedgerWriter(cfg.run_dir)
+        if ledger_last > start:
+            self.rollback(range(start + 1, ledger_last + 1), start)
+        self.header(start, dp)
+        if start > 0:
+            self.metrics.write("restart", step=start)
+
+    def start_progress(self, start: int, flops_per_token: float, peak_flops: float) -> None:
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        if self.cfg.log.progress and not self.quiet:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.cfg.train.max_steps, initial=start, unit="step",
+                            dynamic_ncols=True, file=sys.stderr, desc="train")
+
+    def close(self) -> None:
+        for part in (self.bar, self.metrics, self.ledger, self.tensorboard):
+            if part is not None:
+                part.close()
+
+    def header(self, step: int, dp: int) -> None:
+        """At every start, resume and resize: the facts the audit recomputes the order from."""
+        cfg = self.cfg
+        self.ledger.write(header_record(
+            seed=cfg.seed, global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch,
+            seq_len=cfg.seq_len, n_instances=self.n_instances, fingerprint=self.fingerprint,
+            data_path=os.path.abspath(cfg.data.path), dp=dp, order=cfg.data.order))
+
+    def rollback(self, steps: range, to_step: int) -> None:
+        """Steps whose updates a restore discarded: their data counts as unconsumed."""
+        if len(steps):
+            self.ledger.write(rollback_record(steps, to_step))
+
+    def write(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return self.metrics.write(kind, **fields)
+
+    # ---- steps -----------------------------------------------------------------------------
+    def check(self, first: int, per_step: list[dict[int, StepResult]],
+              placements: dict[int, Placement]) -> list[dict[str, Any]]:
+        """The records of steps first, first+1, ... (each: every worker's result). A
+        non-finite step stops the run here, before it is checkpointed or recorded."""
+        records = [combine(first + i, per, placements, self.cfg)
+                   for i, per in enumerate(per_step)]
+        for i, per in enumerate(per_step):
+            if not all(r.finite for r in per.values()):
+                self._diverged(first + i, records[i], per, placements)
+        return records
+
+    def steps(self, first: int, per_step: list[dict[int, StepResult]],
+              records: list[dict[str, Any]], placements: dict[int, Placement],
+              seconds_per_step: float, checkpoint_s: float) -> None:
+        """Write the checked records of steps first, first+1, ... and their ledger lines."""
+        tps = self.tokens_per_step / seconds_per_step
+        mfu = tps * self.flops_per_token / self.peak_flops if self.peak_flops else 0.0
+        for i, (per, rec) in enumerate(zip(per_step, records, strict=True)):
+            step = first + i
+            self.ledger.write(step_record(step, ledger_parts(per, placements)))
+            self.last = self.metrics.write(
+                "step", step=step, **rec, tokens=step * self.tokens_per_step, tokens_per_s=tps,
+                mfu=mfu, time_checkpoint=checkpoint_s if i == len(per_step) - 1 else 0.0)
+            self.productive_s += seconds_per_step
+            if self.tensorboard:
+                self.tensorboard.write(self.last)
+            spike = self.spikes.check(rec["loss"])
+            if spike:
+                self.metrics.write("spike", step=step, message=spike)
+                warn(f"step {step}: {spike}")
+            self.recent_losses.append(rec["loss"])
+
+    def _diverged(self, step: int, rec: dict[str, Any], per: dict[int, StepResult],
+                  placements: dict[int, Placement]) -> None:
+        self.ledger.write(step_record(step, ledger_parts(per, placements)))
+        self.metrics.write("nan", step=step, message=f"non-finite loss/gradient: "
+                           f"loss={rec['loss']} grad_norm={rec['grad_norm']}")
+        raise TrainingStopped(f"training diverged at step {step} (loss {rec['loss']}, grad "
+                              f"norm {rec['grad_norm']}); the update was skipped and the last "
+                              f"good checkpoint (step {self.last_checkpoint()}) is intact")
+
+    def progress(self, step: int) -> None:
+        if self.bar is None:
+            return
+        self.bar.set_postfix(loss=f"{self.last['loss']:.3f}", heldout=f"{self.heldout:.3f}",
+                             tok_s=f"{self.last.get('tokens_per_s', 0):,.0f}", refresh=False)
+        self.bar.n = step
+        self.bar.refresh()
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def evaluation(self, step: int, per_worker: dict[int, dict[int, float]],
+                   ids: list[int]) -> None:
+        """Record the held-out loss of `ids` against the recent training loss; the
+        memorisation alarm warns, or stops the run with eval.stop_on_alarm."""
+        losses: dict[int, float] = {}
+        for r in per_worker.values():
+            losses.update({int(k): v for k, v in r.items()})
+        self.heldout = mean_loss(losses, ids)
+        recent = self.recent_losses[-max(1, self.cfg.eval.every):]
+        train_loss = math.fsum(recent) / len(recent)
+        rec = self.metrics.write("eval", step=step, tokens=step * self.tokens_per_step,
+                                 heldout_loss=self.heldout,
+                                 heldout_ppl=math.exp(min(self.heldout, 50.0)),
+                                 train_loss=train_loss)
+        if self.tensorboard:
+            self.tensorboard.write(rec)
+        message = self.alarm.update(train_loss, self.heldout)
+        if message:
+            self.metrics.write("alarm", step=step, message=message)
+            warn(message)
+            if self.cfg.eval.stop_on_alarm:
+                raise TrainingStopped(f"stopped at step {step}: {message}")
+
+
+def _ledger_last_step(path: str) -> int:
+    """The last step the ledger holds as consumed (after its rollbacks)."""
+    last = 0
+    if os.path.exists(path):
+        for rec in read_ledger(path).records:
+            if rec.get("kind") == "step":
+                last = max(last, rec["step"])
+            elif rec.get("kind") == "rollback":
+                last = rec["to_step"]
+    return last

@@ -1,0 +1,34 @@
+"""Placements: rank r is DP rank r % dp of stage r // dp, members taken in rank order, and the
+groups' rank lists agree with them."""
+
+import pytest
+
+from relaytrain.parallel.groups import Placement, placements, replica_ranks, stage_ranks
+
+
+def test_a_stage_s_dp_replicas_are_consecutive_ranks():
+    got = placements([40, 41, 42, 43, 44, 45], dp=2, pp=3)
+    assert list(got) == [40, 41, 42, 43, 44, 45]  # worker ids, in rank order
+    assert [(p.rank, p.stage, p.dp_rank) for p in got.values()] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1), (4, 2, 0), (5, 2, 1)]
+    assert {(p.world, p.dp, p.pp) for p in got.values()} == {(6, 2, 3)}
+
+
+def test_unpipelined_layout_is_all_stage_zero():
+    assert placements([7, 3, 5], dp=3, pp=1) == {
+        7: Placement(0, 3, 0, 3, 0, 1), 3: Placement(1, 3, 1, 3, 0, 1),
+        5: Placement(2, 3, 2, 3, 0, 1)}
+
+
+@pytest.mark.parametrize(("dp", "pp"), [(1, 4), (2, 2), (3, 2), (4, 1)])
+def test_placements_agree_with_the_process_groups(dp, pp):
+    got = placements(range(dp * pp), dp, pp)
+    for s in range(pp):
+        assert stage_ranks(s, dp) == [p.rank for p in got.values() if p.stage == s]
+    for d in range(dp):
+        assert replica_ranks(d, dp, pp) == [p.rank for p in got.values() if p.dp_rank == d]
+
+
+def test_members_must_fill_the_layout():
+    with pytest.raises(ValueError, match="3 members for a layout of dp 2 x pp 2"):
+        placements([0, 1, 2], dp=2, pp=2)

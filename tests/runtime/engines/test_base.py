@@ -1,0 +1,44 @@
+"""The worker interface: the controller's calls are checked against it before any worker is
+reached, and the real worker implements every method of it as declared."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from relaytrain.runtime.engines.base import Invocation, WorkerAPI, invocation
+from relaytrain.runtime.worker import Worker
+
+
+def test_the_worker_implements_the_interface_with_the_same_parameters():
+    for name, declared in vars(WorkerAPI).items():
+        if name.startswith("_") or not callable(declared):
+            continue
+        actual = getattr(Worker, name, None)
+        assert actual is not None, f"Worker lacks {name}"
+        assert list(inspect.signature(actual).parameters) == \
+            list(inspect.signature(declared).parameters), name
+
+
+def test_a_call_is_recorded_as_one_method_with_its_arguments():
+    assert invocation(lambda w: w.run_steps(3, 2)) == Invocation("run_steps", (3, 2), {})
+    assert invocation(lambda w: w.build(5, tensors=None)) == \
+        Invocation("build", (5,), {"tensors": None})
+
+
+def test_a_misspelt_method_fails_in_the_controller():
+    with pytest.raises(AttributeError, match="'run_step' is not a method of the worker"):
+        invocation(lambda w: w.run_step(1, 1))
+
+
+def test_wrong_arguments_fail_in_the_controller():
+    with pytest.raises(TypeError):
+        invocation(lambda w: w.run_steps(1))
+    with pytest.raises(TypeError):
+        invocation(lambda w: w.save(1, "stage0", "extra"))
+
+
+def test_a_call_must_be_one_method_call():
+    with pytest.raises(TypeError, match="one method call"):
+        invocation(lambda w: 42)

@@ -1,0 +1,93 @@
+"""An engine of in-memory workers whose failures a test scripts, to drive the recovery decisions
+(memory or checkpoint, replace or shrink, grow, the recovery limit) in milliseconds. The
+end-to-end behaviour with real processes is tested on Ray (test_elastic.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relaytrain.runtime.engines.base import Engine, Invocation
+from relaytrain.runtime.failures import WorkerDied
+
+
+class FakeWorker:
+    """Answers the calls recovery makes; `snapshot` is the step its in-memory snapshot holds."""
+
+    def __init__(self, wid: int, snapshot: int | None):
+        self.wid = wid
+        self.snapshot = snapshot
+        self.calls: list[str] = []
+        self.built: tuple[int, Any] | None = None  # (step, tensors given) of the last build
+        self.placement: Any = None
+
+    def ping(self) -> int:
+        return 1000 + self.wid
+
+    def setup(self, generation: int, placement: Any, store_host: str | None,
+              store_port: int | None, timeout_s: float) -> dict[str, Any]:
+        self.placement = placement
+        self.calls.append(f"setup{generation}")
+        return {}
+
+    def build(self, step: int, tensors: dict | None) -> int:
+        self.built = (step, tensors)
+        self.snapshot = step
+        return step
+
+    def snapshot_step(self) -> int | None:
+        return self.snapshot
+
+    def snapshot_tensors(self, step: int) -> dict[str, Any]:
+        assert step == self.snapshot
+        return {"from": self.wid, "step": step}
+
+    def take_snapshot(self, step: int) -> None:
+        self.snapshot = step
+
+
+class FakeEngine(Engine):
+    def __init__(self, snapshots: list[int | None], capacity: int = 10):
+        self.workers = {w: FakeWorker(w, s) for w, s in enumerate(snapshots)}
+        self.next_id = len(snapshots)
+        self.capacity = capacity  # how many more workers can be placed
+        self.settled: dict[int, BaseException | None] = {}  # what settle() reports next
+        self.killed: list[int] = []
+
+    def spawn(self, worker_args: tuple, wait: float) -> int:
+        if self.capacity <= 0:
+            raise WorkerDied(-1, "no capacity")
+        self.capacity -= 1
+        wid, self.next_id = self.next_id, self.next_id + 1
+        self.workers[wid] = FakeWorker(wid, None)
+        return wid
+
+    def spawn_many(self, n: int, worker_args: tuple, wait: float) -> list[int]:
+        return sorted(self.workers)[:n]
+
+    def run(self, invocations: dict[int, Invocation], timeout: float) -> dict[int, Any]:
+        return {w: getattr(self.workers[w], i.method)(*i.args, **i.kwargs)
+                for w, i in invocations.items()}
+
+    def settle(self, timeout: float) -> dict[int, BaseException | None]:
+        out, self.settled = self.settled, {}
+        return out
+
+    def has_capacity(self, wait: float) -> bool:
+        return self.capacity > 0
+
+    def hold_capacity(self, seconds: float) -> None:
+        self.capacity = 0
+
+    def pid(self, wid: int) -> int:
+        return 1000 + wid
+
+    def kill(self, wid: int) -> None:
+        self.killed.append(wid)
+        self.workers.pop(wid, None)
+
+    def store_host(self) -> str:
+        return "127.0.0.1"
+
+    def shutdown(self) -> None:
+        self.workers.clear()
+

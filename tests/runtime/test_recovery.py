@@ -1,0 +1,129 @@
+"""Recovery decisions, driven by a scripted engine in milliseconds: what failed, where the
+state comes from, who replaces whom, when the run shrinks, grows back, or stops."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from relaytrain.checkpoint.store import CheckpointStore
+from relaytrain.runtime.catalogue import CheckpointCatalogue
+from relaytrain.runtime.failures import (
+    RecoveryLimitExceeded,
+    WorkerDied,
+    WorkerHung,
+    WorkerRaised,
+)
+from relaytrain.runtime.faults import FaultInjector
+from relaytrain.runtime.recovery import Recovery
+from relaytrain.runtime.reporter import StepReporter
+from tests.runtime.conftest import tiny_config
+from tests.runtime.fake_engine import FakeEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+# 4 workers, 4 micro-batches per step: dp 4 splits them evenly, and so do 2 and 1 (not 3).
+LAYOUT = ("train.global_batch=4", "train.micro_batch=1", "parallel.dp=4", "runtime.engine=ray")
+
+
+def _recovery(tmp_path, snapshots, *extra, capacity=10, checkpoint_at=None):
+    cfg = tiny_config(tmp_path / "run", "data", *LAYOUT, *extra)
+    (tmp_path / "run").mkdir()
+    store = CheckpointStore(str(tmp_path / "run" / "checkpoints"))
+    catalogue = CheckpointCatalogue(store, lambda step: {})
+    if checkpoint_at is not None:
+        part = store.write_part(checkpoint_at, "stage0", {"model.w": torch.ones(2)})
+        store.commit(checkpoint_at, {"stage0": part}, {})
+    reporter = StepReporter(cfg, "fp", 100, quiet=True, last_checkpoint=lambda: 0)
+    reporter.open(0, cfg.parallel.dp)
+    engine = FakeEngine(snapshots, capacity=capacity)
+    rec = Recovery(cfg, engine, (), catalogue, reporter, FaultInjector([], 0.0))
+    rec.start(0)
+    return rec, engine
+
+
+def _ledger(tmp_path) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()]
+
+
+def test_a_dead_worker_is_replaced_in_its_rank_and_loads_a_peers_snapshot(tmp_path):
+    rec, engine = _recovery(tmp_path, [5, 5, 5, 5])
+    for w in engine.workers.values():
+        w.snapshot = 5  # taken at the start of the failed step 6
+    restored = rec.recover(WorkerDied(2, "SIGKILL"), done=5, in_flight=1)
+    assert restored == 5
+    assert rec.members[:2] == [0, 1] and rec.members[3] == 3 and rec.members[2] == 4
+    assert set(engine.killed) == {2}
+    new = engine.workers[4]
+    assert new.built == (5, {"from": 0, "step": 5})  # a surviving peer's snapshot
+    assert all(engine.workers[w].built == (5, None) for w in (0, 1, 3))  # their own
+    assert rec.generation == 1 and rec.dp == 4
+    rec.recovered(6)
+    [record] = rec.log
+    assert (record["source"], record["rank"], record["lost_steps"]) == ("memory", 2, 1)
+
+
+def test_without_agreeing_snapshots_the_newest_checkpoint_is_restored(tmp_path):
+    rec, engine = _recovery(tmp_path, [0, 0, 0, 0], checkpoint_at=4)
+    for wid, step in zip(range(4), (7, 6, 7, 7), strict=True):
+        engine.workers[wid].snapshot = step
+    restored = rec.recover(WorkerDied(3, "gone"), done=7, in_flight=1)
+    assert restored == 4
+    assert all(w.built == (4, None) for w in engine.workers.values())  # each reads storage
+    rollback = [r for r in _ledger(tmp_path) if r["kind"] == "rollback"]
+    assert rollback == [{"kind": "rollback", "steps": [5, 6, 7], "to_step": 4}]
+    rec.recovered(5)
+    assert (rec.log[0]["source"], rec.log[0]["lost_steps"]) == ("checkpoint", 4)
+
+
+def test_a_collective_error_is_blamed_on_the_peer_that_died(tmp_path):
+    rec, engine = _recovery(tmp_path, [3, 3, 3, 3])
+    engine.settled = {1: WorkerDied(1, "SIGKILL"), 2: None, 3: None}
+    rec.recover(WorkerRaised(0, "gloo: connection closed"), done=3, in_flight=1)
+    assert set(engine.killed) == {1}  # not the worker that raised
+    assert rec.members[0] == 0 and rec.members[1] == 4
+    rec.recovered(4)
+    assert (rec.log[0]["cause"], rec.log[0]["rank"]) == ("died", 1)
+
+
+def test_a_worker_that_raised_alone_is_replaced(tmp_path):
+    rec, engine = _recovery(tmp_path, [3, 3, 3, 3])
+    rec.recover(WorkerRaised(2, "InjectedFault"), done=3, in_flight=1)
+    assert set(engine.killed) == {2} and rec.members[2] == 4
+
+
+def test_without_capacity_the_run_shrinks_to_the_largest_even_split_then_grows_back(tmp_path):
+    rec, engine = _recovery(tmp_path, [2, 2, 2, 2], capacity=0)
+    rec.recover(WorkerHung(1, "SIGSTOP"), done=2, in_flight=1)
+    # 3 survivors, but 4 micro-batches split evenly only over 2: one survivor is let go.
+    assert rec.dp == 2 and rec.members == [0, 2] and set(engine.killed) == {1, 3}
+    assert [r["dp"] for r in _ledger(tmp_path) if r["kind"] == "header"] == [4, 2]
+    rec.maybe_grow(3)  # no capacity yet: nothing happens
+    assert rec.dp == 2
+    engine.capacity = 2
+    rec.maybe_grow(4)
+    assert rec.dp == 4 and rec.members[:2] == [0, 2] and len(rec.members) == 4
+    assert all(engine.workers[w].built == (4, {"from": 0, "step": 4})
+               for w in rec.members[2:])
+    assert [r["dp"] for r in _ledger(tmp_path) if r["kind"] == "header"] == [4, 2, 4]
+
+
+def test_a_pipeline_cannot_shrink(tmp_path):
+    rec, _ = _recovery(tmp_path, [1, 1, 1, 1], "parallel.dp=2", "parallel.pp=2", capacity=0)
+    with pytest.raises(RecoveryLimitExceeded, match="a stage missing"):
+        rec.recover(WorkerDied(3, "gone"), done=1, in_flight=1)
+
+
+def test_shrinking_below_min_workers_stops_the_run(tmp_path):
+    rec, _ = _recovery(tmp_path, [1, 1, 1, 1], "elastic.min_workers=4", capacity=0)
+    with pytest.raises(RecoveryLimitExceeded, match="elastic.min_workers=4"):
+        rec.recover(WorkerDied(0, "gone"), done=1, in_flight=1)
+
+
+def test_too_many_recoveries_within_the_window_is_a_crash_loop(tmp_path):
+    rec, _ = _recovery(tmp_path, [1, 1, 1, 1], "elastic.max_recoveries=1")
+    rec.recover(WorkerDied(0, "gone"), done=1, in_flight=1)
+    with pytest.raises(RecoveryLimitExceeded, match="elastic.max_recoveries=1"):
+        rec.recover(WorkerDied(1, "gone"), done=1, in_flight=1)

@@ -1,0 +1,51 @@
+"""The step reporter: a step's record does not depend on how its micro-batches were split over
+ranks, the ledger names what each DP rank trained on, and a non-finite step stops the run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from relaytrain.parallel.groups import Placement
+from relaytrain.runtime.reporter import StepReporter, TrainingStopped, combine, ledger_parts
+from relaytrain.runtime.wire import StepResult
+from tests.runtime.conftest import tiny_config
+
+LOSSES = {0: (4.0, 3.9, 0.1), 1: (3.5, 3.4, 0.1), 2: (3.25, 3.2, 0.05), 3: (3.0, 3.0, 0.0)}
+
+
+def _results(split: list[list[int]], finite: bool = True) -> dict[int, StepResult]:
+    return {r: StepResult(step=1, losses={m: LOSSES[m] for m in mbs}, grad_norm=2.0 + r,
+                          finite=finite, ids=[10 * r + m for m in mbs], time_data=0.1 * r,
+                          time_compute=1.0 + r)
+            for r, mbs in enumerate(split)}
+
+
+def _placements(dp: int) -> dict[int, Placement]:
+    return {r: Placement(rank=r, world=dp, dp_rank=r, dp=dp) for r in range(dp)}
+
+
+def test_the_step_loss_is_the_same_for_every_split_of_the_micro_batches(tmp_path):
+    cfg = tiny_config(tmp_path, "data", "train.global_batch=4", "train.micro_batch=1")
+    one = combine(1, _results([[0, 1, 2, 3]]), _placements(1), cfg)
+    two = combine(1, _results([[0, 1], [2, 3]]), _placements(2), cfg)
+    four = combine(1, _results([[0], [1], [2], [3]]), _placements(4), cfg)
+    assert one["loss"] == two["loss"] == four["loss"] == math.fsum(v[0] for v in
+                                                                   LOSSES.values()) / 4
+    assert four["time_compute"] == 4.0 and four["time_data"] == pytest.approx(0.3)
+
+
+def test_the_ledger_names_the_ids_of_each_dp_rank_in_rank_order():
+    assert ledger_parts(_results([[0, 1], [2, 3]]), _placements(2)) == [[0, 1], [12, 13]]
+
+
+def test_a_non_finite_step_stops_the_run_before_it_is_recorded(tmp_path):
+    cfg = tiny_config(tmp_path / "run", "data", "train.global_batch=4", "train.micro_batch=1")
+    (tmp_path / "run").mkdir()
+    reporter = StepReporter(cfg, "fp", 100, quiet=True, last_checkpoint=lambda: 8)
+    reporter.open(0, 1)
+    with pytest.raises(TrainingStopped, match=r"diverged at step 9 .*checkpoint \(step 8\)"):
+        reporter.check(9, [_results([[0, 1, 2, 3]], finite=False)], _placements(1))
+    reporter.close()
+    assert '"kind": "nan"' in (tmp_path / "run" / "metrics.jsonl").read_text()

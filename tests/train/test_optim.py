@@ -1,0 +1,118 @@
+"""AdamW as the Olmo recipe builds it, and the learning-rate schedule: linear warm-up to `lr`,
+cosine to `lr * final_lr_frac` at `max_steps`, flat after."""
+
+import math
+
+import pytest
+import torch
+
+from relaytrain.checkpoint.keys import optim_key
+from relaytrain.config import OptimSection
+from relaytrain.model.config import PRESETS
+from relaytrain.model.init import init_weights
+from relaytrain.model.olmo3 import Olmo3
+from relaytrain.train.optim import (
+    build_optimizer,
+    load_optimizer_state,
+    lr_at,
+    optimizer_state_tensors,
+    set_lr,
+)
+
+CFG = OptimSection(lr=1e-3, warmup=10, final_lr_frac=0.1)
+MAX_STEPS = 110  # 100 cosine steps after the warm-up
+
+
+# --- the schedule ----------------------------------------------------------------------------
+
+def test_warm_up_is_linear_and_reaches_lr_at_its_last_step():
+    assert [lr_at(s, CFG, MAX_STEPS) for s in (1, 5, 10)] == \
+        pytest.approx([1e-4, 5e-4, 1e-3], rel=1e-12)
+
+
+def test_cosine_from_lr_to_the_final_fraction_at_max_steps():
+    floor = CFG.lr * CFG.final_lr_frac
+    assert lr_at(11, CFG, MAX_STEPS) == pytest.approx(
+        floor + (CFG.lr - floor) * 0.5 * (1 + math.cos(math.pi / 100)), rel=1e-12)
+    assert lr_at(60, CFG, MAX_STEPS) == pytest.approx((CFG.lr + floor) / 2, rel=1e-12)
+    assert lr_at(MAX_STEPS, CFG, MAX_STEPS) == pytest.approx(floor, rel=1e-12)
+    after = [lr_at(s, CFG, MAX_STEPS) for s in range(10, MAX_STEPS + 1)]
+    assert all(b < a for a, b in zip(after, after[1:], strict=False))
+
+
+def test_flat_at_the_floor_past_max_steps():
+    floor = CFG.lr * CFG.final_lr_frac
+    assert lr_at(MAX_STEPS + 1, CFG, MAX_STEPS) == lr_at(10 * MAX_STEPS, CFG, MAX_STEPS) == \
+        pytest.approx(floor, rel=1e-12)
+
+
+def test_no_warm_up_starts_at_lr_and_final_fraction_one_is_constant():
+    cold = OptimSection(lr=2e-3, warmup=0, final_lr_frac=0.0)
+    assert lr_at(0, cold, 50) == 2e-3 and lr_at(50, cold, 50) == pytest.approx(0.0, abs=1e-18)
+    flat = OptimSection(lr=2e-3, warmup=3, final_lr_frac=1.0)
+    assert {lr_at(s, flat, 50) for s in range(3, 60)} == {2e-3}
+
+
+def test_a_run_shorter_than_its_warm_up_never_divides_by_zero():
+    assert lr_at(5, CFG, 5) == pytest.approx(5e-4, rel=1e-12)
+    assert lr_at(11, CFG, 10) == pytest.approx(CFG.lr * CFG.final_lr_frac, rel=1e-12)
+
+
+# --- the optimizer ---------------------------------------------------------------------------
+
+def tiny_model() -> Olmo3:
+    model = Olmo3(PRESETS["tiny"].with_vocab(60))
+    init_weights(model, 0)
+    return model
+
+
+def test_embeddings_are_not_decayed_unless_asked_everything_else_is():
+    model = tiny_model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = build_optimizer(model, OptimSection(weight_decay=0.1))
+    groups = [({names[id(p)] for p in g["params"]}, g["weight_decay"]) for g in opt.param_groups]
+    assert groups == [(set(names.values()) - {"embed.weight"}, 0.1), ({"embed.weight"}, 0.0)]
+    opt = build_optimizer(model, OptimSection(weight_decay=0.1, decay_embeddings=True))
+    assert [(len(g["params"]), g["weight_decay"]) for g in opt.param_groups] == \
+        [(len(names), 0.1)]
+
+
+def test_frozen_parameters_are_left_out():
+    model = tiny_model()
+    model.embed.weight.requires_grad_(False)
+    opt = build_optimizer(model, OptimSection())
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert id(model.embed.weight) not in held and len(opt.param_groups) == 1
+
+
+def test_adamw_fused_with_the_configured_hyperparameters():
+    opt = build_optimizer(tiny_model(), OptimSection(lr=3e-4, betas=(0.9, 0.99), eps=1e-6))
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+    assert (opt.defaults["lr"], opt.defaults["betas"], opt.defaults["eps"]) == \
+        (3e-4, (0.9, 0.99), 1e-6)
+    set_lr(opt, 5e-5)
+    assert {g["lr"] for g in opt.param_groups} == {5e-5}
+
+
+def _train_step(model: Olmo3, opt: torch.optim.Optimizer, seed: int) -> None:
+    tokens = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(seed))
+    total, _, _ = model(tokens[:, :-1], labels=tokens[:, 1:])
+    total.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_state_as_checkpoint_tensors_restores_the_same_updates():
+    model, twin = tiny_model(), tiny_model()
+    opt, twin_opt = build_optimizer(model, CFG), build_optimizer(twin, CFG)
+    _train_step(model, opt, 1)
+    tensors = optimizer_state_tensors(model, opt)
+    assert set(tensors) == {optim_key(n, s) for n, _ in model.named_parameters()
+                            for s in ("exp_avg", "exp_avg_sq", "step")}
+    twin.load_state_dict(model.state_dict())
+    load_optimizer_state(twin, twin_opt, tensors)
+    _train_step(model, opt, 2)
+    _train_step(twin, twin_opt, 2)
+    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b), name
