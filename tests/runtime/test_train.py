@@ -187,4 +187,6 @@ def test_compare_separates_runs_with_different_seeds(tmp_path, corpus_data, caps
     Controller(tiny_config(a, corpus_data, "train.max_steps=4", "seed=0")).run()
     Controller(tiny_config(b, corpus_data, "train.max_steps=4", "seed=1")).run()
     assert main(["compare", str(a), str(b), "--tolerance", "0.001", "--json"]) == 1
-    assert main(["compare", str(a), str(a), "--tolerance", "0"]) == 0
+    again = tmp_path / "seed0-again"  # another run, not `a` compared with itself
+    Controller(tiny_config(again, corpus_data, "train.max_steps=4", "seed=0")).run()
+    assert main(["compare", str(again), str(a), "--tolerance", "0"]) == 0
