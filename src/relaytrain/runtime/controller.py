@@ -403,10 +403,15 @@ class Controller:
 
             self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
             port = self._store.port
-        self.engine.call({w: ("setup", (self.generation, p, host, port,
-                                        self.cfg.runtime.collective_timeout))
-                          for w, p in self.placements().items()}, timeout)
+        placements = self.placements()
+        joined = self.engine.call({w: ("setup", (self.generation, p, host, port,
+                                                 self.cfg.runtime.collective_timeout))
+                                   for w, p in placements.items()}, timeout)
         formed = time.time()
+        # Each rank's process as it reports itself: who survived a recovery can be checked.
+        self.metrics.write("generation", generation=self.generation, step=step, workers={
+            str(p.rank): {"pid": joined[w]["pid"], "start": joined[w]["start"]}
+            for w, p in placements.items()})
         self.engine.call({w: ("build", (step, (tensors or {}).get(w)))
                           for w in self.members}, timeout)
         return formed

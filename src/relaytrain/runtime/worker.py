@@ -63,6 +63,14 @@ def pick_device(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
+def process_identity() -> dict[str, int]:
+    """This process as the OS knows it: its PID and its start time (clock ticks after boot,
+    field 22 of /proc/self/stat). A PID alone can be recycled; the pair names one process."""
+    with open("/proc/self/stat") as f:
+        stat = f.read()
+    return {"pid": os.getpid(), "start": int(stat[stat.rindex(")") + 2:].split()[19])}
+
+
 def tensor_param(key: str) -> str:
     """The parameter a checkpoint tensor belongs to: `model.<name>` or `optim.<name>.<state>`."""
     if key.startswith(MODEL_PREFIX):
@@ -102,7 +110,7 @@ class Worker:
 
     # ---- membership ------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "device": str(self.device)}
+        return {**process_identity(), "host": socket.gethostname(), "device": str(self.device)}
 
     def setup(self, generation: int, placement: Placement, store_host: str | None = None,
               store_port: int | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
