@@ -1,5 +1,7 @@
 """The run configuration: YAML plus key=value overrides, one clear line for every mistake."""
 
+from pathlib import Path
+
 import pytest
 
 from relaytrain.config import config_from_dict, flatten, load_config
@@ -88,9 +90,9 @@ def test_presets_have_the_published_olmo3_7b_dimensions():
 
 
 def test_shipped_configs_load():
-    import glob
-
-    for path in glob.glob("configs/*.yaml"):
+    paths = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert {"tiny.yaml", "demo.yaml", "olmo3-7b.yaml"} <= {p.name for p in paths}
+    for path in paths:
         load_config(path, ["run_dir=x"])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
@@ -112,17 +113,29 @@ def test_write_runs_in_the_background_while_the_caller_keeps_working(tmp_path):
     assert store.read(1)[0]["work"] == 64.0
 
 
+def waiting_in_submit(thread: threading.Thread) -> bool:
+    """Whether `thread` is blocked in a wait inside AsyncCheckpointWriter.submit."""
+    frame, names = sys._current_frames().get(thread.ident), set()
+    while frame is not None:
+        names.add(frame.f_code.co_qualname)
+        frame = frame.f_back
+    return "AsyncCheckpointWriter.submit" in names and "Condition.wait" in names
+
+
 def test_submit_blocks_while_max_pending_writes_are_unfinished(tmp_path):
     store = GatedStore(str(tmp_path))
     writer = AsyncCheckpointWriter(store, max_pending=1)
-    writer.submit(1, "model", {"w": torch.zeros(3)})
-    second = threading.Thread(target=writer.submit, args=(2, "model", {"w": torch.ones(3)}))
+    first = writer.submit(1, "model", {"w": torch.zeros(3)})
+    first_done_at_return = []
+    second = threading.Thread(target=lambda: (
+        writer.submit(2, "model", {"w": torch.ones(3)}), first_done_at_return.append(first.done())))
     second.start()
-    second.join(0.3)
+    while second.is_alive() and not waiting_in_submit(second):
+        time.sleep(0.001)
     assert second.is_alive()  # held back: only one snapshot may wait for storage
     store.gate.set()
     second.join(5)
-    assert not second.is_alive()
+    assert first_done_at_return == [True]  # let through by the first write finishing
     writer.wait()
     writer.close()
 
@@ -155,19 +168,18 @@ def test_transient_storage_error_is_retried_and_the_checkpoint_commits(flaky_sto
         part = writer.submit(1, "model", {"w": torch.arange(100.0)})
         writer.submit_commit(1, {"model": part}, {})
         writer.wait()
-    assert FlakyMemoryFS.uploads == 2
+    assert FlakyMemoryFS.uploads == 2 and writer.retry_delays == [0.01]
     assert torch.equal(flaky_store.read(1)[1]["w"], torch.arange(100.0))
 
 
 def test_persistent_storage_error_gives_up_after_the_attempts_and_never_commits(flaky_store):
     FlakyMemoryFS.failures = 100
     writer = AsyncCheckpointWriter(flaky_store, attempts=3, backoff_s=0.01)
-    t0 = time.perf_counter()
     part = writer.submit(1, "model", {"w": torch.zeros(4)})
     commit = writer.submit_commit(1, {"model": part}, {})
     with pytest.raises(ConnectionResetError):
         commit.result(timeout=10)
     assert FlakyMemoryFS.uploads == 3
-    assert time.perf_counter() - t0 >= 0.01 + 0.02  # backed off between attempts
+    assert writer.retry_delays == [0.01, 0.02]  # backed off between attempts, doubling
     writer.close()
     assert flaky_store.committed_steps() == []

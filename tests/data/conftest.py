@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from relaytrain.data.prepare import prepare
+from tests.runtime.conftest import corpus_data  # noqa: F401  (a shared fixture)
 
 # No word contains "q", so a test can recognise text that only a held-out document has.
 WORDS = ("alpha beta gamma delta river stone cloud light paper garden window silver orange market "

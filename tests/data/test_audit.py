@@ -16,11 +16,14 @@ from relaytrain.cli import main
 from relaytrain.data.audit import audit, ngram_overlap
 from relaytrain.data.dataset import TokenDataset, TokenSplit
 from relaytrain.data.ledger import LedgerWriter, header_record, rollback_record, step_record
-from relaytrain.data.loader import Loader
+from relaytrain.data.loader import Batch, Loader
 from relaytrain.data.mix_index import index_mix
 from relaytrain.data.order import Order
 from relaytrain.data.prepare import prepare
 from relaytrain.data.token_arrays import MixFile
+from relaytrain.runtime import worker
+from relaytrain.runtime.controller import Controller
+from tests.runtime.conftest import tiny_config
 
 from .conftest import EOS, write_corpus, write_tokens
 
@@ -114,6 +117,80 @@ def test_replay_after_resume_is_caught(prepared, tmp_path, capsys):
     assert "holds global batch 3 (that of step 4) instead of 6: a replay" in first["message"]
     assert "after the resume at step 6" in first["message"]
     assert run.stderr.startswith("relaytrain: audit failed: continuity: step 7: ")
+
+
+class ReplayingLoader(Loader):
+    """The bug, in a real loader: it restarts two batches back while the step counter goes on."""
+
+    def get(self, batch_index: int) -> Batch:
+        return super().get(batch_index - 2)
+
+
+def audit_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict]:
+    capsys.readouterr()
+    code = main(["data", "audit", str(run_dir), "--json"])
+    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_real_run_whose_loader_replays_after_its_resume_fails_the_audit(
+        tmp_path, corpus_data, capsys, monkeypatch):
+    """Trained on the in-process engine, so the worker's loader can be swapped for the resume."""
+    run, common = tmp_path / "run", ("eval.every=0", "checkpoint.every=2")
+    Controller(tiny_config(run, corpus_data, *common, "train.max_steps=4")).run()
+    monkeypatch.setattr(worker, "Loader", ReplayingLoader)
+    Controller(tiny_config(run, corpus_data, *common, "train.max_steps=6")).run()
+    code, report = audit_json(run, capsys)
+    assert code == 1 and {"continuity", "exactly_once"} <= failed(report)
+    first = report["first_failure"]
+    assert (first["check"], first["step"]) == ("continuity", 5)
+    assert "holds global batch 2 (that of step 3) instead of 4: a replay" in first["message"]
+    assert "after the resume at step 4" in first["message"]
+
+
+@pytest.fixture
+def ray_with_same_shard_loaders():
+    """A private Ray cluster whose worker processes load DP rank 0's instances on every rank
+    (the bug: the shard is taken as rank 0's; each rank still fills its own micro-batch slots),
+    patched at process start: a monkeypatch here cannot reach an actor's process."""
+    import os
+    import secrets
+
+    def same_shard_on_every_rank() -> None:  # nested: Ray ships it by value
+        from relaytrain.data.loader import Loader, rank_part
+        from relaytrain.runtime import worker
+
+        class SameShardLoader(Loader):
+            def __init__(self, split, seq_len, seed, global_batch, micro_batch, dp_rank,
+                         dp_world, **kwargs):
+                super().__init__(split, seq_len, seed, global_batch, micro_batch, dp_rank,
+                                 dp_world, **kwargs)
+                self.part = rank_part(global_batch, 0, dp_world)
+
+        worker.Loader = SameShardLoader
+
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             configure_logging=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"},
+                          "worker_process_setup_hook": same_shard_on_every_rank})
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_real_dp_run_whose_ranks_all_load_the_same_shard_fails_the_audit(
+        tmp_path, corpus_data, capsys, ray_with_same_shard_loaders):
+    run = tmp_path / "run"
+    Controller(tiny_config(run, corpus_data, "runtime.engine=ray", "parallel.dp=2",
+                           "train.max_steps=2", "eval.every=0", "checkpoint.every=0")).run()
+    code, report = audit_json(run, capsys)
+    assert code == 1 and {"shards_disjoint", "shards_complete"} <= failed(report)
+    first = report["first_failure"]
+    assert (first["check"], first["step"]) == ("shards_disjoint", 1)
+    assert "is on rank 0 and rank 1" in first["message"]
 
 
 def test_identical_data_on_all_ranks_is_caught(prepared, tmp_path, capsys):

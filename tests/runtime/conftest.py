@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -81,3 +84,74 @@ def same_tensors(a: dict, b: dict) -> bool:
     import torch
 
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def records(run_dir: Path | str, kind: str) -> list[dict]:
+    """The run's metrics records of one kind, in the order they were written."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def os_start_time(pid: int) -> int | None:
+    """Process `pid`'s start time as the OS gives it (field 22 of /proc/PID/stat); None if
+    there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+@contextmanager
+def watch_processes(run_dir: Path | str) -> Iterator[dict[tuple[int, str], tuple[int, int | None]]]:
+    """While the run in the block is alive: for each rank of each generation record as it is
+    written, (the start time the worker reported, the start time the OS gives its PID then)."""
+    seen: dict[tuple[int, str], tuple[int, int | None]] = {}
+    done = threading.Event()
+    path = Path(run_dir) / "metrics.jsonl"
+
+    def poll() -> None:
+        offset = 0
+        while not done.wait(0.02):
+            if not path.exists():
+                continue
+            with open(path) as f:
+                f.seek(offset)
+                chunk = f.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            offset += len(complete.encode())
+            for rec in map(json.loads, complete.splitlines()):
+                if rec["kind"] == "generation":
+                    for rank, w in rec["workers"].items():
+                        seen[rec["generation"], rank] = (w["start"], os_start_time(w["pid"]))
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        thread.join()
+
+
+def assert_reported_as_the_os_sees_them(seen: dict[tuple[int, str], tuple[int, int | None]],
+                                        generations: int) -> None:
+    """What `watch_processes` saw: every generation had a rank found alive, and every rank
+    found alive is the process its worker said it was (the OS gives its PID that start time)."""
+    alive = {k: v for k, v in seen.items() if v[1] is not None}
+    assert {g for g, _ in alive} == set(range(generations)), seen
+    assert all(reported == os_start for reported, os_start in alive.values()), seen
+
+
+def assert_only_failed_ranks_replaced(run_dir: Path | str) -> list[dict]:
+    """Per recovery (generation g -> g + 1, in order): the failed rank is a new process and
+    every other rank the very same one (its PID and the OS's start time of it, as each worker
+    process reported itself). Returns the generation records."""
+    gens, recoveries = records(run_dir, "generation"), records(run_dir, "recovery")
+    assert [g["generation"] for g in gens] == list(range(len(recoveries) + 1)), gens
+    for before, after, rec in zip(gens[:-1], gens[1:], recoveries, strict=True):
+        assert after["workers"].keys() == before["workers"].keys()
+        changed = {r for r, w in before["workers"].items() if after["workers"][r] != w}
+        assert changed == {str(rec["rank"])}, (rec, before, after)
+    return gens

@@ -4,6 +4,7 @@ result to the bit, do not depend on the number of workers."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from relaytrain.cli import main
 from relaytrain.runtime.controller import Controller
-from tests.runtime.conftest import final_state, same_tensors, step_records, tiny_config
+from tests.runtime.conftest import final_state, records, same_tensors, step_records, tiny_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -21,8 +22,15 @@ DP = ("train.global_batch=12", "train.micro_batch=1", "eval.every=3", "checkpoin
 
 def _run(run_dir, data, dp: int, *extra: str) -> dict:
     engine = "runtime.engine=inline" if dp == 1 else "runtime.engine=ray"
-    return Controller(tiny_config(run_dir, data, *DP, engine, f"parallel.dp={dp}",
-                                  *extra)).run()
+    summary = Controller(tiny_config(run_dir, data, *DP, engine, f"parallel.dp={dp}",
+                                     *extra)).run()
+    # It really ran on `dp` workers: that many processes (Ray actors, not this one) reported
+    # themselves, and its last step's ledger record holds `dp` shards.
+    pids = {w["pid"] for w in records(run_dir, "generation")[-1]["workers"].values()}
+    assert len(pids) == dp and (pids == {os.getpid()}) == (dp == 1), pids
+    ledger = [json.loads(x) for x in (Path(run_dir) / "ledger.jsonl").read_text().splitlines()]
+    assert len([r for r in ledger if r["kind"] == "step"][-1]["parts"]) == dp
+    return summary
 
 
 @pytest.fixture(scope="module")

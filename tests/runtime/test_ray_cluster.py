@@ -134,8 +134,12 @@ def test_losing_a_node_shrinks_the_run_which_still_completes(tmp_path, corpus_da
             "elastic.replace_timeout=2", "runtime.call_timeout=20",
             "runtime.collective_timeout=3", "checkpoint.every=0", "eval.every=0")).run()
         killer.join(timeout=5)
+        # Ray says the node died, and a recovery records that (not only "died", a lost process
+        # on a node still there; a second worker's may read either way, depending on which
+        # Ray notices first).
         causes = {r["cause"] for r in summary["recoveries"]}
-        assert causes <= {"lost its node", "died"} and causes, summary["recoveries"]
+        assert "lost its node" in causes and causes <= {"lost its node", "died"}, \
+            summary["recoveries"]
         assert summary["dp"] == 2  # the lost node's two workers had nowhere to go
         assert sorted(step_records(run)) == list(range(1, 15))
         assert main(["data", "audit", str(run)]) == 0

@@ -102,7 +102,7 @@ def test_kill_and_resume_twice_is_bit_identical_to_an_uninterrupted_run(tmp_path
 
 
 def test_the_memorisation_alarm_fires_when_the_loader_repeats_a_small_subset(
-        tmp_path, corpus_data, monkeypatch):
+        tmp_path, corpus_data, monkeypatch, capsys):
     real = order.Order.global_batch
 
     def repeating(self, global_batch, batch_index):
@@ -120,6 +120,13 @@ def test_the_memorisation_alarm_fires_when_the_loader_repeats_a_small_subset(
     assert alarms and "MEMORISATION ALARM" in alarms[0]["message"]
 
     monkeypatch.setattr(order.Order, "global_batch", real)
+    # The ledger holds what the loader served, so the audit (against the real order) names it.
+    capsys.readouterr()
+    assert main(["data", "audit", str(bad), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {n for n, r in report["results"].items() if not r["ok"]} == {
+        "shards_disjoint", "continuity", "shards_complete", "exactly_once"}
+    assert "instance 4 is twice on rank 0" in report["first_failure"]["message"]
     good = tmp_path / "good"
     Controller(tiny_config(good, corpus_data, *overrides)).run()
     assert '"alarm"' not in (good / "metrics.jsonl").read_text()
@@ -210,4 +217,6 @@ def test_compare_separates_runs_with_different_seeds(tmp_path, corpus_data, caps
     Controller(tiny_config(a, corpus_data, "train.max_steps=4", "seed=0")).run()
     Controller(tiny_config(b, corpus_data, "train.max_steps=4", "seed=1")).run()
     assert main(["compare", str(a), str(b), "--tolerance", "0.001", "--json"]) == 1
-    assert main(["compare", str(a), str(a), "--tolerance", "0"]) == 0
+    again = tmp_path / "seed0-again"  # another run, not `a` compared with itself
+    Controller(tiny_config(again, corpus_data, "train.max_steps=4", "seed=0")).run()
+    assert main(["compare", str(again), str(a), "--tolerance", "0"]) == 0

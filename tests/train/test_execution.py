@@ -2,6 +2,7 @@
 names or math; the determinism switches touch CUDA only; freed host memory stays in the
 process."""
 
+import os
 import subprocess
 import sys
 
@@ -39,10 +40,33 @@ def test_prepare_model_configures_without_renaming_or_changing_the_output():
     assert torch.equal(prepared(x), plain(x))
 
 
-def test_determinism_switches_leave_the_cpu_alone():
-    before = torch.are_deterministic_algorithms_enabled()
+@pytest.fixture
+def determinism_state(monkeypatch):
+    """The process-wide switches set_determinism touches, restored after the test."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled(), inductor_config.deterministic
+    torch.use_deterministic_algorithms(False)
+    inductor_config.deterministic = False  # a config module: monkeypatch cannot undo on it
+    yield lambda: (torch.are_deterministic_algorithms_enabled(),
+                   os.environ.get("CUBLAS_WORKSPACE_CONFIG"), inductor_config.deterministic)
+    torch.use_deterministic_algorithms(before[0])
+    inductor_config.deterministic = before[1]
+
+
+def test_determinism_switches_leave_the_cpu_alone(determinism_state):
     set_determinism(CPU, exact=True)
-    assert torch.are_deterministic_algorithms_enabled() == before
+    assert determinism_state() == (False, None, False)
+
+
+def test_exact_on_cuda_turns_every_switch_on_and_fast_turns_them_off(determinism_state):
+    # Only the device's type is read, so a CUDA device object tests this on any machine.
+    set_determinism(CUDA, exact=True)
+    assert determinism_state() == (True, ":4096:8", True)
+    set_determinism(CUDA, exact=False)
+    # The cuBLAS workspace stays: it must be set before cuBLAS starts, and costs nothing.
+    assert determinism_state() == (False, ":4096:8", False)
 
 
 

@@ -69,6 +69,7 @@ class AsyncCheckpointWriter:
         self.store = store
         self.attempts = attempts
         self.backoff_s = backoff_s
+        self.retry_delays: list[float] = []  # every backoff taken, in order: retries are visible
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._slots = threading.BoundedSemaphore(max_pending)
         self._futures: list[Future] = []
@@ -146,6 +147,7 @@ class AsyncCheckpointWriter:
                     raise
                 delay = self.backoff_s * 2 ** (attempt - 1)
                 attempt += 1
+                self.retry_delays.append(delay)
                 log.warning("checkpoint %s failed (%s: %s); attempt %d/%d in %.2fs",
                             fn.__name__, type(e).__name__, redact(str(e)), attempt,
                             self.attempts, delay)

@@ -97,8 +97,13 @@ class Recovery:
         def build(t: dict[str, Any] | None) -> WorkerCall:
             return lambda w: w.build(step, t)
 
-        self.engine.call({wid: setup(p) for wid, p in self.placements().items()}, timeout)
+        placements = self.placements()
+        joined = self.engine.call({wid: setup(p) for wid, p in placements.items()}, timeout)
         formed = time.time()
+        # Each rank's process as it reports itself: who survived a recovery can be checked.
+        self.reporter.write("generation", generation=self.generation, step=step, workers={
+            str(p.rank): {"pid": joined[w]["pid"], "start": joined[w]["start"]}
+            for w, p in placements.items()})
         given = tensors or {}
         self.engine.call({wid: build(given.get(wid)) for wid in self.members}, timeout)
         return formed

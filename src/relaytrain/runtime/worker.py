@@ -48,6 +48,14 @@ from relaytrain.train.optim import (
 from relaytrain.train.step import StepOutcome, train_step
 
 
+def process_identity() -> dict[str, int]:
+    """This process as the OS knows it: its PID and its start time (clock ticks after boot,
+    field 22 of /proc/self/stat). A PID alone can be recycled; the pair names one process."""
+    with open("/proc/self/stat") as f:
+        stat = f.read()
+    return {"pid": os.getpid(), "start": int(stat[stat.rindex(")") + 2:].split()[19])}
+
+
 class Worker:
     """State lives here between the controller's coarse calls (setup, run_step, save, ...)."""
 
@@ -80,7 +88,7 @@ class Worker:
         return os.getpid()
 
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "device": str(self.device)}
+        return {**process_identity(), "host": socket.gethostname(), "device": str(self.device)}
 
     def setup(self, generation: int, placement: Placement, store_host: str | None = None,
               store_port: int | None = None, timeout_s: float = 30.0) -> dict[str, Any]:

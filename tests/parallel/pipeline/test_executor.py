@@ -20,7 +20,6 @@ from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec
 from relaytrain.parallel.pipeline.schedules import (
     build_schedule,
     staleness,
-    staleness_bound,
     weight_versions,
 )
 from relaytrain.parallel.reduce import GradReducer
@@ -67,26 +66,30 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def run_middle_stage(schedule: str, mode: str = "perf"):
-    """One span of one global batch through stage 1 of 3, a=1: a U after every B, so update k
-    applies exactly micro-batch k-1's gradient. The stage is the model's SwiGLU MLP."""
+def run_middle_stage(schedule: str, mode: str = "perf", n_stages: int = S, a: int = 1,
+                     m_count: int = M):
+    """One span of one global batch of `m_count` micro-batches through stage 1 of `n_stages`,
+    a U after every `a` B's (a=1: update k applies exactly micro-batch k-1's gradient). The
+    stage is the model's SwiGLU MLP."""
     cfg = PRESETS["tiny"].with_vocab(64)
     torch.manual_seed(0)
     mlp = MLP(cfg)
     g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(MB, T, cfg.d_model, generator=g) for _ in range(M)]
-    gs = [torch.randn(MB, T, cfg.d_model, generator=g) for _ in range(M)]
-    inputs = {(0, 2 * m): xs[m] for m in range(M)} | {(2, 2 * m + 1): gs[m] for m in range(M)}
+    xs = [torch.randn(MB, T, cfg.d_model, generator=g) for _ in range(m_count)]
+    gs = [torch.randn(MB, T, cfg.d_model, generator=g) for _ in range(m_count)]
+    inputs = ({(0, 2 * m): xs[m] for m in range(m_count)}
+              | {(2, 2 * m + 1): gs[m] for m in range(m_count)})
     net = ScriptedNeighbours(inputs)
     opt = RecordingSGD(mlp.parameters())
-    spec = StageSpec(schedule=schedule, stage=STAGE, n_stages=S, micro_per_batch=M, dp=1,
-                     micro_batch=MB, seq_len=T, d_model=cfg.d_model, z_loss=0.0, clip=0.0,
-                     recompute=mode == "mem")
-    reducer = GradReducer(list(mlp.parameters()), None, exact=False, total_micro_batches=M)
+    spec = StageSpec(schedule=schedule, stage=STAGE, n_stages=n_stages, micro_per_batch=m_count,
+                     dp=1, micro_batch=MB, seq_len=T, d_model=cfg.d_model, z_loss=0.0,
+                     clip=0.0, a=a, recompute=mode == "mem")
+    reducer = GradReducer(list(mlp.parameters()), None, exact=False,
+                          total_micro_batches=m_count)
     runner = StageRunner(mlp, opt, reducer, spec, net, 0, 2, None, lambda step: LR,
                          torch.device("cpu"))
-    batch = Batch(0, np.arange(M * MB), np.zeros(M * MB, dtype=np.int64),
-                  [(m, torch.zeros(MB, T + 1, dtype=torch.long)) for m in range(M)])
+    batch = Batch(0, np.arange(m_count * MB), np.zeros(m_count * MB, dtype=np.int64),
+                  [(m, torch.zeros(MB, T + 1, dtype=torch.long)) for m in range(m_count)])
     out = runner.run_span(1, [batch])
     names = [n for n, _ in mlp.named_parameters()]
     return cfg, names, xs, gs, net, opt, out[0].pipeline
@@ -162,6 +165,44 @@ def test_paci_perf_mode_uses_forward_time_activations_and_backward_time_weights(
         assert near(grad["down_proj.weight"], at_f["down_proj.weight"])
         for k in ("gate_proj.weight", "up_proj.weight"):
             assert not near(grad[k], at_f[k], 1e-3) and not near(grad[k], at_b[k], 1e-3)
+
+
+def updates_before(acts) -> dict[str, dict[int, int]]:
+    """Per micro-batch, the stage's updates before its F and before its B."""
+    out: dict[str, dict[int, int]] = {"F": {}, "B": {}}
+    updates = 0
+    for act in acts:
+        if act.kind == "U":
+            updates += 1
+        else:
+            out[act.kind][act.mb] = updates
+    return out
+
+
+@pytest.mark.parametrize(("n_stages", "a"), [(5, 1), (5, 2)])
+def test_paci_stale_weight_gradients_of_a_deep_pipeline_at_its_bound(n_stages, a):
+    """Stage 1 of 5 holds up to 4 micro-batches, so one crosses up to ceil((S-i-1)/a) updates
+    (PACI's bound, computed here from the paper's formula): 3 at a=1, 2 at a=2. Each update
+    applies the sum of its group's gradients, each with forward-time activations and
+    backward-time weights, however many updates apart those are."""
+    m_count = 8
+    cfg, names, xs, gs, net, opt, stats = run_middle_stage("paci", n_stages=n_stages, a=a,
+                                                          m_count=m_count)
+    at = updates_before(build_schedule("paci", n_stages, m_count, 1, a=a)[STAGE])
+    stale = [at["B"][m] - at["F"][m] for m in range(m_count)]
+    bound = math.ceil((n_stages - STAGE - 1) / a)
+    assert stats["staleness"] == stale and max(stale) == bound == stats["staleness_bound"]
+    assert len(opt.log) == m_count // a
+    for u, (_, grad) in enumerate(opt.log):
+        want = {n: torch.zeros_like(t) for n, t in zip(names, grad, strict=True)}
+        for m in [m for m in range(m_count) if at["B"][m] == u]:
+            w_f, w_b = weights(names, opt.log[at["F"][m]][0]), weights(names, opt.log[u][0])
+            if at["F"][m] < u:
+                assert not close(w_f, w_b)  # a stale micro-batch: the weights moved under it
+            g, dx = mlp_closed_form(xs[m], gs[m], w_f, w_b)
+            want = {n: want[n] + g[n] for n in want}
+            assert near(net.sent[(0, 2 * m + 1)], dx)
+        assert close(weights(names, grad), want)
 
 
 def test_paci_mem_mode_is_the_exact_gradient_at_the_live_weights():
@@ -276,25 +317,27 @@ def test_paci_flushing_every_batch_with_a_batch_per_update_is_1f1b(runs):
     assert all(torch.equal(w[k], ref[k]) for k in ref)
 
 
-ASYNC = [("pipedream", "perf", 2), ("paci", "perf", 2), ("paci", "mem", 2), ("paci", "perf", 4)]
+ASYNC = [("pipedream", "perf", 2, 1), ("paci", "perf", 2, 1), ("paci", "mem", 2, 1),
+         ("paci", "perf", 4, 1), ("paci", "perf", 4, 2)]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("name", "mode", "pp"), ASYNC)
+@pytest.mark.parametrize(("name", "mode", "pp", "a"), ASYNC)
 def test_async_schedules_rerun_bit_identically_within_their_staleness_bound(runs, name, mode,
-                                                                            pp):
+                                                                            pp, a):
     opts = ("model.n_layers=4",) if pp == 4 else ()
     args = (*opts, f"parallel.pp={pp}", f"parallel.schedule={name}",
-            f"parallel.paci.mode={mode}")
+            f"parallel.paci.mode={mode}", f"parallel.paci.a={a}")
     first, again = runs(*args, spans=(2, 2)), runs(*args, spans=(2, 2), again=True)
     assert step_losses(first) == step_losses(again)
     w, w2 = final_weights(first), final_weights(again)
     assert all(torch.equal(w[k], w2[k]) for k in w)
-    acts = build_schedule(name, pp, M, 2)
+    acts = build_schedule(name, pp, M, 2, a=a)
     for r in first:
-        bound = staleness_bound(name, r["stage"], pp)
+        # PACI's bound from the paper's formula: at stage i of S, ceil((S - i - 1) / a).
+        bound = math.ceil((pp - r["stage"] - 1) / a)
         seen = [x for s in r["steps"] for x in s["pipeline"]["staleness"]]
-        assert max(seen) <= bound == r["steps"][0]["pipeline"]["staleness_bound"]
+        assert max(seen) == bound == r["steps"][0]["pipeline"]["staleness_bound"]  # reached
         assert seen == [staleness(acts)[(r["stage"], m)] for m in range(2 * M)] * 2
         expected = weight_versions(acts)[r["stage"]] if name == "pipedream" else 1
         assert r["steps"][0]["pipeline"]["weight_versions"] == expected
