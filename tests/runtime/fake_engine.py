@@ -27,7 +27,7 @@ class FakeWorker:
               store_port: int | None, timeout_s: float) -> dict[str, Any]:
         self.placement = placement
         self.calls.append(f"setup{generation}")
-        return {}
+        return {"pid": self.ping(), "start": 0}
 
     def build(self, step: int, tensors: dict | None) -> int:
         self.built = (step, tensors)
