@@ -32,12 +32,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS_EXEMPT = ("bench",)  # each benchmark reads as one scripted measurement
-# Known offenders, shrinking in issue 20 (then this set is emptied). An entry that is no longer
-# too long fails the test, so the set cannot go stale.
-LONG_FUNCTIONS_ALLOWED: frozenset[str] = frozenset({
-    "data.prepare:prepare",
-    "data.audit:_check_steps",
-})
 
 
 def read_modules() -> dict[str, ast.Module]:
@@ -167,7 +161,5 @@ def test_no_function_over_80_lines_outside_the_benchmarks():
     lengths = function_lengths()
     long = {name for name, n in lengths.items() if n > MAX_FUNCTION_LINES
             and not _in(name.partition(":")[0], LONG_FUNCTIONS_EXEMPT)}
-    new = sorted(f"{name} ({lengths[name]} lines)" for name in long - LONG_FUNCTIONS_ALLOWED)
-    assert not new, f"functions over {MAX_FUNCTION_LINES} lines: {', '.join(new)}"
-    shortened = sorted(LONG_FUNCTIONS_ALLOWED - long)
-    assert not shortened, f"no longer too long (or gone), drop from the allow-list: {shortened}"
+    found = sorted(f"{name} ({lengths[name]} lines)" for name in long)
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {', '.join(found)}"
