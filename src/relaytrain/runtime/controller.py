@@ -7,6 +7,7 @@ decides what happens on a failure. Workers only compute.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from relaytrain.data.ledger import (
 from relaytrain.data.order import heldout_ids
 from relaytrain.errors import CheckpointError, ConfigError, UserError
 from relaytrain.model.accounting import flops_per_token
+from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.runtime.engines.base import Engine
 from relaytrain.runtime.failures import (
     NodeLost,
@@ -123,10 +125,15 @@ class Controller:
         if not cfg.data.path:
             raise ConfigError("config key 'data.path' is empty; give a directory written by "
                               "`relaytrain data prepare`")
-        self.cfg = cfg
         self.quiet = quiet
         self.dataset = TokenDataset.open(cfg.data.path)
         self.model_cfg = cfg.model_config(self.dataset.vocab_size)
+        # Decided once here and passed down (and recorded in config.yaml): every worker of the
+        # run uses the same GEMMs, which a per-worker measurement would not guarantee.
+        self.matmul = choose_matmul(cfg.model.matmul, self.model_cfg, pick_device(
+            cfg.train.device), cfg.runtime.threads_per_worker)
+        self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, matmul=self.matmul.backend))
         n_train = self.dataset.split("train").num_instances(cfg.seq_len)
         if n_train < cfg.train.global_batch:
             raise UserError(f"data.path {cfg.data.path!r} has {n_train} training instances of "
@@ -342,6 +349,7 @@ class Controller:
                     "resumed_from": start, "final_loss": last.get("loss"),
                     "final_heldout_loss": heldout, "checkpoint_step": self.last_committed,
                     "setup_s": setup_s, "peak_flops": peak, "peak_source": peak_src,
+                    "matmul": dataclasses.asdict(self.matmul),
                     "recoveries": self.recovery_log, "goodput": self.productive_s / wall,
                     "wall_s": wall, "dp": self.dp, "generation": self.generation,
                     "pids": pids, "initial_pids": self.initial_pids,
