@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from relaytrain.bench.storage import GCSServer, LocalServer, S3Server
+from tests.storage.servers import GCSServer, LocalServer, S3Server
 
 
 def _serve(cls: type[LocalServer], monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalServer]:

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gpu: where gpu.json goes (default runs/bench-gpu)")
     bench.add_argument("--only", default=None, metavar="SECTION,…",
                        help="gpu: run only these sections (comma-separated)")
+    bench.add_argument("--url", action="append", default=[], metavar="URL",
+                       help="checkpoint: also measure the object store at URL, e.g. "
+                       "s3://bucket/prefix (repeatable; endpoints from the environment)")
     bench.set_defaults(handler="bench")
 
     cmp_ = sub.add_parser("compare", help="hold a run's curve against a reference",

@@ -101,7 +101,7 @@ def test_client_library_errors_are_classified() -> None:
 
 @pytest.mark.timeout(60)
 def test_unreachable_storage_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from relaytrain.bench.storage import free_port
+    from tests.storage.servers import free_port
 
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")

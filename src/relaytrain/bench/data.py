@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from relaytrain.bench import progress
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.loader import Loader
 from relaytrain.data.prepare import prepare
@@ -20,6 +21,8 @@ DEMO_VOCAB = 8192  # ~8.6M tokens from CPython 3.11's standard library
 def bench_prepare(quick: bool = False) -> dict[str, float]:
     """Demo corpus -> token files with a freshly trained byte-level BPE."""
     max_docs, vocab = (200, 2048) if quick else (None, DEMO_VOCAB)
+    progress.start("prepare", f"one preparation of the demo corpus ({max_docs or 'all'} "
+                   f"documents, BPE {vocab})")
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
         r = prepare(None, Path(tmp) / "data", f"bpe:{vocab}", max_docs=max_docs)
     tokens = sum(r.tokens.values())
@@ -35,7 +38,9 @@ def bench_loader(quick: bool = False, seq_len: int = 256, global_batch: int = 16
     `small`-like shape, plus the synchronous cost of building one batch."""
     max_docs, batches = (200, 300) if quick else (None, 3000)
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
+        progress.report("loader: preparing data")
         prepare(None, Path(tmp) / "data", "bpe:1024", max_docs=max_docs)
+        progress.report(f"loader: {batches} batches served, {batches} built")
         split = TokenDataset.open(Path(tmp) / "data").split("train")
         n = split.num_instances(seq_len)
         with Loader(split, seq_len, 0, global_batch, micro_batch, 0, 1) as loader:
