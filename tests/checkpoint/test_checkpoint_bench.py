@@ -15,9 +15,9 @@ from relaytrain.bench.checkpoint import (
 )
 from relaytrain.cli import main
 from relaytrain.errors import UserError
-from relaytrain.storage import filesystem
 from relaytrain.model.accounting import param_count
 from relaytrain.model.config import PRESETS
+from relaytrain.storage import filesystem
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -51,7 +51,7 @@ def test_an_object_store_is_measured_against_raw_put_and_get_then_emptied(object
                 "restore_vs_raw"):
         assert r[key] > 0, key
     assert "repetition 2/2" in capsys.readouterr().err  # progress on stderr
-    text = format_report({"repeats": 2, "local": {}, "remote": {url: r}})
+    text = format_report({"repeats": 2, "local": {}, "remote": {f"{url} tiny": r}})
     assert f"{url} tiny" in text and "x raw get" in text
     fs, path = filesystem(url)
     assert not fs.exists(path) or fs.ls(path) == []

@@ -34,6 +34,7 @@ def cli_bench(args: Any) -> int:
         kwargs["only"] = args.only.split(",") if args.only else None
     if args.name == "checkpoint":
         kwargs["urls"] = getattr(args, "url", [])
+        kwargs["presets"] = args.only.split(",") if args.only else None
     elif getattr(args, "url", None):
         raise UserError(f"bench {args.name}: --url is an option of bench checkpoint only")
     result = getattr(module, func)(**kwargs)
