@@ -19,8 +19,10 @@ from relaytrain.bench.train_throughput import (  # noqa: E402
 
 
 @pytest.mark.timeout(240)
-def test_quick_tiny_run_reports_both_steps_and_their_ratio():
+def test_quick_tiny_run_reports_both_steps_and_their_ratio(capsys):
     r = bench_train_throughput(device="cpu", quick=True, preset="tiny")
+    err = capsys.readouterr().err  # progress: the plan, then each round
+    assert "start: preset tiny, 2 rounds" in err and "timed rounds (repetition 2/2)" in err
     for name in ("ours", "hf"):
         v = r[name]
         assert v["tokens_per_s"] > 0 and v["step_s"] > 0 and v["cpu_s_per_step"] > 0
