@@ -36,7 +36,8 @@ def test_hash_stream_reuses_two_buffers_without_mixing_them(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("read_size", [1, 999, 1000, 4096, 1 << 20])
 def test_ranged_reader_delivers_the_file_in_order(tmp_path, monkeypatch, read_size):
-    monkeypatch.setattr(streaming, "RANGE", 1000)  # 11 ranges, 8 in flight
+    monkeypatch.setattr(streaming, "RANGE", 1000)
+    monkeypatch.setattr(streaming, "MAX_RANGE", 1000)  # 11 ranges, 8 in flight
     data = os.urandom(10_500)
     path = str(tmp_path / "f")
     (tmp_path / "f").write_bytes(data)
@@ -52,6 +53,15 @@ def test_ranged_reader_delivers_the_file_in_order(tmp_path, monkeypatch, read_si
             got += buf[:n]
     assert bytes(got) == data
     assert sorted(calls) == list(range(0, len(data), 1000))
+
+
+def test_ranges_are_as_few_as_fill_the_requests_in_flight(tmp_path):
+    fs = fsspec.filesystem("file")
+    (tmp_path / "f").write_bytes(b"x")
+    for size, expected in [(1, streaming.RANGE), (80 << 20, 10 << 20),
+                           (10 << 30, streaming.MAX_RANGE)]:
+        with RangedReader(fs, str(tmp_path / "f"), size) as src:
+            assert src.range == expected
 
 
 def state() -> dict[str, torch.Tensor]:
