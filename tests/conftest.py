@@ -1,4 +1,6 @@
-"""Fixtures shared across the suite: real object-storage servers on 127.0.0.1.
+"""Fixtures shared across the suite: a private cache directory (XDG_CACHE_HOME: the measured
+`model.matmul` choice is not read from or written to the user's) and real object-storage
+servers on 127.0.0.1.
 
 Each test gets its own freshly started server process with one empty bucket, and the
 environment (`AWS_ENDPOINT_URL_S3` + test keys, or `STORAGE_EMULATOR_HOST`) pointing
@@ -12,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from relaytrain.bench.storage import GCSServer, LocalServer, S3Server
+from tests.storage.servers import GCSServer, LocalServer, S3Server
 
 
 def _serve(cls: type[LocalServer], monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalServer]:
@@ -27,6 +29,13 @@ def _serve(cls: type[LocalServer], monkeypatch: pytest.MonkeyPatch) -> Iterator[
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 @pytest.fixture

@@ -153,7 +153,11 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--out", default=None, metavar="DIR",
                        help="gpu: where gpu.json goes (default runs/bench-gpu)")
     bench.add_argument("--only", default=None, metavar="SECTION,…",
-                       help="gpu: run only these sections (comma-separated)")
+                       help="gpu: run only these sections; checkpoint: these model presets' "
+                       "states (default small; comma-separated)")
+    bench.add_argument("--url", action="append", default=[], metavar="URL",
+                       help="checkpoint: also measure the object store at URL, e.g. "
+                       "s3://bucket/prefix (repeatable; endpoints from the environment)")
     bench.set_defaults(handler="bench")
 
 

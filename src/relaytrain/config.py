@@ -35,7 +35,7 @@ class ModelSection:
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     checkpointing: Literal["none", "selective", "full"] = "none"  # activation recompute
     compile: Literal["auto", "blocks", "none"] = "auto"  # auto: blocks on CUDA, none on CPU
-    # GEMMs of the linear layers and LM head: auto = onednn on an x86-64 CPU, else aten
+    # GEMMs of the linear layers and LM head: auto = the faster measured on this CPU, else aten
     matmul: Literal["auto", "aten", "onednn"] = "auto"
 
 

@@ -5,9 +5,8 @@ import json
 import math
 
 import pytest
-import torch
 
-from relaytrain.model.matmul import resolve_matmul
+from relaytrain.model.matmul import onednn_available
 
 pytest.importorskip("transformers")
 
@@ -20,8 +19,10 @@ from relaytrain.bench.train_throughput import (  # noqa: E402
 
 
 @pytest.mark.timeout(240)
-def test_quick_tiny_run_reports_both_steps_and_their_ratio():
+def test_quick_tiny_run_reports_both_steps_and_their_ratio(capsys):
     r = bench_train_throughput(device="cpu", quick=True, preset="tiny")
+    err = capsys.readouterr().err  # progress: the plan, then each round
+    assert "start: preset tiny, 2 rounds" in err and "timed rounds (repetition 2/2)" in err
     for name in ("ours", "hf"):
         v = r[name]
         assert v["tokens_per_s"] > 0 and v["step_s"] > 0 and v["cpu_s_per_step"] > 0
@@ -36,12 +37,16 @@ def test_quick_tiny_run_reports_both_steps_and_their_ratio():
     assert math.isclose(r["ours"]["first_loss"], r["hf"]["first_loss"], rel_tol=1e-5)
     text = format_report(r)
     assert "relaytrain" in text and "HF transformers" in text and "ours / HF" in text
-    # Where the default GEMMs are oneDNN's, our step with torch's own is measured beside it.
-    assert s["ours_matmul"] == resolve_matmul("auto", torch.device("cpu"))
-    if s["ours_matmul"] == "onednn":
-        assert r["ours_aten"]["tokens_per_s"] > 0 and r["ratio_aten"] > 0
-        assert math.isclose(r["ours_aten"]["first_loss"], r["hf"]["first_loss"], rel_tol=1e-5)
-        assert "relaytrain (aten)" in text and "model.matmul=aten" in text
+    # auto's choice is reported with both timings, and the step with the other GEMMs beside.
+    choice = s["matmul_choice"]
+    assert s["ours_matmul"] == choice["backend"] and f"auto chose {choice['backend']}" in text
+    if onednn_available():
+        assert choice["aten_s"] > 0 and choice["onednn_s"] > 0
+        other = "aten" if choice["backend"] == "onednn" else "onednn"
+        assert r[f"ours_{other}"]["tokens_per_s"] > 0 and r[f"ratio_{other}"] > 0
+        assert math.isclose(r[f"ours_{other}"]["first_loss"], r["hf"]["first_loss"],
+                            rel_tol=1e-5)
+        assert f"relaytrain ({other})" in text and f"model.matmul={other}" in text
     json.dumps(r)  # what `--json` prints
 
 

@@ -1,4 +1,5 @@
-"""The checkpoint benchmark: model-shaped state, and ratios against the raw disk."""
+"""The checkpoint benchmark: model-shaped state, and ratios against raw I/O of the same bytes
+on the disk and on an object store it is pointed at."""
 
 from __future__ import annotations
 
@@ -6,10 +7,17 @@ import math
 
 import pytest
 
-from relaytrain.bench.checkpoint import bench_checkpoint_local, format_report, param_shapes
+from relaytrain.bench.checkpoint import (
+    bench_checkpoint_local,
+    bench_checkpoint_remote,
+    format_report,
+    param_shapes,
+)
+from relaytrain.cli import main
 from relaytrain.errors import UserError
 from relaytrain.model.accounting import param_count
 from relaytrain.model.config import PRESETS
+from relaytrain.storage import filesystem
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -24,14 +32,34 @@ def test_state_has_the_parameter_count_of_the_preset(preset):
 
 
 def test_quick_bench_reports_bandwidth_next_to_the_raw_disk(tmp_path):
-    result = bench_checkpoint_local(["tiny"], quick=True, directory=str(tmp_path))
-    r = result["sizes"]["tiny"]
+    local = bench_checkpoint_local(["tiny"], 1, directory=str(tmp_path))
+    r = local["tiny"]
     assert r["bytes"] > 3 * 4 * r["params"] - 1
     for key in ("save_GBps", "restore_GBps", "raw_write_GBps", "raw_read_GBps",
                 "save_vs_raw", "restore_vs_raw"):
         assert r[key] > 0, key
-    assert "x raw" in format_report(result)
+    assert "x raw write" in format_report({"repeats": 1, "local": local, "remote": {}})
     assert list(tmp_path.iterdir()) == []  # cleans up after itself
+
+
+@pytest.mark.timeout(120)
+def test_an_object_store_is_measured_against_raw_put_and_get_then_emptied(object_server,
+                                                                          capsys):
+    url = object_server.url("bench")
+    r = bench_checkpoint_remote(url, "tiny", 2)
+    for key in ("save_GBps", "restore_GBps", "raw_put_GBps", "raw_get_GBps", "save_vs_raw",
+                "restore_vs_raw"):
+        assert r[key] > 0, key
+    assert "repetition 2/2" in capsys.readouterr().err  # progress on stderr
+    text = format_report({"repeats": 2, "local": {}, "remote": {f"{url} tiny": r}})
+    assert f"{url} tiny" in text and "x raw get" in text
+    fs, path = filesystem(url)
+    assert not fs.exists(path) or fs.ls(path) == []
+
+
+def test_url_is_an_option_of_the_checkpoint_bench_only(capsys):
+    assert main(["bench", "loader", "--url", "s3://b/x"]) == 2
+    assert "--url is an option of bench checkpoint only" in capsys.readouterr().err
 
 
 def test_unknown_preset_is_a_one_line_user_error():

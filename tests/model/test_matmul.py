@@ -2,8 +2,6 @@
 float rounding, reproducibly (whatever the thread count or memory alignment), and anything it
 does not cover falls back to torch's path unchanged."""
 
-import platform
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,9 +18,9 @@ from relaytrain.model.matmul import (
     linear,
     mm_t,
     onednn_available,
-    resolve_matmul,
     weight_grad,
 )
+from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.model.olmo3 import Olmo3
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -33,17 +31,6 @@ SHAPES = [(96, 32, 80), (96, 80, 32), (64, 16, 512), (7, 5, 3)]
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
-
-
-def test_auto_is_onednn_on_an_x86_cpu_that_has_it_and_aten_elsewhere(monkeypatch):
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    assert resolve_matmul("auto", CPU) == ("onednn" if x86 and onednn_available() else "aten")
-    assert resolve_matmul("auto", CUDA) == "aten"
-    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    assert resolve_matmul("auto", CPU) == "aten"
-    assert resolve_matmul("aten", CPU) == "aten"
-    with pytest.raises(ValueError, match="matmul='blas'"):
-        resolve_matmul("blas", CPU)
 
 
 def test_the_config_key_is_checked():
@@ -60,7 +47,7 @@ def test_onednn_asked_of_a_torch_without_it_is_a_config_error(monkeypatch):
     with pytest.raises(ConfigError, match="no oneDNN"):
         load_config(None, ["run_dir=x", "model.matmul=onednn"])
     assert load_config(None, ["run_dir=x"]).model.matmul == "auto"  # auto falls back instead
-    assert resolve_matmul("auto", CPU) == "aten"
+    assert choose_matmul("auto", PRESETS["tiny"].with_vocab(64), CPU, 1).backend == "aten"
 
 
 @needs_onednn

@@ -10,7 +10,7 @@ import relaytrain.model.olmo3 as olmo3
 from relaytrain.cli import main
 from relaytrain.model.config import FULL, PRESETS, SLIDING
 from relaytrain.model.init import init_weights
-from relaytrain.model.matmul import onednn_available, resolve_matmul
+from relaytrain.model.matmul import onednn_available
 from relaytrain.model.olmo3 import Olmo3, rope_inv_freq
 from relaytrain.parity.hf import hf_twin, run_parity
 
@@ -70,7 +70,7 @@ def test_cli_prints_a_table_and_a_json_last_line(capsys):
     assert any(line.startswith("logits max |diff|") for line in out)
     r = json.loads(out[-1])
     assert r["pass"] and r["seq_len"] == 40 and r["steps"] == 2
-    assert r["matmul"] == resolve_matmul("auto", torch.device("cpu"))
+    assert r["matmul"] in ("aten", "onednn")  # what auto measured faster here
 
 
 def test_cli_rejects_an_unknown_preset(capsys):

@@ -1,10 +1,18 @@
-"""What a resumed run may change: how the model executes, never what defines its curve."""
+"""What a resumed run may change: how the model executes, never what defines its curve; the
+GEMM backend `model.matmul: auto` measured is decided once per run and may differ on resume."""
 
 import pytest
+import yaml
 
+import relaytrain.model.matmul_choice as matmul_choice
+from relaytrain.cli import main
 from relaytrain.config import load_config
 from relaytrain.errors import ConfigError
-from relaytrain.runtime.controller import check_resume_compatible
+from relaytrain.model.matmul import onednn_available
+from relaytrain.runtime.controller import Controller, check_resume_compatible
+from tests.runtime.conftest import step_records, tiny_config
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
 
 def saved_config(*overrides: str) -> dict:
@@ -27,3 +35,50 @@ def test_a_change_to_the_model_is_refused_in_one_line():
         check_resume_compatible(saved_config(), load_config(None, ["run_dir=x",
                                                                    "model.n_layers=3"]))
     assert "\n" not in str(err.value)
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """The host `model.matmul: auto` measures on: `host.name` is its key, `host.onednn_ratio`
+    what its measurement finds (oneDNN's time over aten's)."""
+    def fake_measure(shapes, threads, rounds=4):
+        return 0.010, 0.010 * host.onednn_ratio, host.onednn_ratio
+
+    host = type("Host", (), {"name": "cpu A", "onednn_ratio": 0.5})()
+    monkeypatch.setattr(matmul_choice, "host_key", lambda threads: host.name)
+    monkeypatch.setattr(matmul_choice, "measure", fake_measure)
+    return host
+
+
+@needs_onednn
+@pytest.mark.timeout(180)
+def test_auto_is_decided_once_by_the_controller_and_recorded_in_the_run(tmp_path, corpus_data,
+                                                                        host):
+    run = tmp_path / "run"
+    summary = Controller(tiny_config(run, corpus_data, "train.max_steps=2")).run()
+    assert summary["matmul"]["backend"] == "onednn"
+    assert summary["matmul"]["source"] in ("measured", "cached")
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["matmul"] == "onednn"
+
+
+@needs_onednn
+@pytest.mark.timeout(240)
+def test_a_run_resumed_where_auto_chooses_differently_continues(tmp_path, corpus_data, host):
+    """Checkpointed with oneDNN's GEMMs on host A, resumed on host B where aten measures
+    faster: the run continues from its checkpoint with aten, its losses those of the
+    uninterrupted run to the backends' rounding."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    Controller(tiny_config(whole, corpus_data, "train.max_steps=8", "checkpoint.every=4")).run()
+    Controller(tiny_config(split, corpus_data, "train.max_steps=4", "checkpoint.every=4")).run()
+    host.name, host.onednn_ratio = "cpu B", 2.0
+    summary = Controller(tiny_config(split, corpus_data, "train.max_steps=8",
+                                     "checkpoint.every=4")).run()
+    assert summary["resumed_from"] == 4 and summary["matmul"]["backend"] == "aten"
+    assert yaml.safe_load((split / "config.yaml").read_text())["model"]["matmul"] == "aten"
+    a, b = step_records(whole), step_records(split)
+    assert sorted(b) == list(range(1, 9))
+    for step in range(1, 5):
+        assert a[step]["loss"] == b[step]["loss"]
+    for step in range(5, 9):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-4)
+    assert main(["data", "audit", str(split)]) == 0

@@ -12,7 +12,7 @@ import torch
 from relaytrain.config import ModelSection
 from relaytrain.model.config import PRESETS
 from relaytrain.model.init import init_weights
-from relaytrain.model.matmul import resolve_matmul
+from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.train.execution import compiles, prepare_model, set_determinism
 
@@ -33,7 +33,7 @@ def test_prepare_model_configures_without_renaming_or_changing_the_output():
     assert [n for n, _ in prepared.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert all(b.checkpoint for b in prepared.layers.values())
     assert prepared.attention == "auto"
-    assert prepared.matmul == resolve_matmul("auto", CPU)
+    assert prepared.matmul == choose_matmul("auto", cfg, CPU, torch.get_num_threads()).backend
     assert getattr(prepared.layers["0"], "_compiled_call_impl", None) is None  # eager on CPU
     plain.configure(matmul=prepared.matmul)  # the GEMM backend rounds its own way
     x = torch.randint(0, 500, (2, 40))

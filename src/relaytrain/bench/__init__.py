@@ -9,21 +9,17 @@ from typing import Any
 
 from relaytrain.errors import UserError
 
-# name -> (module, function); the module may define a formatter (FORMATTERS, else
-# format_report(result) -> str).
+# name -> (module, function); the module may define a formatter, format_report(result) -> str.
 BENCHES = {
     "train-throughput": ("relaytrain.bench.train_throughput", "bench_train_throughput"),
     "dp-scaling": ("relaytrain.bench.dp_scaling", "bench_dp_scaling"),
     "recovery": ("relaytrain.bench.recovery", "bench_recovery"),
     "pipeline": ("relaytrain.bench.pipeline", "bench_pipeline"),
-    "checkpoint": ("relaytrain.bench.storage", "bench_checkpoint"),
+    "checkpoint": ("relaytrain.bench.checkpoint", "bench_checkpoint"),
     "prepare": ("relaytrain.bench.prepare", "bench_prepare"),
     "loader": ("relaytrain.bench.loader_vs_training", "bench_loader_vs_training"),
     "gpu": ("relaytrain.bench.gpu", "bench_gpu"),
 }
-
-FORMATTERS = {"checkpoint": "format_all"}
-
 
 def cli_bench(args: Any) -> int:
     if args.name not in BENCHES:
@@ -36,11 +32,16 @@ def cli_bench(args: Any) -> int:
     if args.name == "gpu":
         kwargs["out"] = args.out
         kwargs["only"] = args.only.split(",") if args.only else None
+    if args.name == "checkpoint":
+        kwargs["urls"] = getattr(args, "url", [])
+        kwargs["presets"] = args.only.split(",") if args.only else None
+    elif getattr(args, "url", None):
+        raise UserError(f"bench {args.name}: --url is an option of bench checkpoint only")
     result = getattr(module, func)(**kwargs)
     if args.json:
         print(json.dumps(result, default=str))
-    elif hasattr(module, FORMATTERS.get(args.name, "format_report")):
-        print(getattr(module, FORMATTERS.get(args.name, "format_report"))(result))
+    elif hasattr(module, "format_report"):
+        print(module.format_report(result))
     else:
         print(json.dumps(result, indent=2, default=str))
     return 0

@@ -55,7 +55,8 @@ TINY_RUN = ["model.preset=tiny", "data.seq_len=32", "train.global_batch=12",
 
 
 def run_training(overrides: list[str]) -> dict[str, Any]:
-    """Run a tiny-preset training job with `overrides`; the controller's summary."""
+    """Run a tiny-preset training job with `overrides`, its progress bar on stderr; the
+    controller's summary."""
     from relaytrain.runtime.controller import Controller
 
-    return Controller(load_config(None, [*TINY_RUN, *overrides]), quiet=True).run()
+    return Controller(load_config(None, [*TINY_RUN, *overrides, "log.progress=true"])).run()

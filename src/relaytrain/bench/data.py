@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from relaytrain.bench import progress
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.loader import Loader
 from relaytrain.data.mix_index import index_mix
@@ -41,9 +42,11 @@ def bench_loader(quick: bool = False, seq_len: int = 256, global_batch: int = 16
     max_docs, batches = (200, 300) if quick else (None, 3000)
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
         data = Path(tmp) / "data"
+        progress.report("loader: preparing data")
         prepare(None, data, "bpe:1024", max_docs=max_docs)
         if order == "olmo-core":
             data = _as_olmo_mix(data, Path(tmp))
+        progress.report(f"loader: {batches} batches served, {batches} built")
         split = TokenDataset.open(data).split("train")
         n = split.num_instances(seq_len)
         with Loader(split, seq_len, 0, global_batch, micro_batch, 0, 1, order=order) as loader:

@@ -9,6 +9,7 @@ import statistics
 import tempfile
 from typing import Any
 
+from relaytrain.bench import progress
 from relaytrain.bench.common import demo_data, run_training
 from relaytrain.runlog import read_metrics
 
@@ -23,19 +24,20 @@ def bench_dp_scaling(quick: bool = False) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     sizes = [1, 2] + ([4] if cores >= 4 else [])
     out: dict[str, Any] = {"cores": cores, "steps": steps, "preset": "small", "runs": {}}
+    runs = [(dp, mode) for dp in sizes for mode in ("fast", "exact")
+            if mode == "fast" or dp in (1, 2)]
+    progress.start("dp-scaling", f"{len(runs)} training runs of {steps} steps (1 each): "
+                   + ", ".join(f"dp{dp}-{mode}" for dp, mode in runs))
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
         data = demo_data(tmp)
         common = [f"data.path={data}", "model.preset=small", "data.seq_len=128",
                   "train.global_batch=16", "train.micro_batch=4", f"train.max_steps={steps}",
                   "runtime.engine=ray", "runtime.threads_per_worker=1"]
-        for dp in sizes:
-            for mode in ("fast", "exact"):
-                if mode == "exact" and dp not in (1, 2):
-                    continue
-                run = os.path.join(tmp, f"dp{dp}-{mode}")
-                run_training([*common, f"run_dir={run}", f"parallel.dp={dp}",
-                              f"determinism={mode}"])
-                out["runs"][f"dp{dp}-{mode}"] = _throughput(run, skip)
+        for i, (dp, mode) in enumerate(runs, 1):
+            progress.report(f"dp{dp}-{mode}", i, len(runs))
+            run = os.path.join(tmp, f"dp{dp}-{mode}")
+            run_training([*common, f"run_dir={run}", f"parallel.dp={dp}", f"determinism={mode}"])
+            out["runs"][f"dp{dp}-{mode}"] = _throughput(run, skip)
     r = out["runs"]
     out["speedup_dp2"] = r["dp2-fast"] / r["dp1-fast"]
     if "dp4-fast" in r:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from relaytrain.bench import progress
 from relaytrain.config import ModelSection, OptimSection, TrainSection, load_config
 from relaytrain.errors import UserError
 from relaytrain.model.accounting import flops_per_token, param_count
@@ -115,7 +116,10 @@ def bench_gpu(device: str = "cuda", quick: bool = False, out: str | None = None,
         "portability": lambda: _portability(dev, out_dir),
         "determinism": lambda: _determinism(dev, out_dir),
     }
-    for name in only or SECTIONS:
+    sections = only or SECTIONS
+    progress.start("gpu", f"{len(sections)} sections ({', '.join(sections)}), once each")
+    for i, name in enumerate(sections, 1):
+        progress.report(f"section {name}", i, len(sections))
         t0 = time.perf_counter()
         try:
             section = runners[name]()

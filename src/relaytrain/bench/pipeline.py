@@ -53,6 +53,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from relaytrain.bench import progress
 from relaytrain.config import ParallelSection, load_config
 from relaytrain.data.prepare import prepare
 from relaytrain.parallel.pipeline.schedules import (
@@ -92,17 +93,25 @@ def bench_pipeline(quick: bool, out_dir: str = "runs/bench-pipeline") -> dict[st
     the predictions and the targets met or missed; writes the runs' metrics under `out_dir/runs`,
     the plot to `out_dir/pipeline.png` and the result to `out_dir/result.json`."""
     setup = QUICK if quick else FULL
+    progress.start("pipeline", f"{len(SCHEDULES)} schedules x S = "
+                   f"{', '.join(map(str, setup.stages))}: one run of {setup.steps} steps each")
     t0, load0 = time.perf_counter(), os.getloadavg()
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
         data = Path(tmp) / "data"
+        progress.report("preparing data, measuring a stage-to-stage transfer")
         prepare(None, data, f"bpe:{setup.vocab}", max_docs=setup.max_docs)
         transfer = measure_transfer((setup.micro_batch, setup.seq_len, _d_model()))
         real: dict[int, dict[str, dict[str, Any]]] = {}
         with _private_ray():
+            n, i = len(setup.stages) * len(SCHEDULES), 0
             for S in setup.stages:
-                real[S] = {name: _real_run(setup, S, name, str(data), out / "runs",
-                                           Path(tmp) / "ckpt") for name in SCHEDULES}
+                real[S] = {}
+                for name in SCHEDULES:
+                    i += 1
+                    progress.report(f"S = {S}, {name}", i, n)
+                    real[S][name] = _real_run(setup, S, name, str(data), out / "runs",
+                                              Path(tmp) / "ckpt")
     M = setup.global_batch // setup.micro_batch
     for S, runs in real.items():
         for name, r in runs.items():

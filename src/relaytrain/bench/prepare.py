@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from relaytrain.bench import progress
 from relaytrain.data.prepare import prepare
 
 VOCAB = 4096
@@ -48,12 +49,19 @@ def _same_bytes(a: Path, b: Path) -> bool:
 
 def bench_prepare(quick: bool = False) -> dict[str, Any]:
     max_docs = 400 if quick else None
+    progress.start("prepare", f"the demo corpus ({max_docs or 'all'} documents) prepared once "
+                   "at 1 and once at 2 workers, then a quarter of it at 2")
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
         root = Path(tmp)
+        progress.report("training the tokenizer")
         prepare(None, root / "bpe", f"bpe:{VOCAB}", max_docs=BPE_DOCS)
         tokenizer = root / "bpe" / "tokenizer.json"
-        runs = {w: _run(tokenizer, root / f"w{w}", w, max_docs) for w in (1, 2)}
+        runs = {}
+        for w in (1, 2):
+            progress.report(f"{w} worker(s)")
+            runs[w] = _run(tokenizer, root / f"w{w}", w, max_docs)
         docs = sum(runs[2]["documents"].values()) + runs[2]["duplicates"]
+        progress.report("a quarter of the corpus")
         quarter = _run(tokenizer, root / "quarter", 2, max(1, docs // 4))
         identical = _same_bytes(root / "w1", root / "w2")
     one, two = runs[1], runs[2]

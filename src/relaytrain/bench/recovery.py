@@ -16,6 +16,7 @@ import statistics
 import tempfile
 from typing import Any
 
+from relaytrain.bench import progress
 from relaytrain.bench.common import demo_data, run_training
 from relaytrain.errors import UserError
 
@@ -49,8 +50,12 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
     if not plan:
         raise UserError("bench recovery: nothing to recover from; give at least one kill or hang")
     steps = plan[-1][0] + 10
+    progress.start("recovery", f"one 4-worker run of {steps} steps with {kills} kills and "
+                   f"{hangs} hangs (each a repetition)")
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
+        progress.report("preparing data")
         data = demo_data(tmp, max_docs=100, vocab=512)
+        progress.report("training with faults (progress bar below)")
         summary = run_training([f"data.path={data}", f"run_dir={os.path.join(tmp, 'run')}",
                                 "runtime.engine=ray", "parallel.dp=4",
                                 f"train.max_steps={steps}",

@@ -12,10 +12,11 @@ mapped onto HF's parameter names. A step is forward, loss, backward, global-norm
   the fused chunked LM head + loss), with the z-loss on (1e-5, the default) that HF does not
   have: ours does a little more work. Executed as a run is by default
   (`train.execution.prepare_model`): on the CPU its linear layers and LM head run their GEMMs
-  through oneDNN (`model.matmul: auto`), which uses AVX-512 where MKL, torch's own CPU GEMM,
-  runs AVX2 kernels (on AMD processors). So that what the GEMMs contribute is not mistaken for
-  the rest, the same step with torch's GEMMs (`model.matmul=aten`) is measured beside it
-  wherever the default is oneDNN (`ours_aten`, `ratio_aten`).
+  through the backend `model.matmul: auto` picks on this host (`model.matmul_choice`: torch's
+  own or oneDNN, whichever measured faster on the model's products; reported with both
+  timings). So that what the GEMMs contribute is not mistaken for the rest, the same step with
+  the other backend is measured beside it wherever oneDNN is available (`ours_aten` and
+  `ratio_aten`, or `ours_onednn` and `ratio_onednn`).
 - HF: `Olmo3ForCausalLM(input_ids, labels=..., shift_labels=...)` with SDPA attention and its
   own `ForCausalLMLoss`, `use_cache=False`, `clip_grad_norm_`, `optimizer.step()`,
   `zero_grad(set_to_none=True)`: the loop a user writes around a HF model.
@@ -62,12 +63,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from relaytrain.bench import progress
 from relaytrain.config import ModelSection, OptimSection, TrainSection
 from relaytrain.errors import UserError
 from relaytrain.model.accounting import flops_per_token, param_count
 from relaytrain.model.config import PRESETS
 from relaytrain.model.hf import ours_to_hf_name
 from relaytrain.model.init import init_weights
+from relaytrain.model.matmul import onednn_available
+from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.reduce import GradReducer
@@ -155,6 +159,8 @@ def bench_train_throughput(device: str = "cpu", quick: bool = False, preset: str
     rounds = rounds or (2 if quick else (5 if cuda else 12))
     steps = steps or (5 if cuda and not quick else 1)
     tokens = micro_batch * seq_len
+    progress.start("train-throughput", f"preset {preset}, {rounds} rounds x {steps} step(s) per "
+                   f"variant after {warmup} warm-up step(s)")
 
     prev_threads = torch.get_num_threads()
     if not cuda:
@@ -172,7 +178,11 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     cuda = dev.type == "cuda"
     retain_freed_memory()  # as a worker process does (process-wide: HF's step gets it too)
     optim_cfg, train_cfg = OptimSection(), TrainSection()
-    execution = ModelSection()  # what a run gets by default: auto attention, matmul, compile
+    # What a run gets by default: auto attention and compile, the GEMMs `auto` picks here.
+    progress.report("model.matmul auto: measuring (or reading the cache)")
+    choice = choose_matmul("auto", cfg, dev, threads)
+    progress.report(f"model.matmul auto: {choice.describe()}")
+    execution = ModelSection(matmul=choice.backend)
 
     gen = torch.Generator().manual_seed(seed)
     n_tokens = cfg.tokenizer_vocab or cfg.vocab_size
@@ -218,9 +228,10 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
         return step
 
     variants: dict[str, Callable[[int], float]] = {"ours": ours_step, "hf": hf_step_with(hf)}
-    if ours.matmul != "aten":  # what the faster GEMMs contribute, apart from the rest
-        variants["ours_aten"] = our_step_with(
-            dataclasses.replace(execution, matmul="aten"))[2]
+    other = "aten" if choice.backend == "onednn" else "onednn"
+    if not cuda and onednn_available():  # what the choice of GEMMs gives, apart from the rest
+        variants[f"ours_{other}"] = our_step_with(
+            dataclasses.replace(execution, matmul=other))[2]
     if cuda:
         variants["hf_compiled"] = hf_step_with(torch.compile(hf))
 
@@ -233,7 +244,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
         saved["hf"] = _saved_bytes(
             lambda: hf(input_ids=b0[:, :-1], labels=labels[0], shift_labels=labels[0],
                        use_cache=False).loss, hf_params)
-        saved["hf_compiled"] = saved["ours_aten"] = None
+        saved["hf_compiled"] = saved[f"ours_{other}"] = None
         ours.zero_grad(set_to_none=True)
         hf.zero_grad(set_to_none=True)
 
@@ -242,6 +253,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
             torch.cuda.synchronize(dev)
 
     first_loss: dict[str, float] = {}
+    progress.report(f"warm-up of {', '.join(variants)}")
     for name, fn in variants.items():  # warm-up (and compilation); same first batch for all
         for i in range(warmup):
             loss = fn(i)
@@ -259,6 +271,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     over: dict[str, int] = dict.fromkeys(variants, 0)
     i = warmup
     for r in range(rounds):
+        progress.report("timed rounds", r + 1, rounds)
         order = list(variants) if r % 2 == 0 else list(reversed(variants))
         for name in order:
             fn = variants[name]
@@ -303,7 +316,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
             "ours_sliding_attention": ("flex" if cuda else "sdpa mask")
             if seq_len > cfg.sliding_window else "causal (seq_len <= window)",
             "ours_compiled_blocks": compiles(execution.compile, dev),
-            "ours_matmul": ours.matmul,
+            "ours_matmul": ours.matmul, "matmul_choice": dataclasses.asdict(choice),
             "hf_attn_implementation": "sdpa", "transformers": _transformers_version(),
             "torch": torch.__version__, "warmup_steps": warmup, "rounds": rounds,
             "steps_per_round": steps,
@@ -336,8 +349,8 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     out["cpu_ratio"] = out["hf"]["cpu_s_per_step"] / out["ours"]["cpu_s_per_step"]
     if cuda:
         out["ratio_vs_compiled"] = statistics.median(paired("ours", "hf_compiled"))
-    if "ours_aten" in variants:
-        out["ratio_aten"] = statistics.median(paired("ours_aten", "hf"))
+    if f"ours_{other}" in variants:
+        out[f"ratio_{other}"] = statistics.median(paired(f"ours_{other}", "hf"))
     out["target_ratio"] = TARGET_RATIO if (preset == "small" and not cuda) else None
     return out
 
@@ -365,7 +378,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'memory':>14}{'faulted/step':>14}  first loss",
     ]
     names = {"ours": f"relaytrain ({s['ours_matmul']})", "ours_aten": "relaytrain (aten)",
-             "hf": "HF transformers", "hf_compiled": "HF compiled"}
+             "ours_onednn": "relaytrain (onednn)", "hf": "HF transformers",
+             "hf_compiled": "HF compiled"}
     for key, label in names.items():
         if key not in r:
             continue
@@ -389,9 +403,14 @@ def format_report(r: dict[str, Any]) -> str:
                  f" tokens/s); CPU time {r['cpu_ratio']:.2f}x){target}")
     if "ratio_vs_compiled" in r:
         lines.append(f"ours / HF compiled: {r['ratio_vs_compiled']:.2f}x")
-    if "ratio_aten" in r:
-        lines.append(f"ours with torch's own GEMMs (model.matmul=aten) / HF: "
-                     f"{r['ratio_aten']:.2f}x (median of paired rounds)")
+    c = s["matmul_choice"]
+    timings = (f": aten {1e3 * c['aten_s']:.1f} ms, onednn {1e3 * c['onednn_s']:.1f} ms per "
+               "round of the model's products" if c["aten_s"] is not None else "")
+    lines.append(f"model.matmul auto chose {c['backend']} ({c['source']}{timings})")
+    for other in ("aten", "onednn"):
+        if f"ratio_{other}" in r:
+            lines.append(f"ours with the other GEMMs (model.matmul={other}) / HF: "
+                         f"{r[f'ratio_{other}']:.2f}x (median of paired rounds)")
     lines.append(f"memory column: {memory_kind}; MFU peak {r['peak_flops'] / 1e9:,.0f} GFLOP/s "
                  f"({r['peak_source']}), {r['flops_per_token'] / 1e6:,.1f} MFLOP/token")
     lines.append(f"load average before {r['load_before']}, after {r['load_after']} on "

@@ -11,20 +11,21 @@ local filesystem a file is written under a temporary name, fsynced and renamed (
 across power loss). Elsewhere nothing relies on directories or renames: a part is one streaming
 upload and the manifest one PUT, and an object store makes each appear whole or not at all.
 
-Loading is safe: headers and manifests are JSON, tensors are read by safetensors only after the
-file's size and sha256 match the manifest, and nothing from storage is ever unpickled.
+Loading is safe: headers and manifests are JSON (validated as the safetensors format
+requires), tensors are returned only after the file's size and sha256 match the manifest, and
+nothing from storage is ever unpickled. Reading is one pass straight into the tensors, hashed
+on a second thread as it goes; object stores are read as parallel ranged requests; writing
+hashes on a second thread too (`checkpoint.streaming`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import posixpath
 import re
 import struct
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -33,16 +34,15 @@ from typing import Any, BinaryIO
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from safetensors import SafetensorError, safe_open
 
 from relaytrain import storage
+from relaytrain.checkpoint.streaming import CHUNK, BackgroundHash, RangedReader, hash_stream
 from relaytrain.errors import CheckpointError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SUFFIX = ".safetensors"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
-_CHUNK = 16 << 20  # bytes per write/hash call: large enough to release the GIL usefully
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 _RESERVED = ("format_version", "step", "files", "committed_at")
 
@@ -54,6 +54,7 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
+_DTYPE_OF = {name: dtype for dtype, name in _DTYPES.items()}
 
 KeyFilter = Callable[[str], bool]
 
@@ -217,8 +218,7 @@ class CheckpointStore:
         d = self._step_dir(step)
         manifest = _read_manifest(self.fs, d, step)
         for name, info in manifest["files"].items():
-            with _verified_local_copy(self.fs, f"{d}/{name}", info):
-                pass
+            _verify_file(self.fs, f"{d}/{name}", info)
         return manifest
 
     # -- internals -------------------------------------------------------------------------
@@ -377,15 +377,19 @@ def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> tuple[i
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     head = struct.pack("<Q", len(raw)) + raw
-    h = hashlib.sha256(head)
-    f.write(head)
-    for k in order:
-        data = _raw_bytes(tensors[k])
-        for i in range(0, len(data), _CHUNK):
-            chunk = data[i:i + _CHUNK]
-            f.write(chunk)
-            h.update(chunk)
-    return len(head) + offset, h.hexdigest()
+    h = BackgroundHash(head)  # beside the writes, on another core
+    try:
+        f.write(head)
+        for k in order:
+            data = _raw_bytes(tensors[k])
+            for i in range(0, len(data), CHUNK):
+                chunk = data[i:i + CHUNK]
+                h.update(chunk)
+                f.write(chunk)
+        return len(head) + offset, h.hexdigest()
+    except BaseException:
+        h.close()
+        raise
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -445,15 +449,9 @@ def _load_dir(fs: fsspec.AbstractFileSystem, d: str, keys: KeyFilter | None,
         try:
             if keys is not None and not any(keys(k) for k in _header_keys(fs, path, info)):
                 continue
-            with _verified_local_copy(fs, path, info) as local, \
-                    safe_open(local, framework="pt") as f:
-                for k in f.keys():
-                    if keys is None or keys(k):
-                        tensors[k] = f.get_tensor(k)
+            tensors.update(_read_verified(fs, path, info, keys))
         except FileNotFoundError:
             raise CheckpointError(f"{path}: missing") from None
-        except SafetensorError as e:
-            raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
     return manifest, tensors
 
 
@@ -470,34 +468,110 @@ def _header_keys(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> list[s
 
 
 @contextlib.contextmanager
-def _verified_local_copy(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> Iterator[str]:
-    """A local file path holding `path`'s bytes, after their size and sha256 matched `info`.
-
-    Local files are hashed in place; remote ones are downloaded to a temporary file while being
-    hashed, so memory stays at one chunk either way.
-    """
+def _source(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> Iterator[Any]:
+    """A binary stream of the file at `path` after its size matched `info`: the file itself
+    when local, parallel ranged requests otherwise."""
+    size = fs.size(path)
+    if size != info["size"]:
+        raise CheckpointError(f"{_shown(fs, path)}: {size} bytes, the manifest says "
+                              f"{info['size']} (truncated or incomplete)")
     if isinstance(fs, LocalFileSystem):
-        with open(path, "rb") as src:
-            _check_digest(path, *_hash_copy(src, None), info)
-        yield path
-        return
-    with tempfile.NamedTemporaryFile(suffix=SUFFIX) as tmp:
-        with fs.open(path, "rb") as src:
-            _check_digest(fs.unstrip_protocol(path), *_hash_copy(src, tmp), info)
-        tmp.flush()
-        yield tmp.name
+        with open(path, "rb", buffering=0) as f:
+            yield f
+    else:
+        with RangedReader(fs, path, size) as f:
+            yield f
 
 
-def _hash_copy(src: BinaryIO, sink: BinaryIO | None) -> tuple[int, str]:
-    h = hashlib.sha256()
-    size = 0
-    buf = memoryview(bytearray(_CHUNK))  # one reused buffer: no page faults per chunk
-    while n := src.readinto(buf):
-        h.update(buf[:n])
-        size += n
-        if sink is not None:
-            sink.write(buf[:n])
-    return size, h.hexdigest()
+def _verify_file(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> None:
+    with _source(fs, path, info) as src:
+        _check_digest(_shown(fs, path), *hash_stream(src), info)
+
+
+def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
+                   keys: KeyFilter | None) -> dict[str, torch.Tensor]:
+    """The tensors (those `keys` selects) of the safetensors file at `path`, read in one pass
+    into their own memory while a second thread hashes what arrived; returned only once the
+    size and sha256 match `info`."""
+    shown = _shown(fs, path)
+    tensors: dict[str, torch.Tensor] = {}
+    with _source(fs, path, info) as src:
+        h = BackgroundHash()
+        try:
+            prefix = _read_exact(src, 8, shown)
+            h.update(prefix)
+            (n,) = struct.unpack("<Q", prefix)
+            if n > min(_MAX_HEADER, info["size"] - 8):
+                raise CheckpointError(f"{shown}: not a valid safetensors file (header length "
+                                      f"{n} exceeds the file)")
+            raw = _read_exact(src, n, shown)
+            h.update(raw)
+            for key, dtype, shape in _parse_header(raw, info["size"] - 8 - n, shown):
+                t = torch.empty(shape, dtype=dtype)
+                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                for i in range(0, len(data), CHUNK):
+                    got = src.readinto(data[i:i + CHUNK])
+                    if got != len(data[i:i + CHUNK]):
+                        raise CheckpointError(f"{shown}: ended early (truncated)")
+                    h.update(data[i:i + got])
+                if keys is None or keys(key):
+                    tensors[key] = t
+            sha = h.hexdigest()
+        except BaseException:
+            h.close()
+            raise
+    _check_digest(shown, info["size"], sha, info)
+    return tensors
+
+
+def _read_exact(src: Any, n: int, shown: str) -> bytearray:
+    buf = bytearray(n)
+    if src.readinto(memoryview(buf)) != n:
+        raise CheckpointError(f"{shown}: ended early (truncated)")
+    return buf
+
+
+def _parse_header(raw: bytes, data_len: int, shown: str) -> list[tuple[str, torch.dtype, list]]:
+    """(name, dtype, shape) of each tensor in file order, after checking the header as the
+    safetensors format requires: known dtypes, offsets that match the shapes and tile the data
+    region exactly."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{shown}: not a valid safetensors file ({why})")
+
+    try:
+        header = json.loads(bytes(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    entries = []
+    for key, e in header.items():
+        if key == "__metadata__":
+            continue
+        if not (isinstance(e, dict) and e.get("dtype") in _DTYPE_OF
+                and isinstance(e.get("shape"), list)
+                and all(isinstance(d, int) and d >= 0 for d in e["shape"])
+                and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
+                and all(isinstance(o, int) for o in e["data_offsets"])):
+            raise bad(f"entry {key!r} is not {{dtype, shape, data_offsets}}")
+        entries.append((e["data_offsets"], key, _DTYPE_OF[e["dtype"]], e["shape"]))
+    entries.sort(key=lambda x: x[0])
+    end = 0
+    for (start, stop), key, dtype, shape in entries:
+        size = dtype.itemsize
+        for d in shape:
+            size *= d
+        if start != end or stop - start != size:
+            raise bad(f"entry {key!r}: data_offsets {[start, stop]} do not follow the "
+                      f"previous tensor or do not fit its shape")
+        end = stop
+    if end != data_len:
+        raise bad(f"the tensors cover {end} of {data_len} data bytes")
+    return [(key, dtype, shape) for _, key, dtype, shape in entries]
+
+
+def _shown(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
 
 
 def _check_digest(path: str, size: int, sha: str, info: dict) -> None:

@@ -13,14 +13,13 @@ invariance holds (`tests/model/test_matmul.py`).
 
 Backends: `aten` is torch's own (MKL on the CPU, cuBLAS on a GPU) and the one whose logits are
 bit-identical with HF's on the CPU; `onednn` is this module's CPU path (fp32 only: anything
-else, a GPU tensor or an autocast region falls back to `aten` call by call); `auto` resolves
-to `onednn` on an x86-64 CPU whose torch has oneDNN (the kind of host its speed was measured
-on; on Arm, where torch's oneDNN runs through other libraries, it was not), else `aten`.
+else, a GPU tensor or an autocast region falls back to `aten` call by call); `auto` is the
+faster of the two on this host's CPU, measured (`model.matmul_choice`): on an Intel Xeon, whose
+MKL runs AVX-512 itself, that is usually `aten`.
 """
 
 from __future__ import annotations
 
-import platform
 from typing import Any
 
 import torch
@@ -33,19 +32,6 @@ MATMUL_BACKENDS = ("auto", "aten", "onednn")
 def onednn_available() -> bool:
     """Whether this torch build has the oneDNN CPU kernels this module calls."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def resolve_matmul(setting: str, device: torch.device) -> str:
-    """`aten` or `onednn` for `setting` on `device` (see the module docstring)."""
-    if setting not in MATMUL_BACKENDS:
-        raise ValueError(f"matmul={setting!r}: expected one of {MATMUL_BACKENDS}")
-    if setting == "auto":
-        x86 = platform.machine().lower() in ("x86_64", "amd64")
-        return "onednn" if device.type == "cpu" and x86 and onednn_available() else "aten"
-    if setting == "onednn" and not onednn_available():
-        raise ValueError("matmul='onednn', but this torch build has no oneDNN (mkldnn) "
-                         "kernels; use 'aten' or 'auto'")
-    return setting
 
 
 def _onednn_applies(backend: str, *tensors: Tensor) -> bool:

@@ -30,7 +30,8 @@ from torch.utils.checkpoint import checkpoint
 
 from relaytrain.model.config import FULL, LAYER_TYPES, SLIDING, Olmo3Config
 from relaytrain.model.loss import lm_head_loss
-from relaytrain.model.matmul import MATMUL_BACKENDS, Linear, resolve_matmul
+from relaytrain.model.matmul import MATMUL_BACKENDS, Linear
+from relaytrain.model.matmul_choice import choose_matmul
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -404,7 +405,8 @@ class Olmo3(nn.Module):
         FLOPs against 1/2 on average). `none` keeps everything.
         `matmul`: `aten` (torch's GEMMs: bit-identical with HF on the CPU) or `onednn` (the
         linear layers and the LM head through oneDNN on the CPU; `model.matmul`); `auto` is
-        resolved by `model.matmul.resolve_matmul` for the device the parameters are on.
+        the faster on the device the parameters are on (`model.matmul_choice`: measured once
+        per host at this process's thread count).
         """
         if (attention not in ATTENTION_BACKENDS or checkpointing not in CHECKPOINTING
                 or matmul not in MATMUL_BACKENDS):
@@ -412,7 +414,8 @@ class Olmo3(nn.Module):
                              f"matmul={matmul!r}: expected one of {ATTENTION_BACKENDS}, of "
                              f"{CHECKPOINTING} and of {MATMUL_BACKENDS}")
         self.attention = attention
-        self.matmul = resolve_matmul(matmul, next(self.parameters()).device)
+        self.matmul = choose_matmul(matmul, self.cfg, next(self.parameters()).device,
+                                    torch.get_num_threads()).backend
         for module in self.modules():
             if isinstance(module, Linear):
                 module.matmul = self.matmul

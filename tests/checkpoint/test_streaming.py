@@ -1,0 +1,112 @@
+"""Checkpoint bytes hashed beside the I/O and fetched as parallel ranged reads: the same
+digests and bytes as a plain sequential pass, and the safetensors format unchanged both ways."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import fsspec
+import pytest
+import safetensors.torch
+import torch
+
+import relaytrain.checkpoint.streaming as streaming
+from relaytrain.checkpoint.store import CheckpointStore
+from relaytrain.checkpoint.streaming import BackgroundHash, RangedReader, hash_stream
+from relaytrain.errors import CheckpointError
+
+
+def test_background_hash_is_sha256_of_the_chunks_in_order():
+    chunks = [os.urandom(n) for n in (0, 1, 5000, 3 << 20, 17)]
+    h = BackgroundHash(b"head", backlog=2)
+    for c in chunks:
+        h.update(memoryview(c))
+    assert h.hexdigest() == hashlib.sha256(b"head" + b"".join(chunks)).hexdigest()
+
+
+def test_hash_stream_reuses_two_buffers_without_mixing_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(streaming, "CHUNK", 4096)  # many chunks through the two buffers
+    data = os.urandom(4096 * 9 + 123)
+    (tmp_path / "f").write_bytes(data)
+    with open(tmp_path / "f", "rb") as f:
+        assert hash_stream(f) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+@pytest.mark.parametrize("read_size", [1, 999, 1000, 4096, 1 << 20])
+def test_ranged_reader_delivers_the_file_in_order(tmp_path, monkeypatch, read_size):
+    monkeypatch.setattr(streaming, "RANGE", 1000)
+    monkeypatch.setattr(streaming, "MAX_RANGE", 1000)  # 11 ranges, 8 in flight
+    data = os.urandom(10_500)
+    path = str(tmp_path / "f")
+    (tmp_path / "f").write_bytes(data)
+    fs = fsspec.filesystem("file")
+    calls = []
+    cat_file = fs.cat_file
+    monkeypatch.setattr(fs, "cat_file", lambda p, start, end: calls.append(start)
+                        or cat_file(p, start=start, end=end))
+    got = bytearray()
+    with RangedReader(fs, path, len(data)) as src:
+        buf = bytearray(read_size)
+        while n := src.readinto(buf):
+            got += buf[:n]
+    assert bytes(got) == data
+    assert sorted(calls) == list(range(0, len(data), 1000))
+
+
+def test_ranges_are_as_few_as_fill_the_requests_in_flight(tmp_path):
+    fs = fsspec.filesystem("file")
+    (tmp_path / "f").write_bytes(b"x")
+    for size, expected in [(1, streaming.RANGE), (80 << 20, 10 << 20),
+                           (10 << 30, streaming.MAX_RANGE)]:
+        with RangedReader(fs, str(tmp_path / "f"), size) as src:
+            assert src.range == expected
+
+
+def state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"model.w": torch.randn(300, 7, generator=g),
+            "model.b": torch.randn(5, generator=g).to(torch.bfloat16),
+            "optim.step": torch.tensor(3, dtype=torch.int64), "model.empty": torch.zeros(0, 4)}
+
+
+def test_files_we_write_load_with_safetensors_and_theirs_with_us(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    info = store.write_part(1, "model", state())
+    store.commit(1, {"model": info}, {})
+    ours = tmp_path / "ckpt" / "step_00000001" / "model.safetensors"
+    for k, t in safetensors.torch.load_file(ours).items():
+        assert torch.equal(t, state()[k]), k
+    theirs = tmp_path / "theirs.safetensors"  # their layout: their own order and padding
+    safetensors.torch.save_file(state(), theirs)
+    data = theirs.read_bytes()
+    ours.write_bytes(data)
+    manifest = ours.parent / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["files"]["model.safetensors"] = {"size": len(data),
+                                       "sha256": hashlib.sha256(data).hexdigest()}
+    manifest.write_text(json.dumps(m))
+    _, tensors = store.read(1)
+    assert tensors.keys() == state().keys()
+    assert all(torch.equal(tensors[k], t) for k, t in state().items())
+
+
+def test_a_header_whose_offsets_do_not_tile_the_data_is_refused(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store.commit(1, {"model": store.write_part(1, "model", state())}, {})
+    part = tmp_path / "ckpt" / "step_00000001" / "model.safetensors"
+    data = part.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header["model.w"]["data_offsets"][1] -= 4  # a gap before the next tensor
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(raw) == n
+    forged = data[:8] + raw + data[8 + n:]
+    part.write_bytes(forged)
+    manifest = part.parent / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["files"]["model.safetensors"]["sha256"] = hashlib.sha256(forged).hexdigest()
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="not a valid safetensors file.*model.w"):
+        store.read(1)

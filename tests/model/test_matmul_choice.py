@@ -1,0 +1,101 @@
+"""`model.matmul: auto` is measured on the host, once: cached per host key and model, measured
+again when the key changes, and never consulted when a backend is given."""
+
+import json
+
+import pytest
+import torch
+
+import relaytrain.model.matmul_choice as choice_module
+from relaytrain.model.config import PRESETS
+from relaytrain.model.matmul import onednn_available
+from relaytrain.model.matmul_choice import MARGIN, cache_path, choose_matmul, measure, products
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+TINY = PRESETS["tiny"].with_vocab(300)
+
+
+@pytest.fixture
+def timings(monkeypatch):
+    """`measure` replaced by a stub returning `timings.ratio` (oneDNN / aten); its calls."""
+    calls = []
+
+    def fake(shapes, threads, rounds=4):
+        calls.append((shapes, threads))
+        return 0.010, 0.010 * fake.ratio, fake.ratio
+
+    fake.ratio = 0.5
+    monkeypatch.setattr(choice_module, "measure", fake)
+    return fake, calls
+
+
+def test_auto_measures_once_then_reads_the_cache(tmp_path, timings):
+    fake, calls = timings
+    cache = tmp_path / "matmul.json"
+    first = choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache)
+    assert (first.backend, first.source) == ("onednn", "measured")
+    assert first.aten_s == 0.010 and first.onednn_s == 0.005
+    assert calls == [(products(TINY), 2)]
+    fake.ratio = 2.0  # would now pick aten, but the cache answers
+    again = choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache)
+    assert (again.backend, again.source, again.onednn_s) == ("onednn", "cached", 0.005)
+    assert len(calls) == 1
+    assert "cpu A" in next(iter(json.loads(cache.read_text())))
+
+
+def test_a_changed_host_key_or_model_is_measured_again(tmp_path, timings):
+    fake, calls = timings
+    cache = tmp_path / "matmul.json"
+    assert choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache).backend == "onednn"
+    fake.ratio = 2.0
+    on_b = choose_matmul("auto", TINY, CPU, 2, key="cpu B", cache=cache)
+    assert (on_b.backend, on_b.source) == ("aten", "measured")
+    wider = PRESETS["tiny"].with_vocab(5000)
+    assert choose_matmul("auto", wider, CPU, 2, key="cpu A", cache=cache).source == "measured"
+    assert len(calls) == 3
+    assert choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache).backend == "onednn"
+    assert len(calls) == 3  # every entry kept
+
+
+def test_onednn_must_win_by_the_margin(tmp_path, timings):
+    fake, _ = timings
+    fake.ratio = (MARGIN + 1) / 2  # faster, but within the margin: aten, HF's exact path
+    assert choose_matmul("auto", TINY, CPU, 2, key="k", cache=tmp_path / "c.json"
+                         ).backend == "aten"
+
+
+def test_a_given_backend_or_a_gpu_is_never_measured(tmp_path, timings):
+    _, calls = timings
+    cache = tmp_path / "matmul.json"
+    for setting in ("aten", "onednn"):
+        c = choose_matmul(setting, TINY, CPU, 2, key="k", cache=cache)
+        assert (c.backend, c.source) == (setting, "setting")
+    assert choose_matmul("auto", TINY, CUDA, 2, key="k", cache=cache).backend == "aten"
+    with pytest.raises(ValueError, match="matmul='blas'"):
+        choose_matmul("blas", TINY, CPU, 2)
+    assert calls == [] and not cache.exists()
+
+
+def test_an_unreadable_cache_is_measured_over(tmp_path, timings):
+    _, calls = timings
+    cache = tmp_path / "matmul.json"
+    cache.write_text("{not json")
+    assert choose_matmul("auto", TINY, CPU, 2, key="k", cache=cache).source == "measured"
+    assert choose_matmul("auto", TINY, CPU, 2, key="k", cache=cache).source == "cached"
+    assert len(calls) == 1
+
+
+def test_the_cache_lives_under_xdg_cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_path() == tmp_path / "relaytrain" / "matmul.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_path() == tmp_path / ".cache" / "relaytrain" / "matmul.json"
+
+
+def test_the_measurement_times_both_backends_on_the_models_products():
+    aten_s, onednn_s, ratio = measure(products(TINY), threads=1, rounds=2)
+    assert aten_s > 0 and onednn_s > 0 and ratio > 0
+    d, hidden = TINY.d_model, TINY.mlp_hidden
+    assert {(d, hidden), (hidden, d), (d, TINY.vocab_size)} <= set(products(TINY))
