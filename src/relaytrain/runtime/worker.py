@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +29,7 @@ from relaytrain.model.stages import build_stage, partition_layers
 from relaytrain.parallel.groups import PipelineGroups, form_groups
 from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
+from relaytrain.runtime.abort import GroupSockets, abort_groups
 from relaytrain.runtime.faults import RaiseHook
 from relaytrain.train.evaluate import heldout_losses
 from relaytrain.train.execution import prepare_model, retain_freed_memory, set_determinism
@@ -96,6 +98,8 @@ class Worker:
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._layout: tuple[int, int] | None = None
         self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
+        self._sockets: GroupSockets | None = None  # the current groups' (runtime/abort.py)
+        self._abort_lock = threading.Lock()  # abort() runs beside the call it interrupts
 
     def checkpoint_url(self) -> str:
         return self.cfg.checkpoint.url or os.path.join(self.cfg.run_dir, "checkpoints")
@@ -111,6 +115,7 @@ class Worker:
         self.generation = generation
         self.placement = placement
         if placement.world > 1:
+            sockets = GroupSockets()
             base = dist.TCPStore(store_host, store_port, is_master=False,
                                  timeout=timedelta(seconds=timeout_s))
             store = dist.PrefixStore(f"gen{generation}", base)
@@ -118,9 +123,12 @@ class Worker:
             dist.init_process_group(backend, store=store, rank=placement.rank,
                                     world_size=placement.world,
                                     timeout=timedelta(seconds=timeout_s))
-        if placement.pp > 1:
-            self.groups = form_groups(placement.stage, placement.dp_rank, placement.dp,
-                                      placement.pp, timedelta(seconds=timeout_s))
+            if placement.pp > 1:
+                self.groups = form_groups(placement.stage, placement.dp_rank, placement.dp,
+                                          placement.pp, timedelta(seconds=timeout_s))
+            sockets.formed()
+            with self._abort_lock:
+                self._sockets = sockets
         if self.loader is not None:
             self.loader.close()
         t = self.cfg.train
@@ -133,8 +141,22 @@ class Worker:
                   f"pid {os.getpid()}, {self.device}", flush=True)
         return self.info()
 
+    def abort(self, generation: int) -> bool:
+        """Abort generation `generation`'s collectives now: a call blocked in one (on another
+        thread) fails at once, and so does every collective after it, here and on the peers it
+        talks to (runtime/abort.py). False if this worker is not in that generation (any
+        more)."""
+        with self._abort_lock:
+            if generation != self.generation or self._sockets is None:
+                return False
+            abort_groups(self._sockets)
+            self._sockets = None
+            return True
+
     def leave(self) -> None:
         """Drop the current generation's process group (a no-op if there is none)."""
+        with self._abort_lock:
+            self._sockets = None
         if dist.is_initialized():
             dist.destroy_process_group()  # and the pipeline's groups with it
         self.reducer = None
