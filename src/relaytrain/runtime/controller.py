@@ -449,11 +449,15 @@ class Controller:
                 f"(last failure: {failure})")
         t_replace0 = time.time()
         failed: set[int] = set()
+        if cfg.faults.hold_capacity_s > 0:  # taken before the failed worker's slot frees
+            self.engine.hold_capacity(cfg.faults.hold_capacity_s)
         if not isinstance(failure, WorkerRaised):
             failed.add(failure.wid)
             self.engine.kill(failure.wid)  # a hung peer must go before its partners unblock
-        # Survivors blocked on the failed worker inside a collective fail with it (a closed
-        # connection) or at the collective timeout: keep runtime.collective_timeout short.
+        # Abort the generation's collectives on every survivor now (runtime/abort.py), so none
+        # waits for runtime.collective_timeout (the last resort); a replacement starts meanwhile.
+        self.engine.abort([w for w in self.members if w not in failed], self.generation)
+        self.engine.prestart()
         settled = self.engine.settle(cfg.runtime.collective_timeout + 5)
         failed |= {w for w, e in settled.items() if isinstance(e, WorkerDied | WorkerHung
                                                                   | NodeLost)}
@@ -468,8 +472,6 @@ class Controller:
              f"{failure.kind}: {failure.message}")
         for wid in failed:
             self.engine.kill(wid)
-        if cfg.faults.hold_capacity_s > 0:
-            self.engine.hold_capacity(cfg.faults.hold_capacity_s)
         survivors = [w for w in self.members if w not in failed]
         old = self.placements()
         # The newest consistent state: every survivor's snapshot of the last completed step

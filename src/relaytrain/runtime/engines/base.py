@@ -34,6 +34,17 @@ class Engine(ABC):
         failure if it failed or did not finish in time."""
         return {}
 
+    def abort(self, wids: list[int], generation: int) -> None:
+        """Ask each worker to abort `generation`'s collectives now, without waiting: a call
+        blocked in one fails at once (runtime/abort.py). Engines of one worker have no peers
+        to wait for."""
+        return None
+
+    def prestart(self) -> None:
+        """Start a worker for the next `spawn` to take, so that a replacement's start-up
+        overlaps the rest of a recovery. Engines without spares start it in `spawn`."""
+        return None
+
     def refill(self) -> None:
         """Start standby spares again after some were promoted (off the recovery path).
         Engines without spares have nothing to do."""
