@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 
 from relaytrain.runtime import abort
-from relaytrain.runtime.abort import GroupSockets, abort_groups, shut_down, socket_inodes
+from relaytrain.runtime.abort import (
+    NCCL_ERROR_HANDLING,
+    GroupSockets,
+    abort_groups,
+    keep_process_on_collective_errors,
+    shut_down,
+    socket_inodes,
+)
 
 WORLD = 3
 GROUP_TIMEOUT = timedelta(seconds=600)  # far past the test's deadline: only an abort frees it
@@ -140,3 +147,12 @@ def test_without_proc_there_is_nothing_to_shut_down(monkeypatch):
     sockets = GroupSockets()
     sockets.formed()
     assert sockets.opened == set() and sockets.shut_down() == 0
+
+
+def test_nccl_errors_abort_the_communicator_not_the_process(monkeypatch):
+    monkeypatch.delenv(NCCL_ERROR_HANDLING, raising=False)
+    keep_process_on_collective_errors()
+    assert os.environ[NCCL_ERROR_HANDLING] == "2"
+    monkeypatch.setenv(NCCL_ERROR_HANDLING, "1")  # an operator's choice stands
+    keep_process_on_collective_errors()
+    assert os.environ[NCCL_ERROR_HANDLING] == "1"

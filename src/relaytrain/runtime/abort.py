@@ -22,7 +22,10 @@ the path a CPU test covers with gloo is the one that runs with NCCL on CUDA:
    stock ProcessGroupNCCL returns cleanly from it), and for every backend it drops the groups
    from torch's registry, so the next generation can be formed.
 
-The collective timeout stays as the last resort for a hang nothing else sees.
+The collective timeout stays as the last resort for a hang nothing else sees. With NCCL, a
+collective that errs or times out would by default end the whole process from torch's watchdog
+(TORCH_NCCL_ASYNC_ERROR_HANDLING=3); `keep_process_on_collective_errors` asks for 2 (abort the
+communicator only), so a survivor keeps its process there as it does with gloo.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _abort_process_group
 
 _FD_DIR = "/proc/self/fd"
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def keep_process_on_collective_errors() -> None:
+    """Before a group is created: an NCCL error or timeout aborts the communicator (the call
+    fails) instead of ending the process. A value already set is kept; gloo ignores it."""
+    os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
 
 
 def socket_inodes() -> dict[str, int]:

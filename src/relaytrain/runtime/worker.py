@@ -29,7 +29,11 @@ from relaytrain.model.stages import build_stage, partition_layers
 from relaytrain.parallel.groups import PipelineGroups, form_groups
 from relaytrain.parallel.pipeline.runtime import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
-from relaytrain.runtime.abort import GroupSockets, abort_groups
+from relaytrain.runtime.abort import (
+    GroupSockets,
+    abort_groups,
+    keep_process_on_collective_errors,
+)
 from relaytrain.runtime.faults import RaiseHook
 from relaytrain.train.evaluate import heldout_losses
 from relaytrain.train.execution import prepare_model, retain_freed_memory, set_determinism
@@ -115,6 +119,7 @@ class Worker:
         self.generation = generation
         self.placement = placement
         if placement.world > 1:
+            keep_process_on_collective_errors()
             sockets = GroupSockets()
             base = dist.TCPStore(store_host, store_port, is_master=False,
                                  timeout=timedelta(seconds=timeout_s))

@@ -56,9 +56,11 @@ def test_a_worker_stopped_during_a_long_call_is_named_hung_by_the_heartbeat(
                                              600.0)),
                          stopped: ("ping", ())}, timeout=600)
         assert hung.value.wid == stopped
+        # Its late ping started a replacement while the ping deadline ran.
+        assert len(engine.actors) == 3
+        assert engine.spawn(args, wait=60) not in (waiting, stopped)
     finally:
-        engine.kill(stopped)
-        engine.kill(waiting)
+        engine.shutdown()
 
 
 def test_a_prestarted_worker_is_the_next_one_spawned(tmp_path, corpus_data, ray_cluster):

@@ -13,6 +13,7 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from relaytrain.config import RunConfig
@@ -98,10 +99,12 @@ class _Heartbeat:
     """Pings, every HEARTBEAT_S once a call has run that long, each worker the call still
     waits on. A worker busy in a step or blocked in a collective answers on its second thread;
     one that leaves a ping unanswered for PING_TIMEOUT is hung (stopped, deadlocked or cut
-    off): named within seconds, not at the call's deadline."""
+    off): named within seconds, not at the call's deadline. A ping late by HEARTBEAT_S calls
+    `on_late` (once): a replacement can start while the deadline runs."""
 
-    def __init__(self, actors: dict[int, Any]):
+    def __init__(self, actors: dict[int, Any], on_late: Callable[[], None]):
         self.actors = actors
+        self.on_late: Callable[[], None] | None = on_late
         self.pings: dict[int, tuple[Any, float]] = {}  # worker -> (its ping or None, sent at)
         self.start = time.monotonic()
 
@@ -119,6 +122,9 @@ class _Heartbeat:
                 if now - sent >= PING_TIMEOUT:
                     return WorkerHung(w, f"no answer to a ping within {PING_TIMEOUT:g}s while "
                                       "its call ran (stopped, deadlocked or cut off)")
+                if now - sent >= HEARTBEAT_S and self.on_late is not None:
+                    self.on_late, on_late = None, self.on_late
+                    on_late()
             elif now - sent >= HEARTBEAT_S:
                 self.pings[w] = (self.actors[w].ping.remote(), now)
             else:
@@ -228,8 +234,9 @@ class RayEngine(Engine):
 
     def prestart(self) -> None:
         """Start a worker now for the next `spawn` to take, unless a spare is ready or
-        starting: after a failure its start-up overlaps the abort and the restore. It is placed
-        whenever capacity allows (a failed worker's slot may still be in use)."""
+        starting: after a failure (or a late ping) its start-up overlaps the detection, the
+        abort and the restore. It is placed whenever capacity allows (a failed worker's slot
+        may still be in use); one not needed stays a spare."""
         if self._spares or self._worker_args is None:
             return
         wid = self._create(self._worker_args, None)
@@ -283,7 +290,7 @@ class RayEngine(Engine):
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         pending = list(refs)
-        heartbeat = _Heartbeat(self.actors) if watch else None
+        heartbeat = _Heartbeat(self.actors, self.prestart) if watch else None
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -399,8 +406,9 @@ class RayEngine(Engine):
 
     def shutdown(self) -> None:
         for wid in list(self.actors):
-            try:
-                ray.get(self.actors[wid].close.remote(), timeout=10)
+            try:  # a spare (perhaps not even placed) has nothing to flush
+                if wid not in self._spares:
+                    ray.get(self.actors[wid].close.remote(), timeout=10)
             except Exception:  # a dead or hung worker has nothing to flush
                 pass
             self.kill(wid)
