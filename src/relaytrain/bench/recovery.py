@@ -8,7 +8,7 @@ for a warm spare), and the report names the settings that bound recovery. A surv
 for no timeout: the controller aborts its collectives the moment a failure is known
 (runtime/abort.py). A kill is known at once (the process is gone); a hang when the stopped
 worker leaves a ping unanswered (`runtime.engines.ray.PING_TIMEOUT`, pinged every
-`HEARTBEAT_S` while a call runs); a shrink after `elastic.replace_timeout` without capacity."""
+`HEARTBEAT_S` while a step runs); a shrink after `elastic.replace_timeout` without capacity."""
 
 from __future__ import annotations
 

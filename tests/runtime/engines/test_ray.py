@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from relaytrain.data.dataset import TokenDataset
+from relaytrain.runtime.engines import ray as ray_engine
 from relaytrain.runtime.engines.ray import RayEngine
 from relaytrain.runtime.failures import WorkerHung
 from relaytrain.runtime.worker import Placement
@@ -41,7 +42,10 @@ def test_a_stopped_worker_is_named_hung_at_once_while_a_peer_failure_settles(
 
 
 def test_a_worker_stopped_during_a_long_call_is_named_hung_by_the_heartbeat(
-        tmp_path, corpus_data, ray_cluster):
+        tmp_path, corpus_data, ray_cluster, monkeypatch):
+    # Steps are watched (tests/runtime/test_elastic.py stops a worker mid-step); a rendezvous
+    # waiting on its stopped peer is the cheapest call to watch the same way.
+    monkeypatch.setattr(ray_engine, "WATCHED", frozenset({"setup"}))
     cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "parallel.dp=2")
     engine = RayEngine(cfg)
     args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)

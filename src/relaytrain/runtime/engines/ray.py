@@ -29,6 +29,9 @@ from relaytrain.runtime.worker import Worker
 
 PING_TIMEOUT = 2.0  # a worker that leaves a ping unanswered this long is hung
 HEARTBEAT_S = 0.5  # a call running longer than this pings its workers this often
+# The calls the heartbeat watches: steps, where a run spends its time. The others end at their
+# deadline: a first build on a loaded machine can keep a worker from answering for seconds.
+WATCHED = frozenset({"run_steps"})
 
 
 class _RankedWorker(Worker):
@@ -206,8 +209,7 @@ class RayEngine(Engine):
             raise WorkerDied(-1, f"no capacity to place a worker ({self._bundle()}) within "
                              f"{wait:.0f}s")
         # Construction opens the data: wait, so its errors surface here, naming the worker.
-        self._pids[wid] = int(self.call({wid: ("ping", ())}, self.cfg.runtime.setup_timeout,
-                                        watch=False)[wid])
+        self._pids[wid] = int(self.call({wid: ("ping", ())}, self.cfg.runtime.setup_timeout)[wid])
         self._refill()
         return wid
 
@@ -223,8 +225,7 @@ class RayEngine(Engine):
                 raise WorkerDied(-1, f"no capacity to place {n} workers ({self._bundle()} each) "
                                  f"within {wait:.0f}s")
             wids.append(wid)
-        pids = self.call({w: ("ping", ()) for w in wids}, self.cfg.runtime.setup_timeout,
-                         watch=False)
+        pids = self.call({w: ("ping", ()) for w in wids}, self.cfg.runtime.setup_timeout)
         self._pids.update({w: int(p) for w, p in pids.items()})
         self._refill()
         return wids
@@ -281,15 +282,14 @@ class RayEngine(Engine):
         timer.daemon = True
         timer.start()
 
-    def call(self, calls: dict[int, tuple[str, tuple]], timeout: float,
-             watch: bool = True) -> dict[int, Any]:
-        """See `Engine.call`. With `watch`, a worker that stops answering pings while its call
-        runs is named hung within PING_TIMEOUT (+ HEARTBEAT_S), not at the deadline (a worker
-        still being constructed cannot answer: its first call is not watched)."""
+    def call(self, calls: dict[int, tuple[str, tuple]], timeout: float) -> dict[int, Any]:
+        """See `Engine.call`. In a WATCHED call, a worker that stops answering pings is named
+        hung within PING_TIMEOUT (+ HEARTBEAT_S), not at the deadline."""
         refs = {getattr(self.actors[w], m).remote(*a): w for w, (m, a) in calls.items()}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         pending = list(refs)
+        watch = any(m in WATCHED for m, _ in calls.values())
         heartbeat = _Heartbeat(self.actors, self.prestart) if watch else None
         while pending:
             left = deadline - time.monotonic()
