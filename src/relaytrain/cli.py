@@ -147,6 +147,8 @@ def _add_plot(sub: Any) -> None:
 def _add_bench(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench.add_argument("name", metavar="NAME")
+    bench.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="recovery: settings instead of the run's defaults")
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--quick", action="store_true", help="a shorter run")
     bench.add_argument("--json", action="store_true")

@@ -120,9 +120,9 @@ class RuntimeSection:
     threads_per_worker: int = 1  # torch threads in each worker (same count => same kernels)
     cpus_per_worker: float = 1.0  # Ray CPU share reserved per worker
     call_timeout: float = 120.0  # seconds any remote call (per step) may take: hang detection
-    # Process-group timeout inside the workers. Ranks enter each collective together, so it
-    # mostly bounds how long a survivor waits on a failed peer: lower it (a few seconds) for
-    # fast recovery when steps are short and the machine is not oversubscribed.
+    # Process-group timeout inside the workers: the last resort for a hang nothing else sees.
+    # No survivor of a known failure waits for it: the controller aborts its collectives at
+    # once (runtime/abort.py), so keep it long enough for a slow step or a long all-gather.
     collective_timeout: float = 30.0
     setup_timeout: float = 120.0
 

@@ -1,11 +1,14 @@
-"""The recovery benchmark's fault plan: every fault once, evenly spaced, hangs spread among the
-kills. (The benchmark itself is a long Ray run: `relaytrain bench recovery`.)"""
+"""The recovery benchmark's fault plan (every fault once, evenly spaced, hangs spread among the
+kills) and its settings (the run's defaults unless given). The benchmark itself is a long Ray
+run: `relaytrain bench recovery`."""
 
 from __future__ import annotations
 
 import pytest
 
-from relaytrain.bench.recovery import bench_recovery, fault_plan
+from relaytrain.bench.recovery import bench_recovery, fault_plan, settings
+from relaytrain.cli import main
+from relaytrain.config import RunConfig
 from relaytrain.errors import UserError
 
 
@@ -27,3 +30,16 @@ def test_hangs_are_spread_among_the_kills():
 def test_nothing_to_recover_from_is_a_clear_error():
     with pytest.raises(UserError, match="at least one kill or hang"):
         bench_recovery(kills=0, hangs=0)
+
+
+def test_the_settings_are_the_runs_defaults_unless_given():
+    defaults = settings([])
+    assert defaults["runtime.collective_timeout"] == RunConfig().runtime.collective_timeout
+    assert defaults["elastic.spares"] == RunConfig().elastic.spares
+    assert settings(["elastic.spares=1"])["elastic.spares"] == 1
+
+
+def test_settings_are_for_the_recovery_bench_only(capsys):
+    assert main(["bench", "loader", "elastic.spares=1"]) == 2
+    assert "bench loader takes no key=value settings" in capsys.readouterr().err
+    assert main(["bench", "recovery", "elastic.nonsense=1"]) == 2

@@ -1,5 +1,9 @@
 """Elastic training on real Ray actors: killed, hung and raising workers become exceptions, only
-they are replaced, and the run continues to the same bits as a run without faults."""
+they are replaced, and the run continues to the same bits as a run without faults.
+
+The collective and call timeouts are 120 s, longer than the deadline of the tests that check
+recovery time: a survivor's collective is aborted the moment a failure is known, so no recovery
+waits for either (runtime/abort.py)."""
 
 from __future__ import annotations
 
@@ -24,9 +28,10 @@ from tests.runtime.conftest import (
 
 pytestmark = pytest.mark.timeout(300)
 
+PATIENT = 120.0  # runtime.call_timeout and runtime.collective_timeout
 COMMON = ("runtime.engine=ray", "train.global_batch=12", "train.micro_batch=1", "eval.every=4",
-          "checkpoint.every=4", "runtime.call_timeout=6", "runtime.collective_timeout=3",
-          "elastic.replace_timeout=20")
+          "checkpoint.every=4", f"runtime.call_timeout={PATIENT}",
+          f"runtime.collective_timeout={PATIENT}", "elastic.replace_timeout=20")
 
 
 def _cfg(run, data, *extra, dp: int = 4):
@@ -36,6 +41,10 @@ def _cfg(run, data, *extra, dp: int = 4):
 def _records(run, kind: str) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()
             if f'"kind": "{kind}"' in x]
+
+
+def _no_phase_waits_for_a_timeout(recoveries: list[dict]) -> bool:
+    return all(s < PATIENT / 2 for r in recoveries for s in r["phases"].values() if s is not None)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +86,26 @@ def test_three_kills_a_hang_and_a_raise_recover_to_the_same_bits(tmp_path, corpu
     assert_reported_as_the_os_sees_them(seen, len(gens))
 
 
+@pytest.mark.timeout(60, func_only=True)
+@pytest.mark.parametrize(("fault", "rank", "cause"), [
+    ("kill_at", 1, "died"), ("hang_at", 2, "hung"), ("raise_at", 3, "raised")])
+def test_no_recovery_waits_for_the_collective_timeout(tmp_path, corpus_data, ray_cluster,
+                                                      fault_free, fault, rank, cause):
+    run = tmp_path / "faulty"
+    summary = Controller(_cfg(run, corpus_data, "train.max_steps=12", "determinism=exact",
+                              f"faults.{fault}=[6]", f"faults.{fault.split('_')[0]}_rank={rank}",
+                              )).run()
+    [rec] = _records(run, "recovery")
+    assert (rec["cause"], rec["rank"], rec["lost_steps"]) == (cause, rank, 1)
+    assert _no_phase_waits_for_a_timeout([rec]), rec
+    a, b = step_records(fault_free), step_records(run)
+    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
+    assert same_tensors(final_state(run), final_state(fault_free))
+    before, after = summary["initial_pids"], summary["pids"]
+    assert [w for w in before if after.get(w) != before[w]] == [list(before)[rank]], summary
+
+
+@pytest.mark.timeout(60, func_only=True)
 def test_scale_down_without_a_replacement_then_grow_back(tmp_path, corpus_data, ray_cluster,
                                                          fault_free):
     run = tmp_path / "elastic"
@@ -85,6 +114,7 @@ def test_scale_down_without_a_replacement_then_grow_back(tmp_path, corpus_data, 
                               "elastic.replace_timeout=1")).run()
     [rec] = _records(run, "recovery")
     assert rec["dp"] == 3  # 12 micro-batches over the 3 survivors
+    assert _no_phase_waits_for_a_timeout([rec]), rec
     [grow] = _records(run, "resize")
     # The recovery record is written at the first step after the shrink; the growth comes at
     # that step's boundary or later, once the held capacity is released (timing-dependent).

@@ -29,6 +29,11 @@ def cli_bench(args: Any) -> int:
     kwargs: dict[str, Any] = {"quick": args.quick}
     if args.name in ("train-throughput", "gpu"):
         kwargs["device"] = args.device
+    if args.name == "recovery":
+        kwargs["overrides"] = args.overrides
+    elif args.overrides:
+        raise UserError(f"bench {args.name} takes no key=value settings (got "
+                        f"{' '.join(args.overrides)}); only bench recovery does")
     if args.name == "gpu":
         kwargs["out"] = args.out
         kwargs["only"] = args.only.split(",") if args.only else None

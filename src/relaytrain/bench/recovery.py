@@ -1,13 +1,14 @@
-"""`relaytrain bench recovery`: kill (SIGKILL) or hang (SIGSTOP) a worker N times in a tiny
-4-worker run and report, per kind of failure, the time from the fault to the next completed
-step, split by phase, and the steps lost.
+"""`relaytrain bench recovery [key=value ...]`: kill (SIGKILL) or hang (SIGSTOP) a worker N
+times in a tiny 4-worker run, and once take a worker away with no capacity to replace it (a
+shrink), and report, per kind of failure, the time from the fault to the next completed step,
+split by phase, and the steps lost.
 
-Settings a user of tiny steps would choose: one warm spare (a replacement is a promotion), and a
-1 s collective timeout (the tiny step's collectives take milliseconds; a survivor waiting on
-the failed worker through a peer gives up after it). A hang costs more than a kill by design:
-a stopped process closes no connection, so it shows only when a survivor's collective times
-out (or the call deadline passes), and it is named by a ping it cannot answer
-(`runtime.engines.ray.PING_TIMEOUT`)."""
+Every setting is the run's default unless given on the command line (e.g. `elastic.spares=1`
+for a warm spare), and the report names the settings that bound recovery. A survivor waits
+for no timeout: the controller aborts its collectives the moment a failure is known
+(runtime/abort.py). A kill is known at once (the process is gone); a hang when the stopped
+worker leaves a ping unanswered (`runtime.engines.ray.PING_TIMEOUT`, pinged every
+`HEARTBEAT_S` while a step runs); a shrink after `elastic.replace_timeout` without capacity."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import tempfile
 from typing import Any
 
 from relaytrain.bench import progress
-from relaytrain.bench.common import demo_data, run_training
+from relaytrain.bench.common import TINY_RUN, demo_data, run_training
+from relaytrain.config import load_config
 from relaytrain.errors import UserError
+from relaytrain.runtime.engines.ray import HEARTBEAT_S, PING_TIMEOUT
 
 PHASES = ("detect", "replace", "reform", "restore", "first_step")
 
@@ -42,50 +45,75 @@ def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
             "max_lost_steps": max(r["lost_steps"] for r in recs)}
 
 
+def settings(overrides: list[str]) -> dict[str, Any]:
+    """The settings that bound a recovery, as the run will use them."""
+    cfg = load_config(None, [*TINY_RUN, *overrides])
+    return {"runtime.collective_timeout": cfg.runtime.collective_timeout,
+            "runtime.call_timeout": cfg.runtime.call_timeout,
+            "elastic.spares": cfg.elastic.spares,
+            "elastic.replace_timeout": cfg.elastic.replace_timeout,
+            "ping_timeout": PING_TIMEOUT, "heartbeat_s": HEARTBEAT_S}
+
+
 def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | None = None,
-                   spares: int = 1) -> dict[str, Any]:
+                   shrink: bool = True, overrides: list[str] | None = None) -> dict[str, Any]:
     kills = (3 if quick else 8) if kills is None else kills
     hangs = (1 if quick else 4) if hangs is None else hangs
     plan = fault_plan(kills, hangs)
     if not plan:
         raise UserError("bench recovery: nothing to recover from; give at least one kill or hang")
+    given = list(overrides or [])
+    used = settings(given)
     steps = plan[-1][0] + 10
     progress.start("recovery", f"one 4-worker run of {steps} steps with {kills} kills and "
                    f"{hangs} hangs (each a repetition)")
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
         progress.report("preparing data")
         data = demo_data(tmp, max_docs=100, vocab=512)
+        common = [f"data.path={data}", "runtime.engine=ray", "parallel.dp=4", *given]
         progress.report("training with faults (progress bar below)")
-        summary = run_training([f"data.path={data}", f"run_dir={os.path.join(tmp, 'run')}",
-                                "runtime.engine=ray", "parallel.dp=4",
+        summary = run_training([*common, f"run_dir={os.path.join(tmp, 'run')}",
                                 f"train.max_steps={steps}",
                                 f"faults.kill_at={[s for s, k in plan if k == 'kill']}",
                                 f"faults.hang_at={[s for s, k in plan if k == 'hang']}",
-                                f"elastic.spares={spares}", f"elastic.max_recoveries={len(plan)}",
-                                "runtime.call_timeout=30",
-                                "runtime.collective_timeout=1"])
-    recs = summary["recoveries"]
-    out: dict[str, Any] = {"kills": kills, "hangs": hangs, "spares": spares,
+                                f"elastic.max_recoveries={len(plan)}"])
+        recs = summary["recoveries"]
+        if shrink:
+            # The 4 workers fill the machine's CPUs, and the killed one's slot stays taken
+            # until well after the replacement's deadline: no capacity to replace it.
+            held = used["elastic.replace_timeout"] + 5
+            progress.report("a kill with no capacity to replace it (shrink)")
+            shrunk = run_training([*common, f"run_dir={os.path.join(tmp, 'shrink')}",
+                                   "train.max_steps=20", "faults.kill_at=[10]",
+                                   f"faults.hold_capacity_s={held}", "elastic.spares=0",
+                                   f"runtime.cpus_per_worker={(os.cpu_count() or 4) / 4:g}"])
+            recs += [{**r, "cause": "shrunk"} for r in shrunk["recoveries"]]
+    out: dict[str, Any] = {"kills": kills, "hangs": hangs, "settings": used, "overrides": given,
                            "recoveries": len(recs), "goodput": summary["goodput"],
-                           "target_median_s": 3.0}
-    for cause in ("died", "hung"):
+                           "targets_s": {"died": 1.0 if used["elastic.spares"] else 3.0,
+                                         "hung": PING_TIMEOUT + 1.0,
+                                         "shrunk": used["elastic.replace_timeout"] + 1.0}}
+    for cause in ("died", "hung", "shrunk"):
         mine = [r for r in recs if r["cause"] == cause]
         out[cause] = _summary(mine) if mine else None
     return out
 
 
 def format_report(r: dict[str, Any]) -> str:
-    lines = [f"recovery from {r['kills']} kills and {r['hangs']} hangs of 1 of 4 workers "
-             f"({r['spares']} warm spare), {r['recoveries']} recoveries:"]
-    for cause, what in (("died", "kill (SIGKILL)"), ("hung", "hang (SIGSTOP)")):
+    given = " ".join(r["overrides"]) or "none"
+    lines = [f"recovery from {r['kills']} kills and {r['hangs']} hangs of 1 of 4 workers, "
+             f"{r['recoveries']} recoveries; settings given: {given}",
+             "  in effect: " + ", ".join(f"{k} {v:g}" for k, v in r["settings"].items())]
+    for cause, what in (("died", "kill (SIGKILL)"), ("hung", "hang (SIGSTOP)"),
+                        ("shrunk", "kill, no capacity (shrink)")):
         s = r[cause]
         if s is None:
             continue
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in s["median_phases_s"].items())
-        target = f" (target median <= {r['target_median_s']:.0f}s)" if cause == "died" else ""
         lines += [f"  {what} -> next completed step: median {s['median_s']:.2f}s, "
-                  f"max {s['max_s']:.2f}s over {s['recoveries']}{target}",
+                  f"max {s['max_s']:.2f}s over {s['recoveries']} "
+                  f"(target median <= {r['targets_s'][cause]:g}s)",
                   f"    median by phase: {phases}",
                   f"    steps lost per recovery: at most {s['max_lost_steps']}"]
-    lines.append(f"  goodput of the whole run: {r['goodput']:.1%}")
+    lines.append(f"  goodput of the faulty run (kills and hangs): {r['goodput']:.1%}")
     return "\n".join(lines)

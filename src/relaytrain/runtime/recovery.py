@@ -123,8 +123,6 @@ class Recovery:
              f"{failure.kind}: {failure.message}")
         for wid in failed:
             self.engine.kill(wid)
-        if self.cfg.faults.hold_capacity_s > 0:
-            self.engine.hold_capacity(self.cfg.faults.hold_capacity_s)
         survivors = [w for w in self.members if w not in failed]
         old = self.placements()
         restore = self._restore_point(survivors, old)
@@ -165,11 +163,15 @@ class Recovery:
         """The workers that failed, and the failure to report: a collective error that a
         peer's death caused is collateral, the dead or hung peer is named instead."""
         failed: set[int] = set()
+        if self.cfg.faults.hold_capacity_s > 0:  # taken before the failed worker's slot frees
+            self.engine.hold_capacity(self.cfg.faults.hold_capacity_s)
         if not isinstance(failure, WorkerRaised):
             failed.add(failure.wid)
             self.engine.kill(failure.wid)  # a hung peer must go before its partners unblock
-        # Survivors blocked on the failed worker inside a collective fail with it (a closed
-        # connection) or at the collective timeout.
+        # Abort the generation's collectives on every survivor now (runtime/abort.py), so none
+        # waits for runtime.collective_timeout (the last resort); a replacement starts meanwhile.
+        self.engine.abort([w for w in self.members if w not in failed], self.generation)
+        self.engine.prestart()
         settled = self.engine.settle(self.cfg.runtime.collective_timeout + 5)
         failed |= {w for w, e in settled.items()
                    if isinstance(e, WorkerDied | WorkerHung | NodeLost)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -29,6 +30,11 @@ from relaytrain.parallel.groups import PipelineGroups, Placement, form_groups
 from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.runtime import rendezvous
+from relaytrain.runtime.abort import (
+    GroupSockets,
+    abort_groups,
+    keep_process_on_collective_errors,
+)
 from relaytrain.runtime.faults import RaiseHook
 from relaytrain.runtime.wire import StepResult, WriteReport
 from relaytrain.train.evaluate import heldout_losses
@@ -82,6 +88,8 @@ class Worker:
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._layout: tuple[int, int] | None = None
         self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
+        self._sockets: GroupSockets | None = None  # the current groups' (runtime/abort.py)
+        self._abort_lock = threading.Lock()  # abort() runs beside the call it interrupts
 
     # ---- membership ------------------------------------------------------------------------
     def ping(self) -> int:
@@ -97,15 +105,20 @@ class Worker:
         self.generation = generation
         self.placement = placement
         if placement.world > 1:
+            keep_process_on_collective_errors()
+            sockets = GroupSockets()
             base = rendezvous.join(store_host, store_port, timeout_s)
             store = dist.PrefixStore(f"gen{generation}", base)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=store, rank=placement.rank,
                                     world_size=placement.world,
                                     timeout=timedelta(seconds=timeout_s))
-        if placement.pp > 1:
-            self.groups = form_groups(placement.stage, placement.dp_rank, placement.dp,
-                                      placement.pp, timedelta(seconds=timeout_s))
+            if placement.pp > 1:
+                self.groups = form_groups(placement.stage, placement.dp_rank, placement.dp,
+                                          placement.pp, timedelta(seconds=timeout_s))
+            sockets.formed()
+            with self._abort_lock:
+                self._sockets = sockets
         if self.loader is not None:
             self.loader.close()
         t = self.cfg.train
@@ -118,8 +131,22 @@ class Worker:
                   f"pid {os.getpid()}, {self.device}", flush=True)
         return self.info()
 
+    def abort(self, generation: int) -> bool:
+        """Abort generation `generation`'s collectives now: a call blocked in one (on another
+        thread) fails at once, and so does every collective after it, here and on the peers it
+        talks to (runtime/abort.py). False if this worker is not in that generation (any
+        more)."""
+        with self._abort_lock:
+            if generation != self.generation or self._sockets is None:
+                return False
+            abort_groups(self._sockets)
+            self._sockets = None
+            return True
+
     def leave(self) -> None:
         """Drop the current generation's process group (a no-op if there is none)."""
+        with self._abort_lock:
+            self._sockets = None
         if dist.is_initialized():
             dist.destroy_process_group()  # and the pipeline's groups with it
         self.reducer = None

@@ -1,5 +1,6 @@
 """The Ray engine on real actors: a stopped worker is named hung by a ping instead of being
-waited for; a private cluster's run listens on loopback only."""
+waited for, a replacement can be started before it is asked for, and a private cluster's run
+listens on loopback only."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import sys
 import time
 
 import pytest
+import torch.distributed as dist
 
 from relaytrain.data.dataset import TokenDataset
+from relaytrain.parallel.groups import Placement
+from relaytrain.runtime.engines import ray as ray_engine
 from relaytrain.runtime.engines.ray import RayEngine
 from relaytrain.runtime.failures import WorkerHung
 from tests.runtime.conftest import step_records, tiny_config
@@ -82,3 +86,45 @@ def test_every_socket_of_a_private_cluster_run_listens_on_loopback_only(tmp_path
     workers = {s.pid for s in sockets if s.process.startswith("ray::_RankedWor")}
     assert len(workers) == 2, sockets
     assert [s for s in sockets if not s.loopback] == []
+
+
+def test_a_worker_stopped_during_a_long_call_is_named_hung_by_the_heartbeat(
+        tmp_path, corpus_data, ray_cluster, monkeypatch):
+    # Steps are watched (tests/runtime/test_elastic.py stops a worker mid-step); a rendezvous
+    # waiting on its stopped peer is the cheapest call to watch the same way.
+    monkeypatch.setattr(ray_engine, "WATCHED", frozenset({"setup"}))
+    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "parallel.dp=2")
+    engine = RayEngine(cfg)
+    args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    waiting, stopped = engine.spawn_many(2, args, wait=60)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    os.kill(engine.pid(stopped), signal.SIGSTOP)
+    try:
+        # `waiting` waits in the rendezvous for its stopped peer: with a 600 s deadline (past
+        # this test's), only the pings it answers and its peer does not can end the call.
+        with pytest.raises(WorkerHung, match="no answer to a ping") as hung:
+            engine.call({waiting: lambda w: w.setup(0, Placement(0, 2, 0, 2), "127.0.0.1",
+                                                    store.port, 600.0),
+                         stopped: lambda w: w.ping()}, timeout=600)
+        assert hung.value.wid == stopped
+        # Its late ping started a replacement while the ping deadline ran.
+        assert len(engine.actors) == 3
+        assert engine.spawn(args, wait=60) not in (waiting, stopped)
+    finally:
+        engine.shutdown()
+
+
+def test_a_prestarted_worker_is_the_next_one_spawned(tmp_path, corpus_data, ray_cluster):
+    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray")
+    engine = RayEngine(cfg)
+    args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    [first] = engine.spawn_many(1, args, wait=60)
+    engine.prestart()
+    engine.prestart()  # one is starting already: nothing more
+    try:
+        assert len(engine.actors) == 2
+        second = engine.spawn(args, wait=60)
+        assert second != first and set(engine.actors) == {first, second}
+        assert engine.pid(second) not in (engine.pid(first), os.getpid())
+    finally:
+        engine.shutdown()

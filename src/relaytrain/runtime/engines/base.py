@@ -59,6 +59,9 @@ class WorkerAPI(Protocol):
     def evaluate(self, ids: list[int]) -> dict[int, float]:
         """Held-out losses of this rank's share of `ids`."""
 
+    def abort(self, generation: int) -> bool:
+        """Make `generation`'s collectives fail at once (called while a step is blocked)."""
+
     def arm_fault(self, step: int) -> None:
         """Fault injection: raise when `step` starts."""
 
@@ -133,6 +136,17 @@ class Engine(ABC):
         """Wait for calls still running after a failure: per worker, None if it finished, the
         failure if it failed or did not finish in time."""
         return {}
+
+    def abort(self, wids: list[int], generation: int) -> None:
+        """Ask each worker to abort `generation`'s collectives now, without waiting: a call
+        blocked in one fails at once (runtime/abort.py). Engines of one worker have no peers
+        to wait for."""
+        return None
+
+    def prestart(self) -> None:
+        """Start a worker for the next `spawn` to take, so that a replacement's start-up
+        overlaps the rest of a recovery. Engines without spares start it in `spawn`."""
+        return None
 
     def refill(self) -> None:
         """Start standby spares again after some were promoted (off the recovery path).

@@ -14,6 +14,7 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from relaytrain.config import RunConfig
@@ -27,8 +28,12 @@ from relaytrain.runtime.failures import (
 )
 from relaytrain.runtime.worker import Worker
 
-PING_TIMEOUT = 2.0
+PING_TIMEOUT = 2.0  # a worker that leaves a ping unanswered this long is hung
+HEARTBEAT_S = 0.5  # a call running longer than this pings its workers this often
 LOOPBACK = "127.0.0.1"
+# The calls the heartbeat watches: steps, where a run spends its time. The others end at their
+# deadline: a first build on a loaded machine can keep a worker from answering for seconds.
+WATCHED = frozenset({"run_steps"})
 
 
 class _RankedWorker(Worker):
@@ -95,6 +100,43 @@ def _failure(rank: int, err: Exception) -> WorkerFailure:
     return WorkerRaised(rank, f"{type(err).__name__}: {err}")
 
 
+class _Heartbeat:
+    """Pings, every HEARTBEAT_S once a call has run that long, each worker the call still
+    waits on. A worker busy in a step or blocked in a collective answers on its second thread;
+    one that leaves a ping unanswered for PING_TIMEOUT is hung (stopped, deadlocked or cut
+    off): named within seconds, not at the call's deadline. A ping late by HEARTBEAT_S calls
+    `on_late` (once): a replacement can start while the deadline runs."""
+
+    def __init__(self, actors: dict[int, Any], on_late: Callable[[], None]):
+        self.actors = actors
+        self.on_late: Callable[[], None] | None = on_late
+        self.pings: dict[int, tuple[Any, float]] = {}  # worker -> (its ping or None, sent at)
+        self.start = time.monotonic()
+
+    def check(self, wids: list[int]) -> WorkerFailure | None:
+        now = time.monotonic()
+        for w in wids:
+            ref, sent = self.pings.get(w, (None, self.start))
+            if ref is not None and ray.wait([ref], timeout=0)[0]:
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    return _failure(w, e)
+                ref = None
+            if ref is not None:
+                if now - sent >= PING_TIMEOUT:
+                    return WorkerHung(w, f"no answer to a ping within {PING_TIMEOUT:g}s while "
+                                      "its call ran (stopped, deadlocked or cut off)")
+                if now - sent >= HEARTBEAT_S and self.on_late is not None:
+                    self.on_late, on_late = None, self.on_late
+                    on_late()
+            elif now - sent >= HEARTBEAT_S:
+                self.pings[w] = (self.actors[w].ping.remote(), now)
+            else:
+                self.pings[w] = (None, sent)
+        return None
+
+
 class RayEngine(Engine):
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -106,6 +148,7 @@ class RayEngine(Engine):
         self._outstanding: dict[Any, int] = {}
         self._spares: list[int] = []
         self._warming: dict[int, Any] = {}  # spare -> its warm_up() call
+        self._aborting: list[Any] = []  # abort() calls not yet collected
         self._worker_args: tuple | None = None
         self._owns_cluster = False
         self._connect()
@@ -138,8 +181,12 @@ class RayEngine(Engine):
         gpus = 1 if self.cfg.train.device == "cuda" else 0
         return {"CPU": self.cfg.runtime.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
 
-    def _placement(self, wait: float) -> Any:
+    def _placement(self, wait: float | None) -> Any:
+        """A placement group for one worker, once placed within `wait` seconds (else None);
+        with `wait` None, at once, placed whenever capacity allows."""
         pg = placement_group([self._bundle()], strategy="PACK")
+        if wait is None:
+            return pg
         ready, _ = ray.wait([pg.ready()], timeout=wait)
         if not ready:
             remove_placement_group(pg)
@@ -148,18 +195,24 @@ class RayEngine(Engine):
 
     def spawn(self, worker_args: tuple, wait: float) -> int:
         """A worker: a warm spare when one is ready (promotion costs nothing), else a new one.
-        Spares are refilled in the background up to `elastic.spares`."""
+        Spares are refilled in the background up to `elastic.spares`. A spare still starting
+        (see `prestart`) is waited for within the same `wait`."""
         self._worker_args = worker_args
+        deadline = time.monotonic() + wait
         while self._spares:
             wid = self._spares.pop(0)
+            ping, warm = self.actors[wid].ping.remote(), self._warming.pop(wid)
+            ready, _ = ray.wait([ping, warm], num_returns=2,
+                                timeout=max(deadline - time.monotonic(), 1.0))
             try:
-                self._pids[wid] = int(self.call({wid: lambda w: w.ping()}, wait or 1.0)[wid])
-                ray.get(self._warming.pop(wid), timeout=max(wait, 1.0))
-            except (WorkerFailure, ray.exceptions.RayError):
-                self.kill(wid)
-                continue
-            return wid  # the controller refills spares once training runs again
-        wid = self._create(worker_args, wait)
+                if len(ready) == 2:
+                    self._pids[wid] = int(ray.get(ping))
+                    ray.get(warm)
+                    return wid  # the controller refills spares once training runs again
+            except ray.exceptions.RayError:
+                pass
+            self.kill(wid)
+        wid = self._create(worker_args, max(deadline - time.monotonic(), 0.0))
         if wid is None:
             raise WorkerDied(-1, f"no capacity to place a worker ({self._bundle()}) within "
                              f"{wait:.0f}s")
@@ -189,6 +242,17 @@ class RayEngine(Engine):
     def refill(self) -> None:
         self._refill()
 
+    def prestart(self) -> None:
+        """Start a worker now for the next `spawn` to take, unless a spare is ready or
+        starting: after a failure (or a late ping) its start-up overlaps the detection, the
+        abort and the restore. It is placed whenever capacity allows (a failed worker's slot
+        may still be in use); one not needed stays a spare."""
+        if self._spares or self._worker_args is None:
+            return
+        wid = self._create(self._worker_args, None)
+        self._warming[wid] = self.actors[wid].warm_up.remote()
+        self._spares.append(wid)
+
     def _refill(self) -> None:
         while len(self._spares) < self.cfg.elastic.spares and self._worker_args is not None:
             wid = self._create(self._worker_args, 0.5)
@@ -197,8 +261,9 @@ class RayEngine(Engine):
             self._warming[wid] = self.actors[wid].warm_up.remote()
             self._spares.append(wid)
 
-    def _create(self, worker_args: tuple, wait: float) -> int | None:
-        """Start an actor in its own placement group without waiting for it to come up."""
+    def _create(self, worker_args: tuple, wait: float | None) -> int | None:
+        """Start an actor in its own placement group without waiting for it to come up
+        (`wait`: as for `_placement`)."""
         pg, self._reserved = self._reserved or self._placement(wait), None
         if pg is None:
             return None
@@ -227,24 +292,38 @@ class RayEngine(Engine):
         timer.start()
 
     def run(self, invocations: dict[int, Invocation], timeout: float) -> dict[int, Any]:
+        """See `Engine.call`. In a WATCHED call, a worker that stops answering pings is named
+        hung within PING_TIMEOUT (+ HEARTBEAT_S), not at the deadline."""
         refs = {getattr(self.actors[w], inv.method).remote(*inv.args, **inv.kwargs): w
                 for w, inv in invocations.items()}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         pending = list(refs)
+        watch = any(inv.method in WATCHED for inv in invocations.values())
+        heartbeat = _Heartbeat(self.actors, self.prestart) if watch else None
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._outstanding = {p: refs[p] for p in pending}
                 raise self._diagnose_hang([refs[p] for p in pending], timeout)
-            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(left, HEARTBEAT_S))
             for ref in done:
                 try:
                     results[refs[ref]] = ray.get(ref)
                 except Exception as e:  # the first failure surfaces at once
                     self._outstanding = {p: refs[p] for p in pending}
                     raise _failure(refs[ref], e) from e
+            failure = heartbeat.check([refs[p] for p in pending]) if heartbeat else None
+            if failure is not None:
+                self._outstanding = {p: refs[p] for p in pending}
+                raise failure
         return results
+
+    def abort(self, wids: list[int], generation: int) -> None:
+        """Ask each worker to abort `generation`'s collectives; no waiting (the answers are
+        collected by `settle`)."""
+        self._aborting += [self.actors[w].abort.remote(generation) for w in wids
+                           if w in self.actors]
 
     def settle(self, timeout: float) -> dict[int, BaseException | None]:
         """Calls still running after a failure: a worker that cannot answer a ping is hung and
@@ -253,6 +332,7 @@ class RayEngine(Engine):
         out: dict[int, BaseException | None] = {}
         refs, self._outstanding = self._outstanding, {}
         if not refs:
+            self._collect_aborts()
             return out
         deadline = time.monotonic() + timeout
         gone = {w: e for w, e in self._ping(list(refs.values())).items() if e is not None}
@@ -269,7 +349,20 @@ class RayEngine(Engine):
         for ref in late:
             out[refs[ref]] = WorkerHung(refs[ref], f"still busy {timeout:.0f}s after a peer "
                                         "failed")
+        self._collect_aborts()
         return out
+
+    def _collect_aborts(self) -> None:
+        """Retrieve the abort() answers that came (a dead worker's error is expected, and Ray
+        would log it as unhandled); a stopped worker's never comes and is dropped."""
+        aborting, self._aborting = self._aborting, []
+        ready, _ = ray.wait(aborting, num_returns=len(aborting), timeout=0) if aborting \
+            else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                pass
 
     def _ping(self, wids: list[int]) -> dict[int, WorkerFailure | None]:
         """Ping each worker on its second thread: None if it answers. A stopped or deadlocked
@@ -321,11 +414,13 @@ class RayEngine(Engine):
         self._outstanding = {r: w for r, w in self._outstanding.items() if w != wid}
         if wid in self._spares:
             self._spares.remove(wid)
+        self._warming.pop(wid, None)
 
     def shutdown(self) -> None:
         for wid in list(self.actors):
-            try:
-                ray.get(self.actors[wid].close.remote(), timeout=10)
+            try:  # a spare (perhaps not even placed) has nothing to flush
+                if wid not in self._spares:
+                    ray.get(self.actors[wid].close.remote(), timeout=10)
             except Exception:  # a dead or hung worker has nothing to flush
                 pass
             self.kill(wid)
