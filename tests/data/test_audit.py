@@ -156,7 +156,7 @@ def ray_with_same_shard_loaders():
     import secrets
 
     def same_shard_on_every_rank() -> None:  # nested: Ray ships it by value
-        from relaytrain.data.loader import Loader, rank_part
+        from relaytrain.data.loader import Loader
         from relaytrain.runtime import worker
 
         class SameShardLoader(Loader):
@@ -164,7 +164,10 @@ def ray_with_same_shard_loaders():
                          dp_world, **kwargs):
                 super().__init__(split, seq_len, seed, global_batch, micro_batch, dp_rank,
                                  dp_world, **kwargs)
-                self.part = rank_part(global_batch, 0, dp_world)
+                rank0 = Loader(split, seq_len, seed, global_batch, micro_batch, 0, dp_world,
+                               **{**kwargs, "prefetch": 0})
+                self._rows, self.positions = rank0._rows, rank0.positions
+                rank0.close()
 
         worker.Loader = SameShardLoader
 

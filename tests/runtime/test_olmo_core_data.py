@@ -68,6 +68,7 @@ def test_stopped_and_resumed_is_bit_identical_and_passes_the_audit(tmp_path: Pat
     _assert_identical(run, reference)
 
 
+@pytest.mark.soak  # about a minute on Ray: run with `pytest -m soak`
 def test_resized_4_2_4_is_bit_identical_and_passes_the_audit(tmp_path: Path, mix: str,
                                                              reference: Path,
                                                              ray_cluster: object) -> None:

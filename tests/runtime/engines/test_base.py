@@ -17,8 +17,9 @@ def test_the_worker_implements_the_interface_with_the_same_parameters():
             continue
         actual = getattr(Worker, name, None)
         assert actual is not None, f"Worker lacks {name}"
-        assert list(inspect.signature(actual).parameters) == \
-            list(inspect.signature(declared).parameters), name
+        # Ray adds a tracing parameter to an actor class's methods once it wraps one.
+        params = [p for p in inspect.signature(actual).parameters if p != "_ray_trace_ctx"]
+        assert params == list(inspect.signature(declared).parameters), name
 
 
 def test_a_call_is_recorded_as_one_method_with_its_arguments():

@@ -47,7 +47,10 @@ def test_a_stopped_worker_is_named_hung_at_once_while_a_peer_failure_settles(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", ["parallel.dp=2", "parallel.pp=2"])
+@pytest.mark.parametrize("layout", [
+    "parallel.dp=2",
+    pytest.param("parallel.pp=2", marks=pytest.mark.soak),  # the same bindings; ~40 s more
+])
 def test_every_socket_of_a_private_cluster_run_listens_on_loopback_only(tmp_path, corpus_data,
                                                                          layout):
     """The whole process tree of `relaytrain train` (controller, Ray's GCS, raylet and agents,
