@@ -155,3 +155,17 @@ def assert_only_failed_ranks_replaced(run_dir: Path | str) -> list[dict]:
         changed = {r for r, w in before["workers"].items() if after["workers"][r] != w}
         assert changed == {str(rec["rank"])}, (rec, before, after)
     return gens
+
+
+def assert_bit_identical(run: Path | str, reference: Path | str,
+                         steps: range | None = None) -> None:
+    """`run` recorded the same steps (`steps`, if given), losses, gradient norms and final
+    weights as `reference`, to the bit, and passes the data audit."""
+    a, b = step_records(reference), step_records(run)
+    assert sorted(b) == sorted(a), (sorted(a), sorted(b))
+    if steps is not None:
+        assert sorted(a) == list(steps)
+    assert [b[s]["loss"] for s in a] == [a[s]["loss"] for s in a]
+    assert [b[s]["grad_norm"] for s in a] == [a[s]["grad_norm"] for s in a]
+    assert same_tensors(final_state(run), final_state(reference))
+    assert main(["data", "audit", str(run)]) == 0

@@ -10,9 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from relaytrain.cli import main
 from relaytrain.runtime.controller import Controller
-from tests.runtime.conftest import final_state, records, same_tensors, step_records, tiny_config
+from tests.runtime.conftest import (
+    assert_bit_identical,
+    final_state,
+    records,
+    step_records,
+    tiny_config,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,21 +98,12 @@ def test_exact_mode_reproduces_the_curve_recorded_before_the_controller_split(
         assert all(abs(a[s] - b[s]) <= 1e-4 * abs(a[s]) for s in a), (key, a, b)
 
 
-def _assert_identical(run, reference) -> None:
-    a, b = step_records(reference), step_records(run)
-    assert sorted(b) == sorted(a)
-    assert [b[s]["loss"] for s in a] == [a[s]["loss"] for s in a]
-    assert [b[s]["grad_norm"] for s in a] == [a[s]["grad_norm"] for s in a]
-    assert same_tensors(final_state(run), final_state(reference))
-    assert main(["data", "audit", str(run)]) == 0
-
-
 @pytest.mark.parametrize("dp", [2, 3, 4])
 def test_exact_mode_is_bit_identical_to_one_worker(tmp_path, corpus_data, ray_cluster,
                                                    exact_reference, dp):
     run = tmp_path / f"dp{dp}"
     _run(run, corpus_data, dp, "determinism=exact", "train.max_steps=6")
-    _assert_identical(run, exact_reference)
+    assert_bit_identical(run, exact_reference)
 
 
 def test_fast_mode_agrees_within_float_noise_and_is_bit_identical_to_itself(
@@ -121,7 +117,7 @@ def test_fast_mode_agrees_within_float_noise_and_is_bit_identical_to_itself(
     # Stopped at step 3 and resumed at the same world size: the same bits.
     _run(again, corpus_data, 2, "train.max_steps=3")
     _run(again, corpus_data, 2, "train.max_steps=6")
-    _assert_identical(again, two)
+    assert_bit_identical(again, two)
 
 
 def test_resume_at_another_dp_size_continues_the_same_batches(tmp_path, corpus_data,
@@ -131,4 +127,4 @@ def test_resume_at_another_dp_size_continues_the_same_batches(tmp_path, corpus_d
     for dp, steps in ((4, 2), (2, 4), (4, 6)):
         _run(run, corpus_data, dp, "determinism=exact", f"train.max_steps={steps}",
              "checkpoint.every=2")
-    _assert_identical(run, exact_reference)
+    assert_bit_identical(run, exact_reference)

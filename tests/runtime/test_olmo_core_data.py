@@ -11,7 +11,10 @@ import pytest
 
 from relaytrain.cli import main
 from relaytrain.runtime.controller import Controller
-from tests.runtime.conftest import final_state, same_tensors, step_records, tiny_config
+from tests.runtime.conftest import (
+    assert_bit_identical,
+    tiny_config,
+)
 
 pytestmark = pytest.mark.timeout(480)  # three Ray starts at dp 4, 2, 4 on 2 shared cores
 
@@ -51,21 +54,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory, mix: str) -> Path:
     return run
 
 
-def _assert_identical(run: Path, reference: Path) -> None:
-    a, b = step_records(reference), step_records(run)
-    assert sorted(b) == sorted(a) == list(range(1, 7))
-    assert [b[s]["loss"] for s in a] == [a[s]["loss"] for s in a]
-    assert [b[s]["grad_norm"] for s in a] == [a[s]["grad_norm"] for s in a]
-    assert same_tensors(final_state(run), final_state(reference))
-    assert main(["data", "audit", str(run)]) == 0
-
-
 def test_stopped_and_resumed_is_bit_identical_and_passes_the_audit(tmp_path: Path, mix: str,
                                                                    reference: Path) -> None:
     run = tmp_path / "resumed"
     _run(run, mix, 1, "train.max_steps=3")
     _run(run, mix, 1, "train.max_steps=6")
-    _assert_identical(run, reference)
+    assert_bit_identical(run, reference, range(1, 7))
 
 
 @pytest.mark.soak  # about a minute on Ray: run with `pytest -m soak`
@@ -75,7 +69,7 @@ def test_resized_4_2_4_is_bit_identical_and_passes_the_audit(tmp_path: Path, mix
     run = tmp_path / "resized"
     for dp, steps in ((4, 2), (2, 4), (4, 6)):
         _run(run, mix, dp, f"train.max_steps={steps}")
-    _assert_identical(run, reference)
+    assert_bit_identical(run, reference, range(1, 7))
 
 
 def test_olmo_core_order_on_prepared_data_is_refused_before_anything_is_written(
