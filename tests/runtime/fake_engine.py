@@ -23,8 +23,8 @@ class FakeWorker:
     def ping(self) -> int:
         return 1000 + self.wid
 
-    def setup(self, generation: int, placement: Any, store_host: str | None,
-              store_port: int | None, timeout_s: float) -> dict[str, Any]:
+    def setup(self, generation: int, placement: Any, store: Any, timeout_s: float
+              ) -> dict[str, Any]:
         self.placement = placement
         self.calls.append(f"setup{generation}")
         return {"pid": self.ping(), "start": 0}

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from relaytrain.runtime import abort
+from relaytrain.runtime import abort, rendezvous
 from relaytrain.runtime.abort import (
     NCCL_ERROR_HANDLING,
     GroupSockets,
@@ -25,16 +25,17 @@ from relaytrain.runtime.abort import (
     shut_down,
     socket_inodes,
 )
+from relaytrain.runtime.kvstore import StoreAccess
 
 WORLD = 3
 GROUP_TIMEOUT = timedelta(seconds=600)  # far past the test's deadline: only an abort frees it
 
 
-def _rank(rank: int, port: int, orders: mp.Queue, reports: mp.Queue) -> None:
+def _rank(rank: int, access: StoreAccess, orders: mp.Queue, reports: mp.Queue) -> None:
     """One rank: joins generation 0, all but the last block in an all-reduce that the last one
     (alive, like a worker that raised) never enters, until the controller's abort; then all
     form generation 1 in the same process."""
-    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=GROUP_TIMEOUT)
+    base = rendezvous.join(access, GROUP_TIMEOUT.total_seconds())
     sockets = GroupSockets()
     dist.init_process_group("gloo", store=dist.PrefixStore("gen0", base), rank=rank,
                             world_size=WORLD, timeout=GROUP_TIMEOUT)
@@ -70,11 +71,11 @@ def _rank(rank: int, port: int, orders: mp.Queue, reports: mp.Queue) -> None:
 
 @pytest.mark.timeout(120)
 def test_an_abort_frees_ranks_blocked_in_a_collective_and_the_processes_form_the_next_group():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = rendezvous.serve("127.0.0.1")
     ctx = mp.get_context("spawn")
     orders = [ctx.Queue() for _ in range(WORLD)]
     reports = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, store.port, orders[r], reports), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, store.access, orders[r], reports), daemon=True)
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -99,6 +100,7 @@ def test_an_abort_frees_ranks_blocked_in_a_collective_and_the_processes_form_the
     finally:
         for p in procs:
             p.kill()
+        store.close()
 
 
 def test_the_sockets_opened_while_groups_form_are_found_again():

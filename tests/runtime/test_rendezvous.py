@@ -1,6 +1,6 @@
-"""The rendezvous store listens on the one address it is given, and a worker points its
-collectives at the interface that reaches the store; the socket listing the cluster tests rely on
-sees a socket bound to every interface."""
+"""The rendezvous store listens on the one address it is given, a worker points its collectives
+at the interface that reaches the store, and gloo groups form and all-reduce through it; the
+socket listing the cluster tests rely on sees a socket bound to every interface."""
 
 from __future__ import annotations
 
@@ -12,9 +12,24 @@ import sys
 import pytest
 
 from relaytrain.runtime import rendezvous
+from relaytrain.runtime.kvstore import Server
 from tests.runtime.listening import listening_sockets
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def serve():
+    """Serve a store on a host; every store served is closed after the test."""
+    served: list[Server] = []
+
+    def start(host: str) -> Server:
+        served.append(rendezvous.serve(host))
+        return served[-1]
+
+    yield start
+    for server in served:
+        server.close()
 
 
 def _mine(port: int) -> list:
@@ -32,62 +47,87 @@ def _external_address() -> str:
     return address
 
 
-def test_a_private_store_listens_on_loopback_only_and_serves_its_clients(monkeypatch):
+def test_a_private_store_listens_on_loopback_only_and_serves_its_clients(monkeypatch, serve):
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.setenv(var, "eth0")  # a user's setting cannot take a private run off lo
-    server = rendezvous.serve("127.0.0.1")
-    assert [(s.address, s.port) for s in _mine(server.port)] == [("127.0.0.1", server.port)]
-    client = rendezvous.join("127.0.0.1", server.port, timeout_s=10)
-    client.set("gen0/rank0", b"here")
-    assert server.get("gen0/rank0") == b"here"
+    server = serve("127.0.0.1")
+    port = server.access.port
+    assert [(s.address, s.port) for s in _mine(port)] == [("127.0.0.1", port)]
+    rendezvous.join(server.access, timeout_s=10).set("gen0/rank0", b"here")
+    assert rendezvous.join(server.access, timeout_s=10).get("gen0/rank0") == b"here"
     assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "lo"
 
 
-def test_a_store_on_a_node_address_listens_there_and_nowhere_else(monkeypatch):
+def test_a_store_on_a_node_address_listens_there_and_nowhere_else(monkeypatch, serve):
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(var, raising=False)
     address = _external_address()
-    server = rendezvous.serve(address)
-    assert [(s.address, s.port) for s in _mine(server.port)] == [(address, server.port)]
+    server = serve(address)
+    port = server.access.port
+    assert [(s.address, s.port) for s in _mine(port)] == [(address, port)]
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
-        s.connect(("127.0.0.1", server.port))
-    rendezvous.join(address, server.port, timeout_s=10).set("k", b"v")
-    assert server.get("k") == b"v"
+        s.connect(("127.0.0.1", port))
+    rendezvous.join(server.access, timeout_s=10).set("k", b"v")
     iface = os.environ["GLOO_SOCKET_IFNAME"]
     assert iface != "lo" and rendezvous.interface_of(address) == iface
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")  # a network the user chose is kept
-    rendezvous.join(address, server.port, timeout_s=10)
+    assert rendezvous.join(server.access, timeout_s=10).get("k") == b"v"
     assert os.environ["GLOO_SOCKET_IFNAME"] == "ib0"
 
 
 RANK = """
-import sys, torch.distributed as dist
+import sys, torch, torch.distributed as dist
 from relaytrain.runtime import rendezvous
-host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-dist.init_process_group("gloo", store=rendezvous.join(host, port, 30), rank=rank, world_size=2)
-print("ready", flush=True)
+from relaytrain.runtime.kvstore import StoreAccess
+host, port, secret, rank = sys.argv[1:]
+store = rendezvous.join(StoreAccess(host, int(port), bytes.fromhex(secret)), 30)
+dist.init_process_group("gloo", store=dist.PrefixStore("gen0", store), rank=int(rank),
+                        world_size=2)
+total = torch.tensor([int(rank) + 1.0])
+dist.all_reduce(total)
+print(f"ready {total.item():g}", flush=True)
 sys.stdin.read()
 dist.destroy_process_group()
 """
 
 
-def test_gloo_listens_on_the_interface_that_reaches_the_store():
+def _ranks(server: Server) -> list[subprocess.Popen]:
+    """Two processes in a gloo group formed through `server`; each prints its all-reduced sum
+    and leaves when its stdin closes."""
+    access = server.access
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    return [subprocess.Popen([sys.executable, "-c", RANK, access.host, str(access.port),
+                              access.secret.hex(), str(r)],
+                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for r in range(2)]
+
+
+def _leave(ranks: list[subprocess.Popen]) -> list[int]:
+    for p in ranks:
+        p.communicate("", timeout=30)
+    return [p.returncode for p in ranks]
+
+
+def test_two_gloo_ranks_form_a_group_and_all_reduce_through_the_store(serve):
+    ranks = _ranks(serve("127.0.0.1"))
+    try:
+        assert [p.stdout.readline() for p in ranks] == ["ready 3\n"] * 2
+    finally:
+        assert _leave(ranks) == [0, 0]
+
+
+def test_gloo_listens_on_the_interface_that_reaches_the_store(serve):
     """A store on this machine's network address (as on an existing cluster): both ranks' gloo
     listen on that address, not on loopback (where this host's name resolves) nor everywhere."""
     address = _external_address()
-    server = rendezvous.serve(address)
-    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, address, str(server.port), str(r)],
-                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for r in range(2)]
+    ranks = _ranks(serve(address))
     try:
-        assert [p.stdout.readline() for p in ranks] == ["ready\n"] * 2
+        assert [p.stdout.readline() for p in ranks] == ["ready 3\n"] * 2
         found = {(s.address, s.process) for p in ranks for s in listening_sockets(p.pid)}
     finally:
-        for p in ranks:
-            p.communicate("", timeout=30)
+        returncodes = _leave(ranks)
     assert found == {(address, "python")}, found
-    assert [p.returncode for p in ranks] == [0, 0]
+    assert returncodes == [0, 0]
 
 
 def test_an_address_no_interface_holds_is_an_error():

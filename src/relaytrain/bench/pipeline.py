@@ -49,9 +49,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relaytrain.bench import progress
 from relaytrain.config import ParallelSection, load_config
@@ -64,6 +63,9 @@ from relaytrain.parallel.pipeline.schedules import (
     build_schedule,
 )
 from relaytrain.parallel.pipeline.simulate import Costs, simulate
+
+if TYPE_CHECKING:
+    from relaytrain.runtime.kvstore import StoreAccess
 
 SIM_STAGES = (4, 8, 16, 32)
 TARGETS = {"paci_utilisation": 0.90, "paci_memory_vs_1f1b": 1.10, "paci_speedup_at_8": 1.40}
@@ -248,11 +250,14 @@ def summarise_run(run_dir: Path, S: int, span: int) -> dict[str, Any]:
 # ---- transfer cost ---------------------------------------------------------------------------
 
 
-def _pingpong(rank: int, port: int, shape: tuple[int, ...], repeats: int, queue: Any) -> None:
+def _pingpong(rank: int, access: StoreAccess, shape: tuple[int, ...], repeats: int,
+              queue: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    from relaytrain.runtime import rendezvous
+
+    store = rendezvous.join(access, timeout_s=60)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     buf = torch.zeros(shape)
     for i in range(repeats + 5):  # 5 warm-up round trips
@@ -274,12 +279,12 @@ def measure_transfer(shape: tuple[int, ...], repeats: int = 200) -> float:
     a blocking ping-pong round trip."""
     import multiprocessing as mp
 
-    import torch.distributed as dist
+    from relaytrain.runtime import rendezvous
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = rendezvous.serve("127.0.0.1")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_pingpong, args=(r, store.port, shape, repeats, queue))
+    procs = [ctx.Process(target=_pingpong, args=(r, store.access, shape, repeats, queue))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -288,6 +293,7 @@ def measure_transfer(shape: tuple[int, ...], repeats: int = 200) -> float:
     finally:
         for p in procs:
             p.join(timeout=30)
+        store.close()
 
 
 # ---- simulation ------------------------------------------------------------------------------

@@ -141,6 +141,8 @@ class Controller:
         finally:
             self.faults.cancel()
             self.reporter.close()
+            if self.recovery is not None:
+                self.recovery.close()
             self.engine.shutdown()
 
     def _train(self, step: int, count: int) -> None:

@@ -29,6 +29,7 @@ from relaytrain.runtime.failures import (
     WorkerRaised,
 )
 from relaytrain.runtime.faults import FaultInjector
+from relaytrain.runtime.kvstore import Server
 from relaytrain.runtime.reporter import StepReporter
 from relaytrain.train.metrics import warn
 
@@ -57,7 +58,7 @@ class Recovery:
         self.recovery_times: list[float] = []
         self.log: list[dict[str, Any]] = []  # the recovery records written so far
         self._pending: dict[str, Any] | None = None  # completed by the next step
-        self._store: Any = None  # this generation's rendezvous store (kept alive)
+        self._store: Server | None = None  # this generation's rendezvous store
 
     # ---- layout ----------------------------------------------------------------------------
     def placements(self) -> dict[int, Placement]:
@@ -85,14 +86,14 @@ class Recovery:
         groups were formed (the rest is restoring state)."""
         self.generation += 1
         timeout = self.cfg.runtime.setup_timeout
-        host, port = self.engine.store_host(), None
+        self.close()  # the previous generation's store: its keys are of no use to this one
         if len(self.members) > 1:
-            self._store = rendezvous.serve(host)
-            port = self._store.port
+            self._store = rendezvous.serve(self.engine.store_host())
+        store = self._store.access if self._store is not None else None
         generation, collective_timeout = self.generation, self.cfg.runtime.collective_timeout
 
         def setup(p: Placement) -> WorkerCall:
-            return lambda w: w.setup(generation, p, host, port, collective_timeout)
+            return lambda w: w.setup(generation, p, store, collective_timeout)
 
         def build(t: dict[str, Any] | None) -> WorkerCall:
             return lambda w: w.build(step, t)
@@ -107,6 +108,12 @@ class Recovery:
         given = tensors or {}
         self.engine.call({wid: build(given.get(wid)) for wid in self.members}, timeout)
         return formed
+
+    def close(self) -> None:
+        """Close the current generation's rendezvous store (a worker still on it fails)."""
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     # ---- failures --------------------------------------------------------------------------
     def recover(self, failure: WorkerFailure, done: int, in_flight: int) -> int:

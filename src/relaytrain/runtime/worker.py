@@ -36,6 +36,7 @@ from relaytrain.runtime.abort import (
     keep_process_on_collective_errors,
 )
 from relaytrain.runtime.faults import RaiseHook
+from relaytrain.runtime.kvstore import Client, StoreAccess
 from relaytrain.runtime.wire import StepResult, WriteReport
 from relaytrain.train.evaluate import heldout_losses
 from relaytrain.train.execution import (
@@ -90,6 +91,7 @@ class Worker:
         self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
         self._sockets: GroupSockets | None = None  # the current groups' (runtime/abort.py)
         self._abort_lock = threading.Lock()  # abort() runs beside the call it interrupts
+        self._rendezvous: Client | None = None  # the generation's store, while its groups live
 
     # ---- membership ------------------------------------------------------------------------
     def ping(self) -> int:
@@ -98,19 +100,20 @@ class Worker:
     def info(self) -> dict[str, Any]:
         return {**process_identity(), "host": socket.gethostname(), "device": str(self.device)}
 
-    def setup(self, generation: int, placement: Placement, store_host: str | None = None,
-              store_port: int | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
-        """Join generation `generation`: its process group and this rank's data shard."""
+    def setup(self, generation: int, placement: Placement, store: StoreAccess | None = None,
+              timeout_s: float = 30.0) -> dict[str, Any]:
+        """Join generation `generation`: its process group (through its rendezvous `store`)
+        and this rank's data shard."""
         self.leave()
         self.generation = generation
         self.placement = placement
         if placement.world > 1:
             keep_process_on_collective_errors()
             sockets = GroupSockets()
-            base = rendezvous.join(store_host, store_port, timeout_s)
-            store = dist.PrefixStore(f"gen{generation}", base)
+            self._rendezvous = rendezvous.join(store, timeout_s)
+            prefixed = dist.PrefixStore(f"gen{generation}", self._rendezvous)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=store, rank=placement.rank,
+            dist.init_process_group(backend, store=prefixed, rank=placement.rank,
                                     world_size=placement.world,
                                     timeout=timedelta(seconds=timeout_s))
             if placement.pp > 1:
@@ -149,6 +152,9 @@ class Worker:
             self._sockets = None
         if dist.is_initialized():
             dist.destroy_process_group()  # and the pipeline's groups with it
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
         self.reducer = None
         self.groups = self.pipeline = None
 

@@ -15,11 +15,11 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from relaytrain.config import RunConfig
 from relaytrain.data.dataset import TokenDataset
+from relaytrain.runtime import rendezvous
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 JOB_TIMEOUT = 90.0
@@ -36,8 +36,8 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
         return None
     worker = Worker(cfg, job["vocab"])
     try:
-        worker.setup(job["generation"], placements(range(dp * pp), dp, pp)[rank], "127.0.0.1",
-                     job["port"], 30.0)
+        worker.setup(job["generation"], placements(range(dp * pp), dp, pp)[rank], job["store"],
+                     30.0)
         worker.build(0)
         steps, first = [], 1
         for count in job["spans"]:
@@ -68,7 +68,7 @@ class WorkerPool:
         self.generation = 0
 
     def __enter__(self) -> WorkerPool:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = rendezvous.serve("127.0.0.1")
         ctx = mp.get_context("spawn")
         sys.path.insert(0, ROOT)  # the children import this module by name
         try:
@@ -90,13 +90,14 @@ class WorkerPool:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+        self.store.close()
 
     def train(self, cfg: RunConfig, spans: tuple[int, ...]) -> list[dict[str, Any]]:
         """One result per rank: per-step results of `run_steps` and the final weights."""
         if cfg.world_size > self.n:
             raise ValueError(f"{cfg.world_size} ranks, pool of {self.n}")
         job = {"config": cfg.to_dict(), "vocab": TokenDataset.open(cfg.data.path).vocab_size,
-               "generation": self.generation, "port": self.store.port, "spans": spans}
+               "generation": self.generation, "store": self.store.access, "spans": spans}
         self.generation += 1
         for conn in self.conns:
             conn.send(job)

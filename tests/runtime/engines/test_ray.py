@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
-import torch.distributed as dist
 
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.parallel.groups import Placement
+from relaytrain.runtime import rendezvous
 from relaytrain.runtime.engines import ray as ray_engine
 from relaytrain.runtime.engines.ray import RayEngine
 from relaytrain.runtime.failures import WorkerHung
@@ -100,14 +100,14 @@ def test_a_worker_stopped_during_a_long_call_is_named_hung_by_the_heartbeat(
     engine = RayEngine(cfg)
     args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
     waiting, stopped = engine.spawn_many(2, args, wait=60)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = rendezvous.serve("127.0.0.1")
     os.kill(engine.pid(stopped), signal.SIGSTOP)
     try:
         # `waiting` waits in the rendezvous for its stopped peer: with a 600 s deadline (past
         # this test's), only the pings it answers and its peer does not can end the call.
         with pytest.raises(WorkerHung, match="no answer to a ping") as hung:
-            engine.call({waiting: lambda w: w.setup(0, Placement(0, 2, 0, 2), "127.0.0.1",
-                                                    store.port, 600.0),
+            engine.call({waiting: lambda w: w.setup(0, Placement(0, 2, 0, 2), store.access,
+                                                    600.0),
                          stopped: lambda w: w.ping()}, timeout=600)
         assert hung.value.wid == stopped
         # Its late ping started a replacement while the ping deadline ran.
@@ -115,6 +115,7 @@ def test_a_worker_stopped_during_a_long_call_is_named_hung_by_the_heartbeat(
         assert engine.spawn(args, wait=60) not in (waiting, stopped)
     finally:
         engine.shutdown()
+        store.close()
 
 
 def test_a_prestarted_worker_is_the_next_one_spawned(tmp_path, corpus_data, ray_cluster):

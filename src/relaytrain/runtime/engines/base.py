@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from relaytrain.parallel.groups import Placement
+    from relaytrain.runtime.kvstore import StoreAccess
     from relaytrain.runtime.wire import StepResult, WriteReport
 
 
@@ -28,8 +29,8 @@ class WorkerAPI(Protocol):
     def ping(self) -> int:
         """The worker process's own PID (answered on a second thread, even mid-step)."""
 
-    def setup(self, generation: int, placement: Placement, store_host: str | None,
-              store_port: int | None, timeout_s: float) -> dict[str, Any]:
+    def setup(self, generation: int, placement: Placement, store: StoreAccess | None,
+              timeout_s: float) -> dict[str, Any]:
         """Join a generation's process groups and take this rank's data shard."""
 
     def build(self, step: int, tensors: dict[str, torch.Tensor] | None) -> int:
@@ -172,7 +173,7 @@ class Engine(ABC):
 
     @abstractmethod
     def store_host(self) -> str:
-        """The address workers use to reach the controller's TCPStore."""
+        """The address workers use to reach the controller's rendezvous store."""
 
     @abstractmethod
     def shutdown(self) -> None:
