@@ -98,11 +98,11 @@ def test_exact_mode_reproduces_the_curve_recorded_before_the_controller_split(
         assert all(abs(a[s] - b[s]) <= 1e-4 * abs(a[s]) for s in a), (key, a, b)
 
 
-@pytest.mark.parametrize("dp", [2, 3, 4])
 def test_exact_mode_is_bit_identical_to_one_worker(tmp_path, corpus_data, ray_cluster,
-                                                   exact_reference, dp):
-    run = tmp_path / f"dp{dp}"
-    _run(run, corpus_data, dp, "determinism=exact", "train.max_steps=6")
+                                                   exact_reference):
+    """At dp 3 here; dp 4 and 2 in the resized run below, which must match the same reference."""
+    run = tmp_path / "dp3"
+    _run(run, corpus_data, 3, "determinism=exact", "train.max_steps=6")
     assert_bit_identical(run, exact_reference)
 
 
