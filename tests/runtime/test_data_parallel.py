@@ -106,18 +106,14 @@ def test_exact_mode_is_bit_identical_to_one_worker(tmp_path, corpus_data, ray_cl
     assert_bit_identical(run, exact_reference)
 
 
-def test_fast_mode_agrees_within_float_noise_and_is_bit_identical_to_itself(
-        tmp_path, corpus_data, ray_cluster):
-    one, two, again = tmp_path / "one", tmp_path / "two", tmp_path / "again"
+def test_fast_mode_agrees_within_float_noise(tmp_path, corpus_data, ray_cluster):
+    """(A fast run resumed at the same size gives its own bits: tests/runtime/test_train.py.)"""
+    one, two = tmp_path / "one", tmp_path / "two"
     _run(one, corpus_data, 1, "train.max_steps=6")
     _run(two, corpus_data, 2, "train.max_steps=6")
     a, b = step_records(one), step_records(two)
     diff = max(abs(a[s]["loss"] - b[s]["loss"]) for s in a)
     assert diff < 1e-5  # float32 summation order only: far below this (README "Measured")
-    # Stopped at step 3 and resumed at the same world size: the same bits.
-    _run(again, corpus_data, 2, "train.max_steps=3")
-    _run(again, corpus_data, 2, "train.max_steps=6")
-    assert_bit_identical(again, two)
 
 
 def test_resume_at_another_dp_size_continues_the_same_batches(tmp_path, corpus_data,

@@ -128,6 +128,7 @@ def test_scale_down_without_a_replacement_then_grow_back(tmp_path, corpus_data, 
     assert main(["data", "audit", str(run)]) == 0
 
 
+@pytest.mark.soak  # crash safety of a write: tests/checkpoint/test_checkpoint_crash.py
 def test_a_kill_during_checkpoint_writes_leaves_nothing_broken_loadable(tmp_path, corpus_data,
                                                                          ray_cluster):
     run = tmp_path / "ckpt"

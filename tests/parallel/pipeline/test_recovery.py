@@ -43,8 +43,10 @@ def clean(request, tmp_path, corpus_data, ray_cluster):
 
 @pytest.mark.timeout(60, func_only=True)
 @pytest.mark.parametrize(("schedule", "dp", "source"), [
-    ("1f1b", 1, "checkpoint"), ("paci", 2, "memory"),
-    # the same paths again for the other two schedules: on demand (pytest -m soak)
+    ("1f1b", 1, "checkpoint"),
+    # an asynchronous schedule restored from a DP peer's snapshot, and the same paths again for
+    # the other two schedules: on demand (pytest -m soak)
+    pytest.param("paci", 2, "memory", marks=pytest.mark.soak),
     pytest.param("gpipe", 1, "checkpoint", marks=pytest.mark.soak),
     pytest.param("pipedream", 2, "memory", marks=pytest.mark.soak)])
 def test_a_killed_stage_worker_is_replaced_and_the_run_is_bit_identical(

@@ -91,6 +91,7 @@ def test_every_socket_of_a_private_cluster_run_listens_on_loopback_only(tmp_path
     assert [s for s in sockets if not s.loopback] == []
 
 
+@pytest.mark.soak  # a hang named by the heartbeat mid-step: tests/runtime/test_elastic.py
 def test_a_worker_stopped_during_a_long_call_is_named_hung_by_the_heartbeat(
         tmp_path, corpus_data, ray_cluster, monkeypatch):
     # Steps are watched (tests/runtime/test_elastic.py stops a worker mid-step); a rendezvous
