@@ -10,6 +10,7 @@ The server object can be paused, killed and started again for fault injection.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -54,3 +55,12 @@ def gcs_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalServer]:
 def object_server(request: pytest.FixtureRequest) -> LocalServer:
     """Each object-storage server in turn."""
     return request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
+
+
+@pytest.fixture(scope="session")
+def ray_session_end() -> Iterator[None]:
+    """Stops the Ray cluster the session's tests share (tests/runtime/conftest.py), if one is
+    running, when the session ends."""
+    yield
+    if "ray" in sys.modules:
+        sys.modules["ray"].shutdown()

@@ -175,6 +175,8 @@ def ray_with_same_shard_loaders():
     os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     import ray
 
+    if ray.is_initialized():  # the session's shared cluster (tests/runtime/conftest.py)
+        ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"},

@@ -55,22 +55,21 @@ def step_records(run_dir: Path | str) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """One private Ray cluster per test module, 4 CPUs (one per worker), token-authenticated
-    and on loopback, as the engine would start it.
-
-    The Ray engine uses an initialised Ray as it finds it, so runs in the module skip the
-    cluster start-up."""
+def ray_cluster(ray_session_end):
+    """A private Ray cluster, 4 CPUs (one per worker), token-authenticated and on loopback, as
+    the engine would start it. The Ray engine uses an initialised Ray as it finds it, so runs
+    skip the cluster start-up; one cluster serves every module of the session (started again
+    if a test that needs another Ray shut it down)."""
     from relaytrain.runtime.engines.ray import _import_ray
 
     _import_ray(private_cluster=True)
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             configure_logging=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    return ray
 
 
 def final_state(run_dir: Path | str):

@@ -16,7 +16,7 @@ from relaytrain.cli import main
 from relaytrain.runtime.controller import Controller
 from tests.runtime.conftest import step_records, tiny_config
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # one private Ray cluster for the module
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # the session's private Ray cluster
 
 
 def evals(run) -> dict[int, float]:
