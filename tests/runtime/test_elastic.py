@@ -59,6 +59,7 @@ def fault_free(tmp_path_factory, corpus_data):
 
 
 # Three recoveries in one run: one that waited out a 120 s timeout would end it past the deadline.
+@pytest.mark.alone
 @pytest.mark.timeout(90, func_only=True)
 def test_a_kill_a_hang_and_a_raise_each_recover_without_waiting_for_the_collective_timeout(
         tmp_path, corpus_data, ray_cluster, fault_free, capsys):
@@ -107,6 +108,7 @@ def test_three_kills_a_hang_and_a_raise_recover_to_the_same_bits(tmp_path, corpu
     assert summary["generation"] == len(gens) - 1 == 5, summary
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(60, func_only=True)
 def test_scale_down_without_a_replacement_then_grow_back(tmp_path, corpus_data, ray_cluster,
                                                          fault_free):

@@ -41,6 +41,7 @@ def clean(request, tmp_path, corpus_data, ray_cluster):
     return tmp_path / "clean"
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(60, func_only=True)
 @pytest.mark.parametrize(("schedule", "dp", "source"), [
     ("1f1b", 1, "checkpoint"),
