@@ -52,7 +52,7 @@ def test_bad_values_name_the_key_and_what_is_accepted(override, needle):
 
 
 def test_dp_must_split_micro_batches_evenly():
-    with pytest.raises(ConfigError, match="must split evenly over dp ranks"):
+    with pytest.raises(ConfigError, match="must split evenly over the dp x fsdp"):
         load_config(None, ["runtime.engine=ray", "parallel.dp=3", "train.global_batch=8",
                            "train.micro_batch=2"])
 

@@ -102,7 +102,10 @@ class PaciSection:
 
 @dataclass
 class ParallelSection:
-    dp: int = 1
+    dp: int = 1  # replicas
+    # Workers each replica's parameters, gradients and optimizer state are sharded over
+    # (FSDP2, ZeRO-3; parallel/fsdp.py). 1: every worker holds the whole model.
+    fsdp: int = 1
     pp: int = 1
     schedule: ScheduleName = "1f1b"
     stage_layers: list[int] | None = None  # layers per stage; None: balanced by cost
@@ -200,7 +203,12 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.dp * self.parallel.pp
+        return self.data_parallel * self.parallel.pp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that each train on their own part of a global batch: replicas x shards."""
+        return self.parallel.dp * self.parallel.fsdp
 
     @property
     def micro_batches(self) -> int:
@@ -462,13 +470,18 @@ def validate(cfg: RunConfig) -> None:
     p = cfg.parallel
     need(p.dp >= 1, f"config key 'parallel.dp': got {p.dp}, expected >= 1")
     need(p.pp >= 1, f"config key 'parallel.pp': got {p.pp}, expected >= 1")
-    need(cfg.micro_batches % p.dp == 0,
-         f"config key 'parallel.dp': got {p.dp}, but the {cfg.micro_batches} micro-batches of a "
-         "global batch (train.global_batch / train.micro_batch) must split evenly over dp ranks")
+    need(p.fsdp >= 1, f"config key 'parallel.fsdp': got {p.fsdp}, expected >= 1")
+    need(p.fsdp == 1 or p.pp == 1, f"config key 'parallel.fsdp': got {p.fsdp} with "
+         f"parallel.pp={p.pp}; sharding pipeline stages is not supported yet, expected "
+         "parallel.fsdp=1 with parallel.pp > 1")
+    need(cfg.micro_batches % cfg.data_parallel == 0,
+         f"config key 'parallel.dp': got dp {p.dp} x fsdp {p.fsdp}, but the "
+         f"{cfg.micro_batches} micro-batches of a global batch (train.global_batch / "
+         "train.micro_batch) must split evenly over the dp x fsdp data-parallel ranks")
     check_layout(m.n_layers, p.pp, p.stage_layers)
     need(p.paci.a >= 1, f"config key 'parallel.paci.a': got {p.paci.a}, expected >= 1")
     need(cfg.world_size == 1 or cfg.runtime.engine == "ray",
-         f"config key 'runtime.engine': got 'inline', but parallel.dp x parallel.pp = "
+         f"config key 'runtime.engine': got 'inline', but parallel.dp x fsdp x pp = "
          f"{cfg.world_size} workers need runtime.engine=ray")
     need(cfg.runtime.address is None or cfg.runtime.engine == "ray",
          "config key 'runtime.address' is set, which needs runtime.engine=ray")

@@ -1,6 +1,8 @@
 """Placements and process groups of a data-parallel x pipeline-parallel layout.
 
-Rank r is DP rank r % dp of stage r // dp (`placements`). A stage's DP replicas
+Rank r is DP rank r % dp of stage r // dp (`placements`). Under sharding (fsdp > 1) the dp
+data-parallel ranks of a stage are dp / fsdp replicas of fsdp consecutive ranks, each replica's
+state sharded over its ranks (`form_shard_groups`). A stage's DP replicas
 reduce their gradients together; one replica's stages agree on a global gradient norm; each rank
 exchanges activations with the same DP rank of the neighbouring stages.
 
@@ -29,14 +31,27 @@ class Placement:
     dp: int
     stage: int = 0
     pp: int = 1
+    fsdp: int = 1  # ranks a replica is sharded over; dp_rank % fsdp is this rank's shard
+
+    @property
+    def shard(self) -> int:
+        return self.dp_rank % self.fsdp
+
+    @property
+    def replica(self) -> int:
+        return self.dp_rank // self.fsdp
 
 
-def placements(members: Sequence[int], dp: int, pp: int) -> dict[int, Placement]:
+def placements(members: Sequence[int], dp: int, pp: int, fsdp: int = 1
+               ) -> dict[int, Placement]:
     """Worker id -> its place, members in rank order: rank r is DP rank r % dp of stage r // dp,
-    so a stage's DP replicas are consecutive ranks."""
-    if len(members) != dp * pp:
-        raise ValueError(f"{len(members)} members for a layout of dp {dp} x pp {pp}")
-    return {wid: Placement(rank=r, world=dp * pp, dp_rank=r % dp, dp=dp, stage=r // dp, pp=pp)
+    so a stage's DP ranks are consecutive ranks (and so are a replica's shards). `dp` counts
+    data-parallel ranks: replicas x fsdp."""
+    if len(members) != dp * pp or dp % fsdp:
+        raise ValueError(f"{len(members)} members for a layout of dp {dp} x pp {pp} "
+                         f"(fsdp {fsdp})")
+    return {wid: Placement(rank=r, world=dp * pp, dp_rank=r % dp, dp=dp, stage=r // dp, pp=pp,
+                           fsdp=fsdp)
             for r, wid in enumerate(members)}
 
 
@@ -79,3 +94,26 @@ def form_groups(stage: int, dp_rank: int, dp: int, pp: int,
     return PipelineGroups(dp=mine_dp, pipe=mine_pipe,
                           prev=rank - dp if stage > 0 else None,
                           next=rank + dp if stage < pp - 1 else None)
+
+
+def form_shard_groups(dp_rank: int, dp: int, fsdp: int, timeout: timedelta | None = None
+                      ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """Create every shard group (a replica's fsdp consecutive ranks) then every replica group
+    (the ranks holding the same shard), and return this rank's; the replica group is None with
+    one replica. Needs an initialised default process group of dp ranks (pp = 1)."""
+    if dist.get_world_size() != dp or dp % fsdp:
+        raise ValueError(f"world of {dist.get_world_size()} ranks, layout needs dp {dp} "
+                         f"sharded {fsdp} ways")
+    replicas = dp // fsdp
+    mine_shard = mine_replica = None
+    for r in range(replicas):
+        group = dist.new_group(list(range(r * fsdp, (r + 1) * fsdp)), timeout=timeout)
+        if r == dp_rank // fsdp:
+            mine_shard = group
+    if replicas > 1:
+        for s in range(fsdp):
+            group = dist.new_group(list(range(s, dp, fsdp)), timeout=timeout)
+            if s == dp_rank % fsdp:
+                mine_replica = group
+    assert mine_shard is not None
+    return mine_shard, mine_replica

@@ -71,23 +71,14 @@ class GradReducer:
         assert self._acc is not None
         grads = [(p.grad, off) for p, off in zip(self.params, self._offsets, strict=True)
                  if p.grad is not None]
-        # NaN propagates through amax and NaN < limit is False: one pass and one device sync
-        # find non-finite values and overflow alike (in float64: the limit rounds in float32).
-        peaks = [g.abs().amax().double() for g, _ in grads]
-        over = bool(peaks) and not bool((torch.stack(peaks) < self.limit).all())
+        over = exceeds([g for g, _ in grads], self.limit)
         self.overflow |= over
         hi_acc, lo_acc = self._acc[: self.numel], self._acc[self.numel:]
         for g, off in grads:
-            x = g.reshape(-1).to(torch.float64, copy=True)  # worked on in place below
-            if over:
-                x = torch.nan_to_num_(x, nan=0.0, posinf=0.0, neginf=0.0).clamp_(
-                    -self.limit, self.limit)
-            x.mul_(_SHIFT)
-            hi = torch.floor(x)
-            lo = x.sub_(hi).mul_(_SHIFT).round_()
-            n = x.numel()
-            hi_acc[off: off + n] += hi.to(torch.int64)
-            lo_acc[off: off + n] += lo.to(torch.int64)
+            hi, lo = to_limbs(g, self.limit, over)
+            n = hi.numel()
+            hi_acc[off: off + n] += hi
+            lo_acc[off: off + n] += lo
         for p in self.params:
             p.grad = None
 
@@ -105,14 +96,42 @@ class GradReducer:
             hi_acc, lo_acc = self._acc[: self.numel], self._acc[self.numel:]
             for p, off in zip(self.params, self._offsets, strict=True):
                 limbs = slice(off, off + p.numel())
-                total = hi_acc[limbs].double().mul_(_INV_HI).add_(
-                    lo_acc[limbs].double().mul_(_INV_LO))
-                p.grad = total.view_as(p).to(p.dtype)
+                p.grad = from_limbs(hi_acc[limbs], lo_acc[limbs]).view_as(p).to(p.dtype)
         elif world > 1:
             flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in self.params])
             dist.all_reduce(flat, group=self.group)
             _scatter(flat, self.params)
         return not self.overflow
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradient to `max_norm` by its global norm (returned)."""
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+
+
+def exceeds(grads: list[torch.Tensor], limit: float) -> bool:
+    """Whether any value is non-finite or above `limit` in magnitude. NaN propagates through
+    amax and NaN < limit is False: one pass and one device sync find both (in float64: the
+    limit rounds in float32)."""
+    peaks = [g.abs().amax().double() for g in grads]
+    return bool(peaks) and not bool((torch.stack(peaks) < limit).all())
+
+
+def to_limbs(g: torch.Tensor, limit: float, clamp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`g`'s values, flattened, as int64 limbs (hi, lo) (see the module docstring). With
+    `clamp` (an overflowed micro-batch: its step is skipped) non-finite values become 0 and the
+    others are clamped to +-`limit`, so the integer sums stay defined."""
+    x = g.reshape(-1).to(torch.float64, copy=True)  # worked on in place below
+    if clamp:
+        x = torch.nan_to_num_(x, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-limit, limit)
+    x.mul_(_SHIFT)
+    hi = torch.floor(x)
+    lo = x.sub_(hi).mul_(_SHIFT).round_()
+    return hi.to(torch.int64), lo.to(torch.int64)
+
+
+def from_limbs(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The float64 value of summed limbs."""
+    return hi.double().mul_(_INV_HI).add_(lo.double().mul_(_INV_LO))
 
 
 def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:

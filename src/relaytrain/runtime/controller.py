@@ -112,7 +112,7 @@ class Controller:
         cfg = self.cfg
         t_run = time.perf_counter()
         start = self._prepare_run_dir()
-        self.reporter.open(start, cfg.parallel.dp)
+        self.reporter.open(start, cfg.data_parallel)
         self.engine = make_engine(cfg)
         try:
             self.recovery = Recovery(cfg, self.engine, (cfg.to_dict(), self.dataset.vocab_size),
@@ -232,14 +232,14 @@ class Controller:
     def _save(self, step: int) -> float:
         """Every writer starts its part of checkpoint `step` (copied to host memory now,
         written in the background); the seconds the copy took."""
-        writers = self.recovery.writer_parts()
+        parts = self.recovery.save_parts()
         t0 = time.perf_counter()
-        def save(part: str) -> WorkerCall:
+        def save(part: str | None) -> WorkerCall:
             return lambda w: w.save(step, part)
 
-        self.engine.call({wid: save(part) for wid, part in writers.items()},
+        self.engine.call({wid: save(part) for wid, part in parts.items()},
                          self.cfg.runtime.call_timeout)
-        self.catalogue.expect(step, set(writers.values()))
+        self.catalogue.expect(step, {part for part in parts.values() if part is not None})
         if not self.cfg.checkpoint.async_write:
             self._finish_writes(wait=0.0)
         return time.perf_counter() - t0
@@ -263,7 +263,8 @@ class Controller:
                 # Nothing draws from global RNG state: init, data order and evaluation derive
                 # from (seed, purpose, step), so the seed is the whole RNG state.
                 "rng": {"seed": self.cfg.seed},
-                "topology": {"dp": self.cfg.parallel.dp, "pp": self.cfg.parallel.pp}}
+                "topology": {"dp": self.cfg.parallel.dp, "fsdp": self.cfg.parallel.fsdp,
+                             "pp": self.cfg.parallel.pp}}
 
     # ---- fault injection -------------------------------------------------------------------
     def _inject(self, first: int, last: int) -> None:

@@ -52,7 +52,7 @@ class Recovery:
         self.reporter = reporter
         self.faults = faults
         self.members: list[int] = []  # worker id of each rank
-        self.dp = self.target_dp = cfg.parallel.dp
+        self.dp = self.target_dp = cfg.data_parallel  # data-parallel ranks: replicas x shards
         self.generation = -1
         self.initial_pids: dict[int, int] = {}
         self.recovery_times: list[float] = []
@@ -63,11 +63,18 @@ class Recovery:
     # ---- layout ----------------------------------------------------------------------------
     def placements(self) -> dict[int, Placement]:
         """Worker id -> its place in the current generation (`parallel.groups.placements`)."""
-        return placements(self.members, self.dp, self.cfg.parallel.pp)
+        return placements(self.members, self.dp, self.cfg.parallel.pp, self.cfg.parallel.fsdp)
+
+    def save_parts(self) -> dict[int, str | None]:
+        """Worker id -> checkpoint part, for every worker a save involves: DP rank 0 of every
+        stage writes its stage's tensors; under sharding the other shards of its replica help
+        gather them (part None)."""
+        return {w: f"stage{p.stage}" if p.dp_rank == 0 else None
+                for w, p in self.placements().items() if p.replica == 0}
 
     def writer_parts(self) -> dict[int, str]:
-        """Worker id -> checkpoint part: DP rank 0 of every stage writes its stage's tensors."""
-        return {w: f"stage{p.stage}" for w, p in self.placements().items() if p.dp_rank == 0}
+        """Worker id -> the checkpoint part it writes."""
+        return {w: part for w, part in self.save_parts().items() if part is not None}
 
     # ---- generations -----------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -248,10 +255,12 @@ class Recovery:
         """Continue on fewer workers with the same global batch: the largest DP size the
         survivors allow that splits the micro-batches evenly."""
         cfg = self.cfg
-        if cfg.parallel.pp > 1:
+        if cfg.parallel.pp > 1 or cfg.parallel.fsdp > 1:
+            what = "a pipeline cannot run with a stage missing" if cfg.parallel.pp > 1 else \
+                "a sharded run cannot reshard onto fewer workers yet"
             raise RecoveryLimitExceeded("no replacement could be placed within "
                                         f"elastic.replace_timeout={cfg.elastic.replace_timeout}s"
-                                        " and a pipeline cannot run with a stage missing")
+                                        f" and {what}")
         fits = [d for d in range(len(survivors), 0, -1)
                 if cfg.micro_batches % d == 0 and d >= cfg.elastic.min_workers]
         if not fits:

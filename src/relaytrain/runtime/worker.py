@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from relaytrain.checkpoint.keys import model_key, tensor_param
 from relaytrain.checkpoint.store import CheckpointStore
@@ -26,7 +27,8 @@ from relaytrain.data.loader import Loader
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.model.stages import build_stage, partition_layers
-from relaytrain.parallel.groups import PipelineGroups, Placement, form_groups
+from relaytrain.parallel.fsdp import ShardedGradReducer, copy_whole_, full_state, shard_model
+from relaytrain.parallel.groups import PipelineGroups, Placement, form_groups, form_shard_groups
 from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.runtime import rendezvous
@@ -83,11 +85,14 @@ class Worker:
         self.reducer: GradReducer | None = None
         self.groups: PipelineGroups | None = None  # pp > 1: this generation's groups
         self.pipeline: StageRunner | None = None  # pp > 1: this stage's schedule runner
+        # fsdp > 1: this generation's (shard group, replica group), and the model's FSDP units
+        self.shards: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
+        self._units: list[FSDPModule] = []
         self.store = CheckpointStore(self.cfg.checkpoint_url)
         self.writer = AsyncCheckpointWriter(self.store)
         self._pending: list[tuple[int, str, Any]] = []
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._layout: tuple[int, int] | None = None
+        self._layout: tuple[int, int, int] | None = None  # (stage, pp, fsdp) of the model
         self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
         self._sockets: GroupSockets | None = None  # the current groups' (runtime/abort.py)
         self._abort_lock = threading.Lock()  # abort() runs beside the call it interrupts
@@ -119,6 +124,9 @@ class Worker:
             if placement.pp > 1:
                 self.groups = form_groups(placement.stage, placement.dp_rank, placement.dp,
                                           placement.pp, timedelta(seconds=timeout_s))
+            elif placement.fsdp > 1:
+                self.shards = form_shard_groups(placement.dp_rank, placement.dp,
+                                                placement.fsdp, timedelta(seconds=timeout_s))
             sockets.formed()
             with self._abort_lock:
                 self._sockets = sockets
@@ -157,6 +165,8 @@ class Worker:
             self._rendezvous = None
         self.reducer = None
         self.groups = self.pipeline = None
+        if self.shards is not None:  # a sharded model lives on its generation's groups
+            self.shards = self.model = self.optimizer = None
 
     def _group(self) -> dist.ProcessGroup | None:
         return dist.group.WORLD if dist.is_initialized() else None
@@ -168,7 +178,8 @@ class Worker:
         The state comes from `tensors` (a peer's in-memory snapshot, for a replacement), else
         this worker's own snapshot if it is of `step`, else checkpoint `step` from storage, else
         (step 0) the seed. Returns the step restored."""
-        layout = (self.placement.stage, self.placement.pp) if self.placement else (0, 1)
+        p = self.placement
+        layout = (p.stage, p.pp, p.fsdp) if p else (0, 1, 1)
         if self.model is None or step == 0 or self._layout != layout:
             # A new module; a worker re-forming with the same layout keeps its own, since
             # every restored value is overwritten below (that makes recovery cheap).
@@ -181,9 +192,14 @@ class Worker:
         if tensors is not None:
             self.load_tensors(tensors)
         group = self.groups.dp if self.groups is not None else self._group()
-        self.reducer = GradReducer(list(self.model.parameters()), group,
-                                   exact=self.cfg.determinism == "exact",
-                                   total_micro_batches=self.cfg.micro_batches)
+        exact = self.cfg.determinism == "exact"
+        if self.shards is not None:
+            self.reducer = ShardedGradReducer(self._units, list(self.model.parameters()), group,
+                                              self.shards[1], exact, self.cfg.micro_batches,
+                                              self.placement.dp)
+        else:
+            self.reducer = GradReducer(list(self.model.parameters()), group, exact=exact,
+                                       total_micro_batches=self.cfg.micro_batches)
         self.pipeline = self._stage_runner() if self.groups is not None else None
         return step
 
@@ -191,12 +207,15 @@ class Worker:
         """For a standby spare: build the model now (for an unpipelined layout), so a
         promotion only loads state."""
         if self.cfg.parallel.pp == 1:
-            self._fresh(Olmo3(self.model_cfg), (0, 1))
+            self._fresh(Olmo3(self.model_cfg), (0, 1, 1))
 
-    def _fresh(self, model: Olmo3, layout: tuple[int, int]) -> None:
+    def _fresh(self, model: Olmo3, layout: tuple[int, int, int]) -> None:
         """`model` with the seed's weights, prepared for this device, and a new optimizer."""
         init_weights(model, self.cfg.seed)
         self.model = prepare_model(model, self.cfg.model, self.device)
+        if self.shards is not None:
+            self._units = shard_model(self.model, list(self.model.layers.values()),
+                                      self.shards[0], self.device)
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
         self._layout = layout
 
@@ -228,15 +247,16 @@ class Worker:
             raise KeyError(f"checkpoint lacks parameter {missing[0]!r}")
         with torch.no_grad():
             for name, p in params.items():
-                p.copy_(tensors[model_key(name)].to(p.dtype))
+                copy_whole_(p, tensors[model_key(name)])
         self.optimizer.state.clear()  # nothing of the live run survives a restore
         load_optimizer_state(self.model, self.optimizer, tensors)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The state as whole tensors (sharded: gathered, with every shard of the replica)."""
         assert self.model is not None and self.optimizer is not None
         out = {model_key(n): p.detach() for n, p in self.model.named_parameters()}
         out.update(optimizer_state_tensors(self.model, self.optimizer))
-        return out
+        return full_state(out)
 
     # ---- training --------------------------------------------------------------------------
     def run_steps(self, first: int, count: int) -> list[StepResult]:
@@ -315,11 +335,14 @@ class Worker:
                 for i, (out, batch) in enumerate(zip(outs, batches, strict=True))]
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save(self, step: int, part: str) -> float:
-        """Copy the state to host memory now; write it in the background. Returns copy time."""
+    def save(self, step: int, part: str | None) -> float:
+        """Copy the state to host memory now; write it in the background as `part`. Returns
+        copy time. Part None: a shard that only helps its writer gather the state."""
         t0 = time.perf_counter()
-        host = snapshot_to_host(self.state_tensors())
-        self._pending.append((step, part, self.writer.submit(step, part, host)))
+        state = self.state_tensors()
+        if part is not None:
+            self._pending.append((step, part, self.writer.submit(step, part,
+                                                                 snapshot_to_host(state))))
         return time.perf_counter() - t0
 
     def _collect(self, wait: bool) -> list[WriteReport]:
@@ -344,9 +367,13 @@ class Worker:
         if self.pipeline is not None:
             return self.pipeline.evaluate(self.dataset.split("heldout"), ids,
                                           self.placement.dp_rank)
-        return heldout_losses(self.model, self.dataset.split("heldout"), ids, self.cfg.seq_len,
-                              self.cfg.train.micro_batch, self.device, self.placement.dp_rank,
-                              self.placement.dp)
+        p = self.placement
+        # A replica's shards run every forward together (each gathers parameters): they take
+        # the replica's chunks, and its first shard reports.
+        losses = heldout_losses(self.model, self.dataset.split("heldout"), ids, self.cfg.seq_len,
+                                self.cfg.train.micro_batch, self.device, p.replica,
+                                p.dp // p.fsdp)
+        return losses if p.shard == 0 else {}
 
     def close(self) -> None:
         self._collect(wait=True)

@@ -10,6 +10,7 @@ from torch import nn
 
 from relaytrain.checkpoint.keys import optim_key
 from relaytrain.config import OptimSection
+from relaytrain.parallel.fsdp import as_like
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
@@ -63,14 +64,15 @@ def optimizer_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                          tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of optimizer_state_tensors; parameters without saved state start fresh."""
+    """Inverse of optimizer_state_tensors (whole tensors); parameters without saved state start
+    fresh."""
     for name, p in model.named_parameters():
         keys = [optim_key(name, k) for k in STATE_KEYS]
         if not all(k in tensors for k in keys):
             continue
         state = optimizer.state[p]
-        state["exp_avg"] = tensors[keys[0]].to(device=p.device, dtype=p.dtype).clone()
-        state["exp_avg_sq"] = tensors[keys[1]].to(device=p.device, dtype=p.dtype).clone()
+        state["exp_avg"] = as_like(tensors[keys[0]], p)  # sharded as `p` is (parallel.fsdp)
+        state["exp_avg_sq"] = as_like(tensors[keys[1]], p)
         # AdamW keeps `step` as a float32 scalar tensor (on the param's device when fused).
         step = tensors[keys[2]].to(torch.float32).clone()
         state["step"] = step.to(p.device) if optimizer.defaults.get("fused") else step

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from relaytrain.parallel.fsdp import ShardedGradReducer
 from relaytrain.parallel.reduce import GradReducer
 
 
@@ -30,7 +31,8 @@ def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               reducer: GradReducer | ShardedGradReducer,
                micro_batches: list[tuple[int, torch.Tensor]], total_micro_batches: int,
                z_loss: float, clip: float, device: torch.device) -> StepOutcome:
     """Accumulate, reduce, clip, update. A non-finite loss or gradient skips the update so the
@@ -45,9 +47,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
         reducer.after_backward()
         out.losses[index] = (float(total.detach()), float(ce), float(z))
     ok = reducer.finish()
-    params = reducer.params
-    norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf, foreach=True)
-    out.grad_norm = float(norm)
+    out.grad_norm = float(reducer.clip(clip if clip > 0 else math.inf))
     out.finite = ok and math.isfinite(out.grad_norm) and all(
         math.isfinite(v[0]) for v in out.losses.values())
     if out.finite:

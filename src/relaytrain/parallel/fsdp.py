@@ -1,0 +1,193 @@
+"""Sharded data parallelism (ZeRO-3, `parallel.fsdp`) on PyTorch's FSDP2.
+
+A replica's parameters, gradients and AdamW moments are sharded over its fsdp ranks:
+`fully_shard` on every block and on the root (embedding, final norm, head), over a DeviceMesh of
+the replica's shard group. A rank holds dim-0 chunk `shard` of each tensor (torch.chunk's
+split: the last chunks may be smaller or empty), gathers a block's parameters for its forward
+and its backward, and gets its chunk of the gradient back by reduce-scatter. Replicas (dp > 1:
+hybrid sharding) then sum their chunks with an all-reduce over the ranks holding the same shard,
+in the same backward.
+
+Gradients are sums, not means: the loss is pre-scaled by 1 / (micro-batches in the global
+batch) everywhere in relaytrain, so FSDP2's division is turned off.
+
+`fast` sums in float32 as FSDP2 does. `exact` keeps parallel/reduce.py's promise under
+sharding: each micro-batch's unsharded gradient becomes int64 limbs, reduce-scattered as
+integers (both limbs in one collective) and summed over this rank's micro-batches in an integer
+accumulator; at the last micro-batch of the step the accumulator is summed over replicas and
+converted back, into the chunk FSDP2 accumulates the gradient in (earlier micro-batches hand it
+zeros: adding an exact zero changes no bit). The gradient norm is computed from each tensor's
+whole gradient, gathered one tensor at a time, so it is the unsharded model's `get_total_norm`
+bit for bit. A step's state is then the same bits for every (dp, fsdp), and every layout
+restores any other's state: `full_state` and `load_full_state` convert between the sharded
+tensors and whole ones (the checkpoint format).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
+
+from relaytrain.parallel.reduce import exceeds, from_limbs, to_limbs
+
+# torch 2.13 renamed reduce_scatter_tensor (and warns on the old name); torch 2.8 has only it.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def shard_model(model: nn.Module, blocks: list[nn.Module], group: dist.ProcessGroup,
+                device: torch.device) -> list[FSDPModule]:
+    """Shard `model` over `group` in place: each of `blocks`, then the root (what is left:
+    embedding, final norm, head). Returns the FSDP units."""
+    mesh = DeviceMesh.from_group(group, device.type)
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    units: list[FSDPModule] = [*blocks, model]  # type: ignore[list-item]
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    return units
+
+
+class ShardedGradReducer:
+    """The gradient of a sharded replica: FSDP2 reduces it during backward; this object sets
+    how (exact: integer limbs), agrees on overflow, and computes the norm and clips.
+    The interface of `parallel.reduce.GradReducer`."""
+
+    def __init__(self, units: list[FSDPModule], params: list[nn.Parameter],
+                 group: dist.ProcessGroup | None, replicas: dist.ProcessGroup | None,
+                 exact: bool, total_micro_batches: int, data_parallel: int):
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group  # every data-parallel rank: agrees on overflow
+        self.exact = exact
+        self.limit = float(2**32) / max(1, total_micro_batches)
+        self.overflow = False
+        self._comms: list[_IntegerReduceScatter] = []
+        if exact:
+            local = total_micro_batches // data_parallel
+            for unit in units:
+                comm = _IntegerReduceScatter(self, local, replicas)
+                unit.set_custom_reduce_scatter(comm)
+                self._comms.append(comm)
+        elif replicas is not None:
+            for unit in units:
+                unit.set_all_reduce_hook(lambda out: dist.all_reduce(out, group=replicas))
+
+    def start(self) -> None:
+        self.overflow = False
+        for p in self.params:
+            p.grad = None
+        for comm in self._comms:
+            comm.reset()
+
+    def after_backward(self) -> None:
+        """Nothing to do: FSDP2 reduced this micro-batch's gradient in its backward."""
+
+    def finish(self) -> bool:
+        """Agree on overflow (exact); False if any rank saw one."""
+        if self.exact and self.group is not None:
+            flag = torch.tensor([1 if self.overflow else 0], dtype=torch.int64,
+                                device=self.params[0].device)
+            dist.all_reduce(flag, group=self.group)
+            self.overflow = bool(flag.item())
+        return not self.overflow
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradient to `max_norm` by its global norm (returned)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.exact:  # the whole tensors' norms, as on one worker
+            norms = [torch._foreach_norm([_whole(g)], 2.0)[0] for g in grads]
+            total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        else:
+            total = _whole(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total, foreach=True)
+        return total
+
+
+class _IntegerReduceScatter(ReduceScatter):
+    """One FSDP unit's reduce-scatter in exact mode (see the module docstring)."""
+
+    def __init__(self, reducer: ShardedGradReducer, micro_batches: int,
+                 replicas: dist.ProcessGroup | None):
+        self.reducer = reducer
+        self.micro_batches = micro_batches  # this rank's, per step
+        self.replicas = replicas
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.acc: torch.Tensor | None = None
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+        r = self.reducer
+        over = exceeds([input_tensor], r.limit)
+        r.overflow |= over
+        hi, lo = to_limbs(input_tensor, r.limit, over)
+        world = group.size()
+        # Rank k's part of the input is chunk k: rows 2k and 2k + 1, its two limbs, go to it.
+        send = torch.stack([hi.view(world, -1), lo.view(world, -1)], dim=1).view(2 * world, -1)
+        got = torch.empty((2, output_tensor.numel()), dtype=torch.int64,
+                          device=output_tensor.device)
+        _reduce_scatter(got, send, group=group)
+        self.acc = got if self.acc is None else self.acc.add_(got)
+        self.calls += 1
+        if self.calls < self.micro_batches:
+            output_tensor.zero_()
+            return None
+        if self.replicas is not None:
+            dist.all_reduce(self.acc, group=self.replicas)
+        output_tensor.copy_(from_limbs(self.acc[0], self.acc[1]).view_as(output_tensor))
+        self.reset()
+        return None
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective over its mesh); a plain tensor as is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors for sharded ones (collective: every rank of the shard group, same keys in
+    the same order)."""
+    return {k: _whole(v) for k, v in tensors.items()}
+
+
+def local_chunk(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `whole` for a tensor laid out as `like` (a DTensor sharded as FSDP2
+    shards: dim-0 torch.chunk over the mesh), or `whole` itself for a plain `like`."""
+    if not isinstance(like, DTensor):
+        return whole
+    mesh = like.device_mesh
+    chunks = torch.chunk(whole, mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    local = chunks[rank] if rank < len(chunks) else whole[:0]
+    if local.shape != like.to_local().shape:
+        raise ValueError(f"a whole tensor of shape {tuple(whole.shape)} does not shard to "
+                         f"{tuple(like.to_local().shape)} as this rank's part")
+    return local
+
+
+def as_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A new tensor holding `whole`'s values laid out as `like` (sharded if `like` is)."""
+    local = local_chunk(whole, like).to(device=like.device, dtype=like.dtype).clone()
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape,
+                              stride=like.stride())
+
+
+def copy_whole_(dest: torch.Tensor, whole: torch.Tensor) -> None:
+    """Set `dest` (sharded or not) to the values of the whole tensor `whole`, in place."""
+    local = dest.to_local() if isinstance(dest, DTensor) else dest
+    local.copy_(local_chunk(whole, dest).to(dest.dtype))
