@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model",),  # Olmo 3: modules, loss, GEMMs, stages, memory, accounting, HF interop
     # distributed building blocks that know nothing of configs or training
     ("parallel.groups", "parallel.reduce", "parallel.pipeline.schedules"),
+    ("parallel.fsdp",),  # sharding on FSDP2, with exact mode's integer reduce-scatter
     ("config",),
     ("data",),
     ("train",),  # one process's step, optimizer, evaluation, metrics

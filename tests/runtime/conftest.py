@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 
 from relaytrain.cli import main
 from relaytrain.config import RunConfig, load_config
+from relaytrain.runtime.controller import Controller
 
 WORDS = ("alpha beta gamma delta train model token layer norm rope window cache stage "
          "batch epoch seed ledger audit shard replica").split()
@@ -42,6 +44,34 @@ def tiny_config(run_dir: Path | str, data: str, *overrides: str) -> RunConfig:
     """The tiny preset with small batches, quiet, checkpointing every few steps."""
     return load_config("configs/tiny.yaml", [f"run_dir={run_dir}", f"data.path={data}",
                                              "log.progress=false", *overrides])
+
+
+# 12 micro-batches per global batch split evenly over 1, 2, 3 and 4 workers.
+DP = ("train.global_batch=12", "train.micro_batch=1", "eval.every=3", "checkpoint.every=3")
+
+
+def run_layout(run_dir: Path | str, data: str, dp: int, *extra: str, fsdp: int = 1) -> dict:
+    """A run of `dp` replicas each sharded over `fsdp` workers, in this process when that is
+    one worker; its summary."""
+    workers = dp * fsdp
+    engine = "runtime.engine=inline" if workers == 1 else "runtime.engine=ray"
+    summary = Controller(tiny_config(run_dir, data, engine, f"parallel.dp={dp}",
+                                     f"parallel.fsdp={fsdp}", *extra)).run()
+    # It really ran on that many workers: that many processes (Ray actors, not this one)
+    # reported themselves, and its last step's ledger record holds a shard of data for each.
+    pids = {w["pid"] for w in records(run_dir, "generation")[-1]["workers"].values()}
+    assert len(pids) == workers and (pids == {os.getpid()}) == (workers == 1), pids
+    ledger = [json.loads(x) for x in (Path(run_dir) / "ledger.jsonl").read_text().splitlines()]
+    assert len([r for r in ledger if r["kind"] == "step"][-1]["parts"]) == workers
+    return summary
+
+
+@pytest.fixture(scope="module")
+def exact_reference(tmp_path_factory, corpus_data):
+    """The single-worker exact-mode run every other layout must reproduce to the bit."""
+    run = tmp_path_factory.mktemp("reference") / "dp1"
+    run_layout(run, corpus_data, 1, *DP, "determinism=exact", "train.max_steps=6")
+    return run
 
 
 def step_records(run_dir: Path | str) -> dict[int, dict]:

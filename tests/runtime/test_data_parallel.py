@@ -4,46 +4,23 @@ result to the bit, do not depend on the number of workers."""
 from __future__ import annotations
 
 import json
-import os
 import platform
 from pathlib import Path
 
 import pytest
 
-from relaytrain.runtime.controller import Controller
 from tests.runtime.conftest import (
+    DP,
     assert_bit_identical,
     final_state,
-    records,
+    run_layout,
     step_records,
-    tiny_config,
 )
 
 pytestmark = pytest.mark.timeout(240)
 
-# 12 micro-batches per global batch split evenly over 1, 2, 3 and 4 workers.
-DP = ("train.global_batch=12", "train.micro_batch=1", "eval.every=3", "checkpoint.every=3")
-
-
 def _run(run_dir, data, dp: int, *extra: str) -> dict:
-    engine = "runtime.engine=inline" if dp == 1 else "runtime.engine=ray"
-    summary = Controller(tiny_config(run_dir, data, *DP, engine, f"parallel.dp={dp}",
-                                     *extra)).run()
-    # It really ran on `dp` workers: that many processes (Ray actors, not this one) reported
-    # themselves, and its last step's ledger record holds `dp` shards.
-    pids = {w["pid"] for w in records(run_dir, "generation")[-1]["workers"].values()}
-    assert len(pids) == dp and (pids == {os.getpid()}) == (dp == 1), pids
-    ledger = [json.loads(x) for x in (Path(run_dir) / "ledger.jsonl").read_text().splitlines()]
-    assert len([r for r in ledger if r["kind"] == "step"][-1]["parts"]) == dp
-    return summary
-
-
-@pytest.fixture(scope="module")
-def exact_reference(tmp_path_factory, corpus_data):
-    """The single-worker exact-mode run every other DP size must reproduce to the bit."""
-    run = tmp_path_factory.mktemp("reference") / "dp1"
-    _run(run, corpus_data, 1, "determinism=exact", "train.max_steps=6")
-    return run
+    return run_layout(run_dir, data, dp, *DP, *extra)
 
 
 def run_exact_reference(run_dir, data) -> None:

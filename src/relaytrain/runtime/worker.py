@@ -167,6 +167,7 @@ class Worker:
         self.groups = self.pipeline = None
         if self.shards is not None:  # a sharded model lives on its generation's groups
             self.shards = self.model = self.optimizer = None
+            self._units = []
 
     def _group(self) -> dist.ProcessGroup | None:
         return dist.group.WORLD if dist.is_initialized() else None
@@ -265,15 +266,21 @@ class Worker:
         One call may cover several steps: tiny steps amortise the call, and asynchronous
         pipeline schedules need a span to keep the pipeline full. A span ends drained, so its
         end is a consistent cut (the state a snapshot or checkpoint captures)."""
-        # Only a worker with a DP peer benefits: the peer's copy outlives this process.
+        # Only a worker with a DP peer benefits: the peer's copy outlives this process. A
+        # sharded state is gathered for it (a collective): that is done at the end of a span,
+        # while every peer is known to be alive, not when the next starts and one may be dead.
         every = self.cfg.elastic.snapshot_every
-        if self.placement.dp > 1 and every and (first - 1) % every == 0:
+        due = self.placement.dp > 1 and every > 0
+        if due and self.shards is None and (first - 1) % every == 0:
             self.take_snapshot(first - 1)
         self.raise_hook.check(first, count)
         if self.pipeline is not None:
             out = self._run_span(first, count)
         else:
             out = [self._step(step) for step in range(first, first + count)]
+        last = first + count - 1
+        if due and self.shards is not None and last % every == 0:
+            self.take_snapshot(last)
         out[-1].written = self._collect(wait=False)
         return out
 
