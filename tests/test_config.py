@@ -57,6 +57,21 @@ def test_dp_must_split_micro_batches_evenly():
                            "train.micro_batch=2"])
 
 
+def test_exact_mode_refuses_a_sharding_whose_chunks_are_not_whole_vectors():
+    """The tiny model's 64-value norm weights in 3 chunks of 22 (parallel/fsdp.py)."""
+    with pytest.raises(ConfigError, match=r"'parallel.fsdp': got 3 with determinism=exact, .*"
+                       r"chunks of 22 values.*expected one of \[1, 2, 4\]"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=3",
+                                          "determinism=exact", "train.global_batch=6"])
+    load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=3",
+                                      "train.global_batch=6"])  # fast mode: uneven is fine
+
+
+def test_sharding_pipeline_stages_is_refused_for_now():
+    with pytest.raises(ConfigError, match="'parallel.fsdp': got 2 with parallel.pp=2"):
+        load_config(None, ["runtime.engine=ray", "parallel.fsdp=2", "parallel.pp=2"])
+
+
 def test_a_storage_outage_on_an_object_store_is_refused_in_one_line(tmp_path, capsys):
     from relaytrain.cli import main
 

@@ -3,7 +3,13 @@ groups' rank lists agree with them."""
 
 import pytest
 
-from relaytrain.parallel.groups import Placement, placements, replica_ranks, stage_ranks
+from relaytrain.parallel.groups import (
+    Placement,
+    placements,
+    replica_ranks,
+    shard_size,
+    stage_ranks,
+)
 
 
 def test_a_stage_s_dp_replicas_are_consecutive_ranks():
@@ -32,3 +38,15 @@ def test_placements_agree_with_the_process_groups(dp, pp):
 def test_members_must_fill_the_layout():
     with pytest.raises(ValueError, match="3 members for a layout of dp 2 x pp 2"):
         placements([0, 1, 2], dp=2, pp=2)
+
+
+def test_a_replica_s_shards_are_consecutive_ranks():
+    got = placements([10, 11, 12, 13], dp=4, pp=1, fsdp=2)
+    assert [(p.dp_rank, p.replica, p.shard) for p in got.values()] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+
+
+def test_a_resized_sharded_run_keeps_whole_replicas_else_shards_over_everyone():
+    assert shard_size(4, 2) == 2 and shard_size(2, 2) == 2  # 2 replicas; 1
+    assert shard_size(3, 2) == 3  # part of a replica lost: one replica of 3 (uneven chunks)
+    assert shard_size(1, 4) == 1 and shard_size(6, 1) == 1

@@ -21,14 +21,6 @@ from tests.runtime.conftest import (
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_exact_mode_is_bit_identical_for_replicas_of_shards(tmp_path, corpus_data,
-                                                            ray_cluster, exact_reference):
-    """dp 2 x fsdp 2 (hybrid); fsdp 4 and 2 alone in the resumed run below."""
-    run = tmp_path / "dp2_fsdp2"
-    run_layout(run, corpus_data, 2, *DP, "determinism=exact", "train.max_steps=6", fsdp=2)
-    assert_bit_identical(run, exact_reference)
-
-
 def test_resume_at_another_sharding_continues_to_the_same_bits(tmp_path, corpus_data,
                                                                ray_cluster, exact_reference):
     """Written at fsdp 4, resumed at fsdp 2, then unsharded on 2 workers: checkpoints hold whole
@@ -41,17 +33,24 @@ def test_resume_at_another_sharding_continues_to_the_same_bits(tmp_path, corpus_
     assert_bit_identical(run, exact_reference, steps=range(1, 7))
 
 
+@pytest.fixture(scope="module")
+def fast_unsharded(tmp_path_factory, corpus_data):
+    run = tmp_path_factory.mktemp("fast") / "one"
+    run_layout(run, corpus_data, 1, "train.max_steps=20")
+    return run
+
+
 @pytest.mark.parametrize("fsdp", [2, 4])
 def test_fast_mode_agrees_with_the_unsharded_run_within_float_noise(tmp_path, corpus_data,
-                                                                   ray_cluster, fsdp):
+                                                                   ray_cluster, fast_unsharded,
+                                                                   fsdp):
     """20 steps of FSDP2's float32 reduce-scatter against one worker's sums."""
-    one, sharded = tmp_path / "one", tmp_path / f"fsdp{fsdp}"
-    run_layout(one, corpus_data, 1, "train.max_steps=20")
+    sharded = tmp_path / f"fsdp{fsdp}"
     run_layout(sharded, corpus_data, 1, "train.max_steps=20", fsdp=fsdp)
-    a, b = step_records(one), step_records(sharded)
+    a, b = step_records(fast_unsharded), step_records(sharded)
     assert sorted(a) == sorted(b) == list(range(1, 21))
     assert max(abs(a[s]["loss"] - b[s]["loss"]) / abs(a[s]["loss"]) for s in a) <= 1e-5
-    wa, wb = final_state(one), final_state(sharded)
+    wa, wb = final_state(fast_unsharded), final_state(sharded)
     weights = [k for k in wa if k.startswith("model.")]
     diff = sum(float((wa[k].double() - wb[k].double()).square().sum()) for k in weights)
     norm = sum(float(wa[k].double().square().sum()) for k in weights)
@@ -60,8 +59,8 @@ def test_fast_mode_agrees_with_the_unsharded_run_within_float_noise(tmp_path, co
 
 def test_a_sharded_run_replaces_killed_and_hung_workers_alone_to_the_same_bits(
         tmp_path, corpus_data, ray_cluster, exact_reference):
-    """dp 2 x fsdp 2 with two kills and a hang at random steps (from the seed): each failed
-    worker's shards come back from a peer's in-memory snapshot."""
+    """dp 2 x fsdp 2 (hybrid) with two kills and a hang at random steps (from the seed): each
+    failed worker's shards come back from a peer's in-memory snapshot."""
     run = tmp_path / "faulty"
     Controller(tiny_config(run, corpus_data, *DP, "runtime.engine=ray", "parallel.dp=2",
                            "parallel.fsdp=2", "determinism=exact", "train.max_steps=6",
@@ -74,3 +73,23 @@ def test_a_sharded_run_replaces_killed_and_hung_workers_alone_to_the_same_bits(
         [(r["source"], r["lost_steps"]) for r in recoveries]
     assert_only_failed_ranks_replaced(run)
     assert_bit_identical(run, exact_reference)  # and the audit passes
+
+
+def test_a_sharded_run_without_a_replacement_reshards_onto_fewer_workers_then_grows_back(
+        tmp_path, corpus_data, ray_cluster, exact_reference):
+    """dp 2 x fsdp 2 loses a worker with no capacity to replace it. Three survivors would cut
+    the tiny model's 64-value norm weights into 22-value chunks, whose bits differ (see
+    parallel/fsdp.py), so exact mode goes on with two, one replica sharded over both, and
+    grows back to 2 x 2 once the capacity returns: to the same bits."""
+    run = tmp_path / "elastic"
+    summary = Controller(tiny_config(run, corpus_data, *DP, "runtime.engine=ray",
+                                     "parallel.dp=2", "parallel.fsdp=2", "determinism=exact",
+                                     "train.max_steps=6", "faults.kill_at=[3]",
+                                     "faults.hold_capacity_s=2", "elastic.replace_timeout=1",
+                                     "runtime.call_timeout=120",
+                                     "runtime.collective_timeout=120")).run()
+    [rec] = records(run, "recovery")
+    assert rec["dp"] == 2 and rec["source"] == "memory"
+    [grow] = records(run, "resize")
+    assert grow["dp"] == 4 and summary["dp"] == 4
+    assert_bit_identical(run, exact_reference)

@@ -18,13 +18,21 @@ accumulator; at the last micro-batch of the step the accumulator is summed over 
 converted back, into the chunk FSDP2 accumulates the gradient in (earlier micro-batches hand it
 zeros: adding an exact zero changes no bit). The gradient norm is computed from each tensor's
 whole gradient, gathered one tensor at a time, so it is the unsharded model's `get_total_norm`
-bit for bit. A step's state is then the same bits for every (dp, fsdp), and every layout
-restores any other's state: `full_state` and `load_full_state` convert between the sharded
-tensors and whole ones (the checkpoint format).
+bit for bit. A step's state is then the same bits for every (dp, fsdp) whose chunks are
+whole CPU vectors (`misaligned`), and every layout restores any other's state: `full_state`,
+`as_like` and `copy_whole_` convert between the sharded tensors and whole ones (the checkpoint
+format).
+
+Why chunks must be whole vectors: torch's fused AdamW on the CPU updates a tensor's values in
+vectors, and the last values that do not fill a vector one at a time, where the result can
+differ in the last bit (measured: a 4,096-value tensor split 1366/1366/1364 changed 10 values
+of `exp_avg_sq`, at each chunk's tail). A chunk of whole vectors puts every value on the path it
+takes in the whole tensor.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,10 +43,42 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
+from relaytrain.model.config import Olmo3Config
+from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.reduce import exceeds, from_limbs, to_limbs
 
 # torch 2.13 renamed reduce_scatter_tensor (and warns on the old name); torch 2.8 has only it.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# float32 values per vector in torch's widest CPU kernels (AVX-512); whole 16-value vectors are
+# whole vectors of every narrower width too.
+VECTOR_VALUES = 16
+
+
+def parameter_shapes(cfg: Olmo3Config) -> dict[str, tuple[int, ...]]:
+    """The whole model's parameter shapes (built on the meta device: no memory). A vocabulary
+    not known yet (it comes with the data) is taken as one vector: it only sets the row counts
+    of the embedding and the head, rows of d_model values."""
+    if not cfg.vocab_size:
+        cfg = cfg.with_vocab(VECTOR_VALUES)
+    with torch.device("meta"):
+        model = Olmo3(cfg)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def misaligned(shapes: dict[str, tuple[int, ...]], shards: int) -> tuple[str, int] | None:
+    """The first parameter whose dim-0 chunks over `shards` ranks (torch.chunk: all but the
+    last have ceil(rows / shards) rows) are not whole vectors, and its chunk's value count;
+    None if every chunk but the last of every tensor is (exact mode's bits then do not depend
+    on the sharding)."""
+    for name, shape in shapes.items():
+        rows = shape[0] if shape else 1
+        per_row = math.prod(shape[1:])
+        chunk = -(-rows // shards)
+        if chunk < rows and (chunk * per_row) % VECTOR_VALUES:
+            return name, chunk * per_row
+    return None
 
 
 def shard_model(model: nn.Module, blocks: list[nn.Module], group: dist.ProcessGroup,

@@ -42,6 +42,13 @@ class Placement:
         return self.dp_rank // self.fsdp
 
 
+def shard_size(data_parallel: int, fsdp: int) -> int:
+    """The ranks a replica is sharded over when `data_parallel` ranks train a run configured
+    with `fsdp`: fsdp while whole replicas fit (resized by replicas), else all of them, in one
+    replica (an elastic run that lost part of one; chunks may then be uneven)."""
+    return fsdp if data_parallel % fsdp == 0 else data_parallel
+
+
 def placements(members: Sequence[int], dp: int, pp: int, fsdp: int = 1
                ) -> dict[int, Placement]:
     """Worker id -> its place, members in rank order: rank r is DP rank r % dp of stage r // dp,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from relaytrain.config import RunConfig
-from relaytrain.parallel.groups import Placement, placements
+from relaytrain.parallel.fsdp import misaligned, parameter_shapes
+from relaytrain.parallel.groups import Placement, placements, shard_size
 from relaytrain.runtime import rendezvous
 from relaytrain.runtime.catalogue import CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
@@ -63,7 +64,8 @@ class Recovery:
     # ---- layout ----------------------------------------------------------------------------
     def placements(self) -> dict[int, Placement]:
         """Worker id -> its place in the current generation (`parallel.groups.placements`)."""
-        return placements(self.members, self.dp, self.cfg.parallel.pp, self.cfg.parallel.fsdp)
+        return placements(self.members, self.dp, self.cfg.parallel.pp,
+                          shard_size(self.dp, self.cfg.parallel.fsdp))
 
     def save_parts(self) -> dict[int, str | None]:
         """Worker id -> checkpoint part, for every worker a save involves: DP rank 0 of every
@@ -253,16 +255,14 @@ class Recovery:
     # ---- elasticity ------------------------------------------------------------------------
     def _shrink(self, survivors: list[int]) -> list[int]:
         """Continue on fewer workers with the same global batch: the largest DP size the
-        survivors allow that splits the micro-batches evenly."""
+        survivors allow that splits the micro-batches evenly (a sharded run reshards onto
+        them: `shard_size`)."""
         cfg = self.cfg
-        if cfg.parallel.pp > 1 or cfg.parallel.fsdp > 1:
-            what = "a pipeline cannot run with a stage missing" if cfg.parallel.pp > 1 else \
-                "a sharded run cannot reshard onto fewer workers yet"
+        if cfg.parallel.pp > 1:
             raise RecoveryLimitExceeded("no replacement could be placed within "
                                         f"elastic.replace_timeout={cfg.elastic.replace_timeout}s"
-                                        f" and {what}")
-        fits = [d for d in range(len(survivors), 0, -1)
-                if cfg.micro_batches % d == 0 and d >= cfg.elastic.min_workers]
+                                        " and a pipeline cannot run with a stage missing")
+        fits = [d for d in self._sizes(len(survivors)) if d >= cfg.elastic.min_workers]
         if not fits:
             raise RecoveryLimitExceeded(
                 f"only {len(survivors)} worker(s) left and no replacement within "
@@ -275,6 +275,17 @@ class Recovery:
              f"{fits[0]} worker(s) with the same global batch")
         self.dp = fits[0]
         return keep
+
+    def _sizes(self, n: int) -> list[int]:
+        """Data-parallel sizes up to `n`, largest first, that split the micro-batches evenly
+        and, for a sharded run in exact mode, shard into whole vectors (`misaligned`)."""
+        cfg = self.cfg
+        sizes = [d for d in range(n, 0, -1) if cfg.micro_batches % d == 0]
+        if cfg.determinism == "exact" and cfg.parallel.fsdp > 1:
+            shapes = parameter_shapes(cfg.model_config())
+            sizes = [d for d in sizes
+                     if misaligned(shapes, shard_size(d, cfg.parallel.fsdp)) is None]
+        return sizes
 
     def maybe_grow(self, step: int) -> None:
         """Grow back to the configured DP size at a step boundary once capacity returns."""
@@ -294,8 +305,7 @@ class Recovery:
                 added.append(self.engine.spawn(self.worker_args, 0.2))
             except WorkerFailure:
                 break
-        d = max(x for x in range(1, len(self.members) + len(added) + 1)
-                if cfg.micro_batches % x == 0)
+        d = self._sizes(len(self.members) + len(added))[0]
         for wid in added[d - len(self.members):]:
             self.engine.kill(wid)
         added = added[: d - len(self.members)]

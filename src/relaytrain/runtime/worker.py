@@ -255,6 +255,8 @@ class Worker:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The state as whole tensors (sharded: gathered, with every shard of the replica)."""
         assert self.model is not None and self.optimizer is not None
+        for unit in self._units:  # FSDP2 keeps the root's parameters gathered after a forward
+            unit.reshard()  # with no backward (an evaluation): they must be the sharded ones
         out = {model_key(n): p.detach() for n, p in self.model.named_parameters()}
         out.update(optimizer_state_tensors(self.model, self.optimizer))
         return full_state(out)
