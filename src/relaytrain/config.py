@@ -475,15 +475,7 @@ def validate(cfg: RunConfig) -> None:
          f"parallel.pp={p.pp}; sharding pipeline stages is not supported yet, expected "
          "parallel.fsdp=1 with parallel.pp > 1")
     if p.fsdp > 1 and cfg.determinism == "exact":
-        from relaytrain.parallel.fsdp import VECTOR_VALUES, misaligned, parameter_shapes
-
-        shapes = parameter_shapes(m)  # imports torch: only for a sharded exact run
-        bad = misaligned(shapes, p.fsdp)
-        good = [k for k in range(1, max(8, p.fsdp) + 1) if not misaligned(shapes, k)]
-        need(bad is None, f"config key 'parallel.fsdp': got {p.fsdp} with determinism=exact, "
-             f"but parameter {bad and bad[0]!r} would be cut into chunks of {bad and bad[1]} "
-             f"values, not whole vectors of {VECTOR_VALUES} (the CPU optimizer's), so the bits "
-             f"would depend on the layout; expected one of {good} (or determinism=fast)")
+        _validate_exact_sharding(p.fsdp, m, need)
     need(cfg.micro_batches % cfg.data_parallel == 0,
          f"config key 'parallel.dp': got dp {p.dp} x fsdp {p.fsdp}, but the "
          f"{cfg.micro_batches} micro-batches of a global batch (train.global_batch / "
@@ -508,6 +500,20 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.eval.instances >= 1, f"config key 'eval.instances': got {cfg.eval.instances}, "
          "expected >= 1")
     _validate_faults(cfg, need)
+
+
+def _validate_exact_sharding(fsdp: int, m: Olmo3Config,
+                             need: Callable[[bool, str], None]) -> None:
+    """Exact mode's bits hold only for shardings whose chunks are whole CPU vectors."""
+    from relaytrain.parallel.fsdp import VECTOR_VALUES, misaligned, parameter_shapes
+
+    shapes = parameter_shapes(m)  # imports torch: only for a sharded exact run
+    bad = misaligned(shapes, fsdp)
+    good = [k for k in range(1, max(8, fsdp) + 1) if not misaligned(shapes, k)]
+    need(bad is None, f"config key 'parallel.fsdp': got {fsdp} with determinism=exact, but "
+         f"parameter {bad and bad[0]!r} would be cut into chunks of {bad and bad[1]} values, "
+         f"not whole vectors of {VECTOR_VALUES} (the CPU optimizer's), so the bits would "
+         f"depend on the layout; expected one of {good} (or determinism=fast)")
 
 
 def _validate_faults(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

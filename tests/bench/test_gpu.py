@@ -49,3 +49,13 @@ def test_the_7b_memory_plan_is_16_bytes_per_parameter_plus_checkpointed_activati
     assert plan["weights_fp32"] + plan["grads_fp32"] + plan["adamw_fp32"] == 16 * n
     assert plan["checkpoints"] == 32 * 8192 * 4096 * 4  # every block's fp32 input
     assert plan["peak"] == plan["backward_peak"] < 141e9  # one H200
+
+
+def test_the_7b_plan_sharded_8_ways_fits_an_80_gb_gpu_in_fast_and_exact_mode():
+    whole = memory_plan(PRESETS["olmo3-7b"], 8192, 1)
+    for exact in (False, True):
+        plan = memory_plan(PRESETS["olmo3-7b"], 8192, 1, fsdp=8, exact=exact)
+        state = plan["weights_fp32"] + plan["grads_fp32"] + plan["adamw_fp32"]
+        assert state <= 1.1 * 16 * whole["params"] / 8
+        assert plan["peak"] < 80e9
+    assert memory_plan(PRESETS["olmo3-7b"], 8192, 1, exact=True)["peak"] > 141e9  # unsharded

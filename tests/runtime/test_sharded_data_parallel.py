@@ -55,6 +55,11 @@ def test_fast_mode_agrees_with_the_unsharded_run_within_float_noise(tmp_path, co
     diff = sum(float((wa[k].double() - wb[k].double()).square().sum()) for k in weights)
     norm = sum(float(wa[k].double().square().sum()) for k in weights)
     assert 0 < (diff / norm) ** 0.5 <= 1e-5  # not the same bits (float sums), but close
+    # Each worker holds its 1/fsdp of the parameters, gradients and moments (as measured from
+    # its tensors: chunks are not all equal, and AdamW's step counters are not sharded).
+    whole, part = a[20]["state_bytes"], b[20]["state_bytes"]
+    assert whole / fsdp <= part <= 1.1 * whole / fsdp, (whole, part)
+    assert b[20]["peak_rss"] > part
 
 
 def test_a_sharded_run_replaces_killed_and_hung_workers_alone_to_the_same_bits(

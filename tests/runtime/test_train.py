@@ -21,7 +21,7 @@ from relaytrain.runtime.controller import Controller, TrainingStopped
 from tests.runtime.conftest import step_records, tiny_config
 
 STEP_FIELDS = {"loss", "ce_loss", "z_loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu",
-               "time_data", "time_compute", "time_checkpoint"}
+               "time_data", "time_compute", "time_checkpoint", "state_bytes", "peak_rss"}
 
 
 def test_a_run_logs_every_step_evaluates_checkpoints_and_passes_the_audit(tmp_path, corpus_data,

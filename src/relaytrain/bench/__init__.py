@@ -13,6 +13,7 @@ from relaytrain.errors import UserError
 BENCHES = {
     "train-throughput": ("relaytrain.bench.train_throughput", "bench_train_throughput"),
     "dp-scaling": ("relaytrain.bench.dp_scaling", "bench_dp_scaling"),
+    "memory": ("relaytrain.bench.memory", "bench_memory"),
     "recovery": ("relaytrain.bench.recovery", "bench_recovery"),
     "pipeline": ("relaytrain.bench.pipeline", "bench_pipeline"),
     "checkpoint": ("relaytrain.bench.checkpoint", "bench_checkpoint"),

@@ -46,7 +46,7 @@ import torch
 from relaytrain.bench import progress
 from relaytrain.config import ModelSection, OptimSection, TrainSection, load_config
 from relaytrain.errors import UserError
-from relaytrain.model.accounting import flops_per_token, param_count
+from relaytrain.model.accounting import flops_per_token, layer_params, param_count
 from relaytrain.model.config import PRESETS, Olmo3Config
 from relaytrain.model.loss import GPU_CHUNK_ELEMENTS
 from relaytrain.model.olmo3 import Olmo3
@@ -62,9 +62,11 @@ TARGETS = {"vs_hf_compiled": 1.2, "mfu_1b": 0.5, "mfu_7b": 0.4}
 GIB = 2**30
 
 
-def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int) -> dict[str, Any]:
+def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
+                exact: bool = False) -> dict[str, Any]:
     """Bytes a training step of `cfg` needs on one device with fp32 master weights, as
-    arithmetic (full activation checkpointing, bf16 autocast, fused AdamW, chunked loss).
+    arithmetic (full activation checkpointing, bf16 autocast, fused AdamW, chunked loss),
+    unsharded or sharded over `fsdp` devices (parallel/fsdp.py), in fast or `exact` mode.
 
     n parameters cost 4n (fp32 weights) + 4n (fp32 gradients) + 8n (AdamW's two fp32
     moments) = 16n for the whole step; autocast's bf16 weight copies (2n) live only through
@@ -75,20 +77,40 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int) -> dict[str, A
     each: bf16 projections, fp32 norm statistics, the SwiGLU's hidden-width tensors), plus
     the fused loss's logit chunk. Without checkpointing every block keeps its
     activations (~10x the estimate above per block), which does not fit at 7B.
+
+    Sharded, the 16n bytes of state are split over the devices; FSDP2 gathers a unit's
+    parameters whole while it runs (in fp32): the root (embedding and head) for the whole step
+    and a block with the next one prefetched; a unit's whole gradient and its reduce-scatter
+    input exist until the reduce-scatter. Exact mode adds the int64 limbs: an accumulator of
+    16 bytes per (sharded) parameter, and while a unit is reduced its gradient's limbs in
+    float64 and int64 and the collective's buffer (32 bytes per value of the largest unit:
+    the root, or the head's weight unsharded).
     """
     n = param_count(cfg)
     tokens = seq_len * micro_batch
-    states = 16 * n
+    root = 2 * cfg.vocab_size * cfg.d_model + cfg.d_model  # embedding, head, final norm
+    unit = max(root, layer_params(cfg)) if fsdp > 1 else cfg.vocab_size * cfg.d_model
+    gathered = (root + 2 * layer_params(cfg)) if fsdp > 1 else 0
+    states = 16 * n // fsdp
+    accumulator = 16 * n // fsdp if exact else 0
+    exact_transient = 32 * unit if exact else 0
+    in_flight = 8 * unit if fsdp > 1 else 0  # a unit's whole gradient + reduce-scatter input
     checkpoints = cfg.n_layers * tokens * cfg.d_model * 4
     block = tokens * (16 * cfg.d_model + 6 * cfg.mlp_hidden)
     loss_chunk = 2 * GPU_CHUNK_ELEMENTS * 4  # its fp32 logits and a bf16/fp32 neighbour
-    forward_peak = 12 * n + 2 * n + checkpoints + block
-    backward_peak = states + checkpoints + 2 * block + loss_chunk
-    return {"params": n, "tokens": tokens, "weights_fp32": 4 * n, "grads_fp32": 4 * n,
-            "adamw_fp32": 8 * n, "autocast_bf16_copies": 2 * n, "checkpoints": checkpoints,
-            "recompute_estimate": 2 * block, "loss_chunk": loss_chunk,
-            "forward_peak": forward_peak, "backward_peak": backward_peak,
-            "peak": max(forward_peak, backward_peak)}
+    bf16_copies = 2 * (gathered if fsdp > 1 else n)  # of what is whole at once
+    forward_peak = (12 * n // fsdp + (accumulator if fsdp == 1 else 0) + 4 * gathered
+                    + bf16_copies + checkpoints + block)
+    backward_peak = (states + accumulator + 4 * gathered + in_flight + exact_transient
+                     + checkpoints + 2 * block + loss_chunk)
+    return {"params": n, "tokens": tokens, "fsdp": fsdp, "exact": exact,
+            "weights_fp32": 4 * n // fsdp, "grads_fp32": 4 * n // fsdp,
+            "adamw_fp32": 8 * n // fsdp, "exact_accumulator": accumulator,
+            "gathered_fp32": 4 * gathered, "reduce_in_flight": in_flight,
+            "exact_transient": exact_transient, "autocast_bf16_copies": bf16_copies,
+            "checkpoints": checkpoints, "recompute_estimate": 2 * block,
+            "loss_chunk": loss_chunk, "forward_peak": forward_peak,
+            "backward_peak": backward_peak, "peak": max(forward_peak, backward_peak)}
 
 
 def bench_gpu(device: str = "cuda", quick: bool = False, out: str | None = None,

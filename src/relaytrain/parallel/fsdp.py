@@ -82,10 +82,13 @@ def misaligned(shapes: dict[str, tuple[int, ...]], shards: int) -> tuple[str, in
 
 
 def shard_model(model: nn.Module, blocks: list[nn.Module], group: dist.ProcessGroup,
-                device: torch.device) -> list[FSDPModule]:
+                device: torch.device, generation: int) -> list[FSDPModule]:
     """Shard `model` over `group` in place: each of `blocks`, then the root (what is left:
-    embedding, final norm, head). Returns the FSDP units."""
-    mesh = DeviceMesh.from_group(group, device.type)
+    embedding, final norm, head). Returns the FSDP units.
+
+    The mesh is named for the `generation`, so that no mesh equals an earlier generation's
+    (DTensor caches sharding decisions by mesh; that generation's process groups are gone)."""
+    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=(f"shard{generation}",))
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -227,7 +230,11 @@ def as_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
                               stride=like.stride())
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t` (sharded or not), as a plain tensor sharing its storage."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def copy_whole_(dest: torch.Tensor, whole: torch.Tensor) -> None:
     """Set `dest` (sharded or not) to the values of the whole tensor `whole`, in place."""
-    local = dest.to_local() if isinstance(dest, DTensor) else dest
-    local.copy_(local_chunk(whole, dest).to(dest.dtype))
+    local_tensor(dest).copy_(local_chunk(whole, dest).to(dest.dtype))

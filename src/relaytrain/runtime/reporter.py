@@ -49,7 +49,9 @@ def combine(step: int, results: dict[int, StepResult], placements: dict[int, Pla
               "grad_norm": results[last_stage].grad_norm,
               "lr": lr_at(step, cfg.optim, cfg.train.max_steps),
               "time_data": max(r.time_data for r in results.values()),
-              "time_compute": max(r.time_compute for r in results.values())}
+              "time_compute": max(r.time_compute for r in results.values()),
+              "state_bytes": max(r.state_bytes for r in results.values()),
+              "peak_rss": max(r.peak_rss for r in results.values())}
     if cfg.parallel.pp > 1:  # every stage's schedule measurements (its DP rank 0's)
         record["pipeline"] = {str(p.stage): results[w].pipeline
                               for w, p in placements.items() if p.dp_rank == 0}

@@ -32,5 +32,10 @@ class StepResult:
     time_data: float
     time_compute: float
     pipeline: dict[str, Any] | None = None  # pp > 1: the stage's schedule measurements
+    # bytes of the parameters, their gradients and AdamW's moments this worker holds (its
+    # shards under parallel.fsdp), and its process's peak resident bytes during the step
+    # (Linux; 0 elsewhere); unpipelined steps
+    state_bytes: int = 0
+    peak_rss: int = 0
     # checkpoint writes that finished by the end of the call (on a call's last step only)
     written: list[WriteReport] = field(default_factory=list)

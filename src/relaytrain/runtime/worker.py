@@ -27,7 +27,13 @@ from relaytrain.data.loader import Loader
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.model.stages import build_stage, partition_layers
-from relaytrain.parallel.fsdp import ShardedGradReducer, copy_whole_, full_state, shard_model
+from relaytrain.parallel.fsdp import (
+    ShardedGradReducer,
+    copy_whole_,
+    full_state,
+    local_tensor,
+    shard_model,
+)
 from relaytrain.parallel.groups import PipelineGroups, Placement, form_groups, form_shard_groups
 from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
@@ -55,6 +61,37 @@ from relaytrain.train.optim import (
     set_lr,
 )
 from relaytrain.train.step import StepOutcome, train_step
+
+
+def reset_peak_rss() -> None:
+    """Start the process's peak resident size (VmHWM) afresh (Linux; elsewhere nothing)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    """The process's peak resident bytes since `reset_peak_rss` (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters, their gradients and the optimizer state this process holds
+    (local shards of sharded tensors). Gradients are counted at the parameters' size: they
+    have their shape and dtype, and exist through a step's backward and update."""
+    params = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
+    moments = sum(local_tensor(v).numel() * v.element_size() for s in optimizer.state.values()
+                  for v in s.values() if torch.is_tensor(v))
+    return 2 * params + moments
 
 
 def process_identity() -> dict[str, int]:
@@ -192,6 +229,10 @@ class Worker:
             _, tensors = self.store.read(step, keys=lambda k: tensor_param(k) in names)
         if tensors is not None:
             self.load_tensors(tensors)
+        if self.shards is not None and self.placement.dp > 1:
+            # A sharded snapshot is taken at the end of a step (run_steps): one of the state
+            # just restored, so a replacement holds one before its first step ends too.
+            self.take_snapshot(step)
         group = self.groups.dp if self.groups is not None else self._group()
         exact = self.cfg.determinism == "exact"
         if self.shards is not None:
@@ -216,7 +257,7 @@ class Worker:
         self.model = prepare_model(model, self.cfg.model, self.device)
         if self.shards is not None:
             self._units = shard_model(self.model, list(self.model.layers.values()),
-                                      self.shards[0], self.device)
+                                      self.shards[0], self.device, self.generation)
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
         self._layout = layout
 
@@ -288,6 +329,7 @@ class Worker:
 
     def _step(self, step: int) -> StepResult:
         assert self.loader is not None and self.reducer is not None
+        reset_peak_rss()
         t0 = time.perf_counter()
         batch = self.loader.get(step - 1)
         t1 = time.perf_counter()
@@ -296,7 +338,10 @@ class Worker:
         out = train_step(self.model, self.optimizer, self.reducer, batch.micro_batches,
                          self.cfg.micro_batches, self.cfg.train.z_loss, self.cfg.train.clip,
                          self.device)
-        return self._result(step, out, batch.ids.tolist(), t1 - t0, self._synced_since(t1))
+        result = self._result(step, out, batch.ids.tolist(), t1 - t0, self._synced_since(t1))
+        result.state_bytes = state_bytes(self.model, self.optimizer)
+        result.peak_rss = peak_rss()
+        return result
 
     def _synced_since(self, t: float) -> float:
         """Seconds since `t`, once the device has finished the work queued on it."""
