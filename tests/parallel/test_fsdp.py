@@ -1,11 +1,23 @@
-"""Which shardings keep exact mode's bits: every chunk but a tensor's last must be whole CPU
-vectors (torch's fused AdamW updates the values that do not fill a vector one at a time, and
-those can differ in the last bit)."""
+"""Exact mode under sharding: the integer reduce-scatter, and which shardings keep its bits
+(every chunk but a tensor's last must be whole CPU vectors: torch's fused AdamW updates the
+values that do not fill a vector one at a time, and those can differ in the last bit)."""
+
+import os
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from relaytrain.parallel.fsdp import VECTOR_VALUES, misaligned
+from relaytrain.parallel.fsdp import (
+    SLICE_VALUES,
+    VECTOR_VALUES,
+    ShardedGradReducer,
+    _IntegerReduceScatter,
+    misaligned,
+)
+from relaytrain.parallel.reduce import from_limbs, to_limbs
 
 
 def test_chunks_of_whole_vectors_are_aligned():
@@ -47,3 +59,39 @@ def test_the_fused_optimizer_gives_whole_vector_chunks_the_whole_tensor_s_bits(s
         assert torch.equal(train(sizes), whole)
     elif torch.equal(train(sizes), whole):
         pytest.skip("this CPU's kernel gave the same bits on the uneven split")
+
+
+def _integer_reduce_scatter(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    chunk = 37
+
+    def grads_of(r: int) -> list[torch.Tensor]:  # rank r's two micro-batches' gradients
+        gen = torch.Generator().manual_seed(r)
+        return [torch.randn(world * chunk, generator=gen) for _ in range(2)]
+
+    outputs = []
+    for slice_values in (5, SLICE_VALUES):  # slices of 2 values per rank; the whole at once
+        reducer = ShardedGradReducer([], [], None, None, True, 2 * world, world)
+        comm = _IntegerReduceScatter(reducer, 2, None, slice_values)
+        outs = [torch.full((chunk,), float("nan")) for _ in range(2)]
+        for g, out in zip(grads_of(rank), outs, strict=True):
+            comm(out, g, dist.group.WORLD, None)
+        assert torch.equal(outs[0], torch.zeros(chunk))  # FSDP2 accumulates: zero until the end
+        outputs.append(outs[1])
+    limbs = [to_limbs(g.view(world, chunk)[rank], reducer.limit, False)
+             for r in range(world) for g in grads_of(r)]
+    exact = from_limbs(sum(hi for hi, _ in limbs), sum(lo for _, lo in limbs)).float()
+    assert torch.equal(outputs[0], exact) and torch.equal(outputs[1], exact)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_the_integer_reduce_scatter_sums_every_rank_s_micro_batches_exactly_in_slices():
+    """Exact mode's reduce-scatter, on real gloo ranks: the integer sum of every rank's and
+    micro-batch's gradient, delivered at the last micro-batch, the same whether the limbs are
+    formed all at once or slice by slice (they take 32 bytes a value while formed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_integer_reduce_scatter, args=(3, port), nprocs=3)

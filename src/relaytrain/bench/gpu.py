@@ -50,6 +50,7 @@ from relaytrain.model.accounting import flops_per_token, layer_params, param_cou
 from relaytrain.model.config import PRESETS, Olmo3Config
 from relaytrain.model.loss import GPU_CHUNK_ELEMENTS
 from relaytrain.model.olmo3 import Olmo3
+from relaytrain.parallel.fsdp import SLICE_VALUES
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.execution import CUBLAS_WORKSPACE, prepare_model
 from relaytrain.train.metrics import peak_flops
@@ -82,9 +83,9 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     parameters whole while it runs (in fp32): the root (embedding and head) for the whole step
     and a block with the next one prefetched; a unit's whole gradient and its reduce-scatter
     input exist until the reduce-scatter. Exact mode adds the int64 limbs: an accumulator of
-    16 bytes per (sharded) parameter, and while a unit is reduced its gradient's limbs in
-    float64 and int64 and the collective's buffer (32 bytes per value of the largest unit:
-    the root, or the head's weight unsharded).
+    16 bytes per (sharded) parameter, and while a gradient is reduced its limbs in float64 and
+    int64 and the collective's buffer, 32 bytes a value: unsharded, of the largest tensor (the
+    head's weight); sharded, of one slice (`parallel.fsdp.SLICE_VALUES`).
     """
     n = param_count(cfg)
     tokens = seq_len * micro_batch
@@ -93,7 +94,7 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     gathered = (root + 2 * layer_params(cfg)) if fsdp > 1 else 0
     states = 16 * n // fsdp
     accumulator = 16 * n // fsdp if exact else 0
-    exact_transient = 32 * unit if exact else 0
+    exact_transient = 32 * (min(unit, SLICE_VALUES) if fsdp > 1 else unit) if exact else 0
     in_flight = 8 * unit if fsdp > 1 else 0  # a unit's whole gradient + reduce-scatter input
     checkpoints = cfg.n_layers * tokens * cfg.d_model * 4
     block = tokens * (16 * cfg.d_model + 6 * cfg.mlp_hidden)

@@ -51,6 +51,10 @@ from relaytrain.parallel.reduce import exceeds, from_limbs, to_limbs
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Gradient values (over all ranks) converted to limbs and reduce-scattered at a time in exact
+# mode: 32 bytes each while converted, so at most 512 MiB.
+SLICE_VALUES = 2**24
+
 # float32 values per vector in torch's widest CPU kernels (AVX-512); whole 16-value vectors are
 # whole vectors of every narrower width too.
 VECTOR_VALUES = 16
@@ -158,10 +162,11 @@ class _IntegerReduceScatter(ReduceScatter):
     """One FSDP unit's reduce-scatter in exact mode (see the module docstring)."""
 
     def __init__(self, reducer: ShardedGradReducer, micro_batches: int,
-                 replicas: dist.ProcessGroup | None):
+                 replicas: dist.ProcessGroup | None, slice_values: int = SLICE_VALUES):
         self.reducer = reducer
         self.micro_batches = micro_batches  # this rank's, per step
         self.replicas = replicas
+        self.slice_values = slice_values
         self.reset()
 
     def reset(self) -> None:
@@ -174,16 +179,22 @@ class _IntegerReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
         r = self.reducer
-        over = exceeds([input_tensor], r.limit)
-        r.overflow |= over
-        hi, lo = to_limbs(input_tensor, r.limit, over)
-        world = group.size()
-        # Rank k's part of the input is chunk k: rows 2k and 2k + 1, its two limbs, go to it.
-        send = torch.stack([hi.view(world, -1), lo.view(world, -1)], dim=1).view(2 * world, -1)
-        got = torch.empty((2, output_tensor.numel()), dtype=torch.int64,
-                          device=output_tensor.device)
-        _reduce_scatter(got, send, group=group)
-        self.acc = got if self.acc is None else self.acc.add_(got)
+        world, chunk = group.size(), output_tensor.numel()
+        if self.acc is None:
+            self.acc = torch.zeros((2, chunk), dtype=torch.int64, device=output_tensor.device)
+        # Rank k's part of the input is chunk k. In slices of every chunk (the limbs take 32
+        # bytes a value while they are formed: a whole head's gradient would take tens of GB).
+        step = max(1, self.slice_values // world)
+        for a in range(0, chunk, step):
+            piece = input_tensor.view(world, chunk)[:, a: a + step]
+            over = exceeds([piece], r.limit)
+            r.overflow |= over
+            hi, lo = to_limbs(piece, r.limit, over)
+            # Rows 2k and 2k + 1, rank k's two limbs, go to rank k.
+            send = torch.stack([hi.view(world, -1), lo.view(world, -1)], dim=1)
+            got = torch.empty((2, piece.shape[1]), dtype=torch.int64, device=piece.device)
+            _reduce_scatter(got, send.view(2 * world, -1), group=group)
+            self.acc[:, a: a + step] += got
         self.calls += 1
         if self.calls < self.micro_batches:
             output_tensor.zero_()
