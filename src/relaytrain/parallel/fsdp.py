@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from relaytrain.model.config import Olmo3Config
 from relaytrain.model.olmo3 import Olmo3
-from relaytrain.parallel.reduce import exceeds, from_limbs, to_limbs
+from relaytrain.parallel.reduce import any_rank, exceeds, from_limbs, overflow_limit, to_limbs
 
 # torch 2.13 renamed reduce_scatter_tensor (and warns on the old name); torch 2.8 has only it.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -114,7 +114,7 @@ class ShardedGradReducer:
         self.params = [p for p in params if p.requires_grad]
         self.group = group  # every data-parallel rank: agrees on overflow
         self.exact = exact
-        self.limit = float(2**32) / max(1, total_micro_batches)
+        self.limit = overflow_limit(total_micro_batches)
         self.overflow = False
         self._comms: list[_IntegerReduceScatter] = []
         if exact:
@@ -140,10 +140,7 @@ class ShardedGradReducer:
     def finish(self) -> bool:
         """Agree on overflow (exact); False if any rank saw one."""
         if self.exact and self.group is not None:
-            flag = torch.tensor([1 if self.overflow else 0], dtype=torch.int64,
-                                device=self.params[0].device)
-            dist.all_reduce(flag, group=self.group)
-            self.overflow = bool(flag.item())
+            self.overflow = any_rank(self.overflow, self.group, self.params[0].device)
         return not self.overflow
 
     def clip(self, max_norm: float) -> torch.Tensor:

@@ -42,7 +42,7 @@ class GradReducer:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.exact = exact
-        self.limit = float(2**32) / max(1, total_micro_batches)
+        self.limit = overflow_limit(total_micro_batches)
         self.numel = sum(p.numel() for p in self.params)
         self._offsets = [0, *itertools.accumulate(p.numel() for p in self.params)][:-1]
         self.overflow = False
@@ -88,10 +88,7 @@ class GradReducer:
         if self.exact:
             assert self._acc is not None
             if world > 1:
-                flag = torch.tensor([1 if self.overflow else 0], dtype=torch.int64,
-                                    device=self._acc.device)
-                dist.all_reduce(flag, group=self.group)
-                self.overflow = bool(flag.item())
+                self.overflow = any_rank(self.overflow, self.group, self._acc.device)
                 dist.all_reduce(self._acc, group=self.group)
             hi_acc, lo_acc = self._acc[: self.numel], self._acc[self.numel:]
             for p, off in zip(self.params, self._offsets, strict=True):
@@ -106,6 +103,19 @@ class GradReducer:
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip the gradient to `max_norm` by its global norm (returned)."""
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+
+
+def overflow_limit(total_micro_batches: int) -> float:
+    """The largest micro-batch gradient value whose sum over the global batch cannot overflow
+    the int64 hi limb (values are scaled by 2^30)."""
+    return float(2**32) / max(1, total_micro_batches)
+
+
+def any_rank(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether `flag` is set on any rank of `group` (a collective)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(t, group=group)
+    return bool(t.item())
 
 
 def exceeds(grads: list[torch.Tensor], limit: float) -> bool:

@@ -125,6 +125,7 @@ class Worker:
         # fsdp > 1: this generation's (shard group, replica group), and the model's FSDP units
         self.shards: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
         self._units: list[FSDPModule] = []
+        self._state_bytes: int | None = None  # measured after the first step of a build
         self.store = CheckpointStore(self.cfg.checkpoint_url)
         self.writer = AsyncCheckpointWriter(self.store)
         self._pending: list[tuple[int, str, Any]] = []
@@ -233,6 +234,7 @@ class Worker:
             # A sharded snapshot is taken at the end of a step (run_steps): one of the state
             # just restored, so a replacement holds one before its first step ends too.
             self.take_snapshot(step)
+        self._state_bytes = None
         group = self.groups.dp if self.groups is not None else self._group()
         exact = self.cfg.determinism == "exact"
         if self.shards is not None:
@@ -339,7 +341,9 @@ class Worker:
                          self.cfg.micro_batches, self.cfg.train.z_loss, self.cfg.train.clip,
                          self.device)
         result = self._result(step, out, batch.ids.tolist(), t1 - t0, self._synced_since(t1))
-        result.state_bytes = state_bytes(self.model, self.optimizer)
+        if self._state_bytes is None:  # fixed for a generation once AdamW's state exists
+            self._state_bytes = state_bytes(self.model, self.optimizer)
+        result.state_bytes = self._state_bytes
         result.peak_rss = peak_rss()
         return result
 
