@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("checkpoint",),  # the checkpoint format: tensor keys, store, background writer
     ("model",),  # Olmo 3: modules, loss, GEMMs, stages, memory, accounting, HF interop
     # distributed building blocks that know nothing of configs or training
-    ("parallel.groups", "parallel.reduce", "parallel.pipeline.schedules"),
+    ("parallel.groups", "parallel.reduce", "parallel.shards", "parallel.pipeline.schedules"),
     ("parallel.fsdp",),  # sharding on FSDP2, with exact mode's integer reduce-scatter
     ("config",),
     ("data",),

@@ -505,7 +505,7 @@ def validate(cfg: RunConfig) -> None:
 def _validate_exact_sharding(fsdp: int, m: Olmo3Config,
                              need: Callable[[bool, str], None]) -> None:
     """Exact mode's bits hold only for shardings whose chunks are whole CPU vectors."""
-    from relaytrain.parallel.fsdp import VECTOR_VALUES, misaligned, parameter_shapes
+    from relaytrain.parallel.shards import VECTOR_VALUES, misaligned, parameter_shapes
 
     shapes = parameter_shapes(m)  # imports torch: only for a sharded exact run
     bad = misaligned(shapes, fsdp)

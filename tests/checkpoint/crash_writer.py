@@ -22,22 +22,38 @@ NUMEL = 512 * 1024  # 2 MiB per float32 tensor: about 4 MiB per checkpoint
 KEEP_LAST = 3
 
 
-def expected(step: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Checkpoint `step`'s parts: every value equals the step number."""
+def parts(step: int) -> dict[str, tuple[dict[str, torch.Tensor], dict | None]]:
+    """Checkpoint `step`'s parts and their shard records: every value equals the step number.
+    `model.w` is written as two shards (a sharded run's workers), the rest whole."""
+    w, half = torch.full((NUMEL,), float(step)), NUMEL // 2
     return {
-        "model": {"model.w": torch.full((NUMEL,), float(step)),
-                  "model.norm": torch.full((7,), float(step), dtype=torch.bfloat16)},
-        "optim": {"optim.w.exp_avg": torch.full((NUMEL,), float(step)),
-                  "optim.w.step": torch.tensor(step, dtype=torch.int64)},
+        "shard0": ({"model.w": w[:half].clone(),
+                    "model.norm": torch.full((7,), float(step), dtype=torch.bfloat16)},
+                   {"model.w": {"shape": [NUMEL], "rows": [0, half]}}),
+        "shard1": ({"model.w": w[half:].clone()},
+                   {"model.w": {"shape": [NUMEL], "rows": [half, NUMEL]}}),
+        "optim": ({"optim.w.exp_avg": torch.full((NUMEL,), float(step)),
+                   "optim.w.step": torch.tensor(step, dtype=torch.int64)}, None),
     }
+
+
+def expected(step: int) -> dict[str, torch.Tensor]:
+    """What a reader gets of checkpoint `step`: whole tensors."""
+    return {"model.w": torch.full((NUMEL,), float(step)),
+            **{k: t for p, (ts, _) in parts(step).items() if p != "shard1"
+               for k, t in ts.items() if k != "model.w"}}
+
+
+def write(store: CheckpointStore, step: int) -> None:
+    records = {p: store.write_part(step, p, t, shards) for p, (t, shards) in parts(step).items()}
+    store.commit(step, records, {"fill": step})
 
 
 def write_forever(root: str) -> None:
     store = CheckpointStore(root, keep_last=KEEP_LAST)
     step = max(store.committed_steps(), default=0) + 1
     while True:
-        parts = {p: store.write_part(step, p, t) for p, t in expected(step).items()}
-        store.commit(step, parts, {"fill": step})
+        write(store, step)
         step += 1
 
 

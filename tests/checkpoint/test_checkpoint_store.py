@@ -99,12 +99,16 @@ def test_round_trip_is_bit_exact_for_every_dtype_shape_and_layout(tmp_path):
 
 
 def test_part_is_a_plain_safetensors_file_whose_record_matches_its_bytes(tmp_path):
-    store = CheckpointStore(str(tmp_path))
+    """Hashed in blocks: each block's sha256, and the file's digest the sha256 of theirs."""
+    store = CheckpointStore(str(tmp_path), block_size=64)
     record = store.write_part(3, "model", state(3))
     path = part_path(tmp_path, 3, "model")
     data = open(path, "rb").read()
-    assert record == {"file": "model.safetensors", "size": len(data),
-                      "sha256": hashlib.sha256(data).hexdigest()}
+    blocks = [hashlib.sha256(data[i:i + 64]).hexdigest() for i in range(0, len(data), 64)]
+    assert len(blocks) > 2
+    assert record == {"file": "model.safetensors", "size": len(data), "block_size": 64,
+                      "blocks": blocks, "sha256": hashlib.sha256(
+                          b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()}
     loaded = safetensors.torch.load_file(path)  # the reference reader accepts it
     assert_state(loaded, 3)
 
@@ -126,8 +130,8 @@ def test_manifest_is_written_last_and_records_files_and_meta(tmp_path):
     assert url == str(tmp_path / "step_00000005")
     m = store.read_manifest(5)
     assert m["format_version"] == 1 and m["step"] == 5
-    assert m["files"] == {"model.safetensors": {"size": record["size"],
-                                                "sha256": record["sha256"]}}
+    assert m["files"] == {"model.safetensors": {k: record[k] for k in
+                                                ("size", "sha256", "block_size", "blocks")}}
     assert isinstance(m["committed_at"], float)
     assert m["data"] == {"epoch": 0, "batches": 5}
     assert store.committed_steps() == [5] and store.latest_step() == 5
@@ -373,3 +377,81 @@ def test_object_store_path_needs_no_directories_or_renames(monkeypatch):
         assert_state(tensors, 2)
     finally:
         fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+# -- shards and ranged reads ---------------------------------------------------------------
+
+WHOLE = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
+
+
+def save_sharded(store: CheckpointStore, step: int, cuts: list[tuple[int, int]]) -> dict:
+    """WHOLE written as row pieces, one part each (a sharded run's workers), plus an unsharded
+    scalar in the first."""
+    records = {}
+    for i, (a, b) in enumerate(cuts):
+        tensors = {"model.w": WHOLE[a:b].clone()}
+        if i == 0:
+            tensors["optim.w.step"] = torch.tensor(3.0)
+        records[f"shard{i}"] = store.write_part(
+            step, f"shard{i}", tensors, shards={"model.w": {"shape": [10, 6], "rows": [a, b]}})
+    return records
+
+
+def test_shards_written_apart_read_back_whole_and_their_manifest_records_them(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.commit(1, save_sharded(store, 1, [(0, 4), (4, 8), (8, 10)]), {})
+    manifest, tensors = store.read(1)
+    assert torch.equal(tensors["model.w"], WHOLE) and tensors["optim.w.step"].item() == 3.0
+    assert manifest["files"]["shard1.safetensors"]["shards"] == \
+        {"model.w": {"shape": [10, 6], "rows": [4, 8]}}
+
+
+@pytest.mark.parametrize(("cuts", "why"), [([(0, 4), (8, 10)], r"\(0, 4\), \(8, 10\)"),
+                                           ([(0, 6), (4, 10)], r"\(0, 6\), \(4, 10\)"),
+                                           ([(0, 4), (4, 8)], "cover rows 0:8 of 10")])
+def test_a_commit_whose_shards_do_not_tile_every_tensor_is_refused(tmp_path, cuts, why):
+    store = CheckpointStore(str(tmp_path))
+    with pytest.raises(CheckpointError, match=f"cannot commit step 1: .*model.w.*{why}"):
+        store.commit(1, save_sharded(store, 1, cuts), {})
+    assert store.committed_steps() == []
+
+
+def test_a_shard_must_be_the_rows_it_claims(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    with pytest.raises(ValueError, match="not rows 0:5"):
+        store.write_part(1, "shard0", {"model.w": WHOLE[:4]},
+                         shards={"model.w": {"shape": [10, 6], "rows": [0, 5]}})
+
+
+@pytest.mark.parametrize("cuts", [[(0, 4), (4, 8), (8, 10)], [(0, 10)]])
+def test_rows_are_read_from_only_the_blocks_holding_them(tmp_path, cuts):
+    """A block holding none of the rows asked is not read: damage there goes unseen by a
+    ranged read and is caught by a whole one; damage in a block read is caught."""
+    store = CheckpointStore(str(tmp_path), block_size=32)
+    store.commit(1, save_sharded(store, 1, cuts), {})
+    _, got = store.read(1, rows={"model.w": (5, 7)})
+    assert torch.equal(got["model.w"], WHOLE[5:7]) and got["optim.w.step"].item() == 3.0
+    last = part_path(tmp_path, 1, f"shard{len(cuts) - 1}")
+    # row 9's last value (the scalar, written after it, ends the file with one part)
+    flip_byte(last, offset_from_end=1 + (4 if len(cuts) == 1 else 0))
+    assert torch.equal(store.read(1, rows={"model.w": (3, 7)})[1]["model.w"], WHOLE[3:7])
+    with pytest.raises(CheckpointError, match=r"block \d+ .* does not match"):
+        store.read(1, rows={"model.w": (8, 10)})
+    with pytest.raises(CheckpointError, match="corrupt"):
+        store.read(1)
+
+
+def test_rows_of_a_checkpoint_hashed_whole_and_an_empty_chunk(tmp_path):
+    """A part from before block hashing (one sha256 over the file) is read whole, then cut."""
+    store = CheckpointStore(str(tmp_path))
+    record = store.write_part(1, "model", {"model.w": WHOLE.clone()})
+    store.commit(1, {"model": record}, {})
+    manifest = tmp_path / "step_00000001" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    data = open(part_path(tmp_path, 1, "model"), "rb").read()
+    m["files"]["model.safetensors"] = {"size": len(data),
+                                       "sha256": hashlib.sha256(data).hexdigest()}
+    manifest.write_text(json.dumps(m))
+    assert torch.equal(store.read(1, rows={"model.w": (2, 9)})[1]["model.w"], WHOLE[2:9])
+    empty = store.read(1, rows={"model.w": (10, 10)})[1]["model.w"]
+    assert empty.shape == (0, 6) and empty.dtype == torch.float32

@@ -14,7 +14,7 @@ import torch
 
 import relaytrain.checkpoint.streaming as streaming
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.checkpoint.streaming import BackgroundHash, RangedReader, hash_stream
+from relaytrain.checkpoint.streaming import BackgroundHash, RangedReader, block_root, hash_stream
 from relaytrain.errors import CheckpointError
 
 
@@ -106,7 +106,11 @@ def test_a_header_whose_offsets_do_not_tile_the_data_is_refused(tmp_path):
     part.write_bytes(forged)
     manifest = part.parent / "manifest.json"
     m = json.loads(manifest.read_text())
-    m["files"]["model.safetensors"]["sha256"] = hashlib.sha256(forged).hexdigest()
+    entry = m["files"]["model.safetensors"]  # vouch for the forged bytes
+    size = entry["block_size"]
+    entry["blocks"] = [hashlib.sha256(forged[i:i + size]).hexdigest()
+                       for i in range(0, len(forged), size)]
+    entry["sha256"] = block_root(entry["blocks"])
     manifest.write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match="not a valid safetensors file.*model.w"):
         store.read(1)

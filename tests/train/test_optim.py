@@ -2,6 +2,8 @@
 cosine to `lr * final_lr_frac` at `max_steps`, flat after."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from relaytrain.model.config import PRESETS
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.train.optim import (
+    AdamW,
     build_optimizer,
     load_optimizer_state,
     lr_at,
@@ -85,22 +88,65 @@ def test_frozen_parameters_are_left_out():
     assert id(model.embed.weight) not in held and len(opt.param_groups) == 1
 
 
-def test_adamw_fused_with_the_configured_hyperparameters():
+def test_the_configured_hyperparameters_and_set_lr():
     opt = build_optimizer(tiny_model(), OptimSection(lr=3e-4, betas=(0.9, 0.99), eps=1e-6))
-    assert isinstance(opt, torch.optim.AdamW)
-    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
-    assert (opt.defaults["lr"], opt.defaults["betas"], opt.defaults["eps"]) == \
-        (3e-4, (0.9, 0.99), 1e-6)
+    assert {(g["lr"], g["betas"], g["eps"]) for g in opt.param_groups} == \
+        {(3e-4, (0.9, 0.99), 1e-6)}
     set_lr(opt, 5e-5)
     assert {g["lr"] for g in opt.param_groups} == {5e-5}
 
 
-def _train_step(model: Olmo3, opt: torch.optim.Optimizer, seed: int) -> None:
+def test_the_same_bits_and_state_as_torch_s_fused_adamw():
+    """Ours drives the kernel torch.optim.AdamW(fused=True) runs: every weight and moment equal,
+    over steps with a changing learning rate and both parameter groups."""
+    cfg = OptimSection(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    model, twin = tiny_model(), tiny_model()
+    ours = build_optimizer(model, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    twin_params = dict(twin.named_parameters())
+    theirs = torch.optim.AdamW(
+        [{"params": [twin_params[names[id(p)]] for p in g["params"]],
+          "weight_decay": g["weight_decay"]} for g in ours.param_groups],
+        lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
+    for step in range(1, 4):
+        set_lr(ours, cfg.lr / step)
+        set_lr(theirs, cfg.lr / step)
+        _train_step(model, ours, step)
+        _train_step(twin, theirs, step)
+    for name, p in model.named_parameters():
+        q = twin_params[name]
+        assert torch.equal(p, q), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ours.state[p][key], theirs.state[q][key]), (name, key)
+            assert ours.state[p][key].dtype == theirs.state[q][key].dtype
+
+
+def test_a_training_step_imports_neither_the_compiler_nor_fsdp():
+    """Both cost seconds of every worker's start and of every replacement's (README
+    "Recovery"): torch.optim's first use imports torch._dynamo; FSDP2 is for sharded runs."""
+    code = (
+        "import sys, torch\n"
+        "from relaytrain.runtime import worker\n"
+        "from relaytrain.model.config import PRESETS\n"
+        "from relaytrain.model.olmo3 import Olmo3\n"
+        "from relaytrain.config import OptimSection\n"
+        "from relaytrain.train.optim import build_optimizer\n"
+        "m = Olmo3(PRESETS['tiny'].with_vocab(60)); o = build_optimizer(m, OptimSection())\n"
+        "t = torch.randint(0, 60, (1, 9)); m(t[:, :-1], labels=t[:, 1:])[0].backward()\n"
+        "o.step(); o.zero_grad()\n"
+        "print([n for n in ('torch._dynamo', 'torch.distributed.tensor',\n"
+        "                   'torch.distributed.fsdp') if n in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _train_step(model: Olmo3, opt: AdamW | torch.optim.Optimizer, seed: int) -> None:
     tokens = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(seed))
     total, _, _ = model(tokens[:, :-1], labels=tokens[:, 1:])
     total.backward()
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()
 
 
 def test_state_as_checkpoint_tensors_restores_the_same_updates():

@@ -3,10 +3,11 @@ step of the same Olmo 3, side by side in one process.
 
 Both models hold the same weights (`parity.hf.hf_twin`), see the same batches (random tokens
 from a seeded generator, `micro_batch` sequences of `seq_len` + 1 tokens, the next-token labels
-already shifted) and are trained by the same optimizer: torch AdamW built the way our worker
-builds it (`train.optim.build_optimizer`, Olmo parameter groups, the fused implementation),
-mapped onto HF's parameter names. A step is forward, loss, backward, global-norm clip
-(1.0), AdamW update, gradients cleared, and the loss read back as a float.
+already shifted) and are trained by the same optimizer: torch's fused AdamW kernel, ours through
+`train.optim.AdamW` as our worker builds it (Olmo parameter groups), HF's through
+`torch.optim.AdamW(fused=True)` with the same groups mapped onto HF's parameter names. A step
+is forward, loss, backward, global-norm clip (1.0), AdamW update, gradients cleared, and the
+loss read back as a float.
 
 - Ours: `train.step.train_step` exactly as the worker calls it (a no-op gradient reduction,
   the fused chunked LM head + loss), with the z-loss on (1e-5, the default) that HF does not
@@ -77,7 +78,7 @@ from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.execution import compiles, prepare_model, retain_freed_memory
 from relaytrain.train.metrics import peak_flops
-from relaytrain.train.optim import build_optimizer
+from relaytrain.train.optim import AdamW, build_optimizer
 from relaytrain.train.step import autocast_for, train_step
 
 DEFAULT_TOKENIZER_VOCAB = 8192  # the demo's BPE vocabulary, for presets sized by the data
@@ -86,9 +87,9 @@ POOL = 4  # distinct batches, cycled
 PAGE = resource.getpagesize()
 
 
-def _hf_optimizer(hf: nn.Module, ours: nn.Module, ours_opt: torch.optim.Optimizer
-                  ) -> torch.optim.Optimizer:
-    """AdamW over HF's parameters with our optimizer's groups and settings, name for name."""
+def _hf_optimizer(hf: nn.Module, ours: nn.Module, ours_opt: AdamW) -> torch.optim.Optimizer:
+    """torch's fused AdamW (the kernel ours drives) over HF's parameters with our optimizer's
+    groups and settings, name for name."""
     hf_params = dict(hf.named_parameters())
     group_of = {id(p): i for i, g in enumerate(ours_opt.param_groups) for p in g["params"]}
     groups: list[dict[str, Any]] = [
@@ -96,9 +97,7 @@ def _hf_optimizer(hf: nn.Module, ours: nn.Module, ours_opt: torch.optim.Optimize
         for g in ours_opt.param_groups]
     for name, p in ours.named_parameters():
         groups[group_of[id(p)]]["params"].append(hf_params[ours_to_hf_name(name)])
-    defaults = ours_opt.defaults
-    kwargs = {k: defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "foreach", "fused")}
-    return torch.optim.AdamW(groups, **kwargs)
+    return torch.optim.AdamW(groups, fused=True)
 
 
 def _saved_bytes(run: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> int:
@@ -191,7 +190,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     batches = [b.to(dev) if cuda else b for b in batches]
     labels = [b[:, 1:].contiguous() for b in batches]
 
-    def our_step_with(section: ModelSection) -> tuple[Olmo3, torch.optim.Optimizer,
+    def our_step_with(section: ModelSection) -> tuple[Olmo3, AdamW,
                                                        Callable[[int], float]]:
         """Our model (seed weights) executed per `section`, its optimizer and its step."""
         model = Olmo3(cfg)
@@ -307,7 +306,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
             "params": param_count(cfg), "seq_len": seq_len, "micro_batch": micro_batch,
             "tokens_per_step": tokens, "threads": torch.get_num_threads() if not cuda else None,
             "dtype": "bf16 autocast, fp32 master weights" if cuda else "float32",
-            "optimizer": {"name": "torch.optim.AdamW", "lr": optim_cfg.lr,
+            "optimizer": {"name": "AdamW", "lr": optim_cfg.lr,
                           "betas": list(optim_cfg.betas), "eps": optim_cfg.eps,
                           "weight_decay": optim_cfg.weight_decay,
                           "embeddings_decayed": optim_cfg.decay_embeddings,

@@ -21,21 +21,56 @@ RANGES_IN_FLIGHT = 8  # ranged GETs outstanding at once (64-512 MiB of buffers)
 HASH_BACKLOG = 4  # chunks queued for hashing before the I/O thread waits for it
 
 
+BLOCK = 16 << 20  # bytes per verified block of a part file (a ranged restore's granularity)
+
+
 class BackgroundHash:
-    """sha256 of the buffers given to `update`, in order, computed on a thread of its own.
+    """The digest of the buffers given to `update`, in order, computed on a thread of its own.
+
+    With `block_size`, the digest is sha256 over the sha256 of each `block_size` bytes (the last
+    block may be shorter) and `blocks` lists those: a reader can verify any block alone, so a
+    restore that needs only some rows of a file reads and checks only the blocks holding them,
+    for the same single pass of hashing (docs/CONTRACTS.md "Checkpoints"). Without, it is the
+    sha256 of the bytes.
 
     The buffers must stay unchanged until hashed: `update` returns once at most `backlog`
     chunks are waiting, so a caller that reuses buffers keeps more than `backlog` of them (or
     calls `wait`), and one that hashes temporary copies holds at most `backlog` alive."""
 
-    def __init__(self, data: bytes = b"", backlog: int = HASH_BACKLOG):
-        self._h = hashlib.sha256(data)
+    def __init__(self, data: bytes = b"", backlog: int = HASH_BACKLOG,
+                 block_size: int | None = None):
+        self._h = hashlib.sha256()
+        self._block_size = block_size
+        self._filled = 0  # bytes in the current block
+        self.blocks: list[str] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-sha256")
         self._pending: collections.deque[Future] = collections.deque()
         self._backlog = backlog
+        self._digest: str | None = None
+        self._hash(data)
+
+    def _hash(self, buf: Any) -> None:
+        if self._block_size is None:
+            self._h.update(buf)
+            return
+        view = memoryview(buf).cast("B")
+        while len(view):
+            if self._filled == 0:
+                self._block = hashlib.sha256()
+            take = min(len(view), self._block_size - self._filled)
+            self._block.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self._block_size:
+                self._end_block()
+
+    def _end_block(self) -> None:
+        self.blocks.append(self._block.hexdigest())
+        self._h.update(bytes.fromhex(self.blocks[-1]))
+        self._filled = 0
 
     def update(self, buf: Any) -> None:
-        self._pending.append(self._pool.submit(self._h.update, buf))
+        self._pending.append(self._pool.submit(self._hash, buf))
         while len(self._pending) > self._backlog:
             self._pending.popleft().result()
 
@@ -44,9 +79,13 @@ class BackgroundHash:
             self._pending.popleft().result()
 
     def hexdigest(self) -> str:
-        self.wait()
-        self._pool.shutdown()
-        return self._h.hexdigest()
+        if self._digest is None:
+            self.wait()
+            self._pool.shutdown()
+            if self._filled:
+                self._end_block()
+            self._digest = self._h.hexdigest()
+        return self._digest
 
     def close(self) -> None:
         """Stop without a digest (an error path): drop what is queued."""
@@ -55,10 +94,17 @@ class BackgroundHash:
         self._pool.shutdown(wait=True)
 
 
-def hash_stream(src: Any) -> tuple[int, str]:
-    """(size, sha256) of a readable binary file, reading one buffer while hashing the other."""
+def block_root(blocks: list[str]) -> str:
+    """The digest of a file hashed in blocks, from its blocks' digests."""
+    return hashlib.sha256(b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()
+
+
+def hash_stream(src: Any, block_size: int | None = None) -> tuple[int, str]:
+    """(size, digest) of a readable binary file (see `BackgroundHash`), reading one buffer
+    while hashing the other."""
     bufs = [memoryview(bytearray(CHUNK)) for _ in range(2)]
-    h = BackgroundHash(backlog=1)  # one chunk being hashed while the other is read into
+    # one chunk being hashed while the other is read into
+    h = BackgroundHash(backlog=1, block_size=block_size)
     size, i = 0, 0
     try:
         while n := src.readinto(bufs[i]):

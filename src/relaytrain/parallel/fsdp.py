@@ -19,20 +19,14 @@ converted back, into the chunk FSDP2 accumulates the gradient in (earlier micro-
 zeros: adding an exact zero changes no bit). The gradient norm is computed from each tensor's
 whole gradient, gathered one tensor at a time, so it is the unsharded model's `get_total_norm`
 bit for bit. A step's state is then the same bits for every (dp, fsdp) whose chunks are
-whole CPU vectors (`misaligned`), and every layout restores any other's state: `full_state`,
-`as_like` and `copy_whole_` convert between the sharded tensors and whole ones (the checkpoint
-format).
+whole CPU vectors (parallel/shards.py's `misaligned`, which says why), and every layout
+restores any other's state (parallel/shards.py converts between sharded tensors and whole ones).
 
-Why chunks must be whole vectors: torch's fused AdamW on the CPU updates a tensor's values in
-vectors, and the last values that do not fill a vector one at a time, where the result can
-differ in the last bit (measured: a 4,096-value tensor split 1366/1366/1364 changed 10 values
-of `exp_avg_sq`, at each chunk's tail). A chunk of whole vectors puts every value on the path it
-takes in the whole tensor.
+Imported only by a worker that shards (see parallel/shards.py: the import is 1.2 s).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -41,11 +35,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.tensor import DTensor
 
-from relaytrain.model.config import Olmo3Config
-from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.reduce import any_rank, exceeds, from_limbs, overflow_limit, to_limbs
+from relaytrain.parallel.shards import whole_tensor
 
 # torch 2.13 renamed reduce_scatter_tensor (and warns on the old name); torch 2.8 has only it.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -54,35 +46,6 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # Gradient values (over all ranks) converted to limbs and reduce-scattered at a time in exact
 # mode: 32 bytes each while converted, so at most 512 MiB.
 SLICE_VALUES = 2**24
-
-# float32 values per vector in torch's widest CPU kernels (AVX-512); whole 16-value vectors are
-# whole vectors of every narrower width too.
-VECTOR_VALUES = 16
-
-
-def parameter_shapes(cfg: Olmo3Config) -> dict[str, tuple[int, ...]]:
-    """The whole model's parameter shapes (built on the meta device: no memory). A vocabulary
-    not known yet (it comes with the data) is taken as one vector: it only sets the row counts
-    of the embedding and the head, rows of d_model values."""
-    if not cfg.vocab_size:
-        cfg = cfg.with_vocab(VECTOR_VALUES)
-    with torch.device("meta"):
-        model = Olmo3(cfg)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-def misaligned(shapes: dict[str, tuple[int, ...]], shards: int) -> tuple[str, int] | None:
-    """The first parameter whose dim-0 chunks over `shards` ranks (torch.chunk: all but the
-    last have ceil(rows / shards) rows) are not whole vectors, and its chunk's value count;
-    None if every chunk but the last of every tensor is (exact mode's bits then do not depend
-    on the sharding)."""
-    for name, shape in shapes.items():
-        rows = shape[0] if shape else 1
-        per_row = math.prod(shape[1:])
-        chunk = -(-rows // shards)
-        if chunk < rows and (chunk * per_row) % VECTOR_VALUES:
-            return name, chunk * per_row
-    return None
 
 
 def shard_model(model: nn.Module, blocks: list[nn.Module], group: dist.ProcessGroup,
@@ -147,10 +110,10 @@ class ShardedGradReducer:
         """Clip the gradient to `max_norm` by its global norm (returned)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.exact:  # the whole tensors' norms, as on one worker
-            norms = [torch._foreach_norm([_whole(g)], 2.0)[0] for g in grads]
+            norms = [torch._foreach_norm([whole_tensor(g)], 2.0)[0] for g in grads]
             total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         else:
-            total = _whole(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+            total = whole_tensor(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total, foreach=True)
         return total
 
@@ -201,48 +164,3 @@ class _IntegerReduceScatter(ReduceScatter):
         output_tensor.copy_(from_limbs(self.acc[0], self.acc[1]).view_as(output_tensor))
         self.reset()
         return None
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (a collective over its mesh); a plain tensor as is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def full_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole tensors for sharded ones (collective: every rank of the shard group, same keys in
-    the same order)."""
-    return {k: _whole(v) for k, v in tensors.items()}
-
-
-def local_chunk(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `whole` for a tensor laid out as `like` (a DTensor sharded as FSDP2
-    shards: dim-0 torch.chunk over the mesh), or `whole` itself for a plain `like`."""
-    if not isinstance(like, DTensor):
-        return whole
-    mesh = like.device_mesh
-    chunks = torch.chunk(whole, mesh.size(), dim=0)
-    rank = mesh.get_local_rank()
-    local = chunks[rank] if rank < len(chunks) else whole[:0]
-    if local.shape != like.to_local().shape:
-        raise ValueError(f"a whole tensor of shape {tuple(whole.shape)} does not shard to "
-                         f"{tuple(like.to_local().shape)} as this rank's part")
-    return local
-
-
-def as_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A new tensor holding `whole`'s values laid out as `like` (sharded if `like` is)."""
-    local = local_chunk(whole, like).to(device=like.device, dtype=like.dtype).clone()
-    if not isinstance(like, DTensor):
-        return local
-    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape,
-                              stride=like.stride())
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `t` (sharded or not), as a plain tensor sharing its storage."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def copy_whole_(dest: torch.Tensor, whole: torch.Tensor) -> None:
-    """Set `dest` (sharded or not) to the values of the whole tensor `whole`, in place."""
-    local_tensor(dest).copy_(local_chunk(whole, dest).to(dest.dtype))

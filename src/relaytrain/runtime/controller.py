@@ -234,12 +234,12 @@ class Controller:
         written in the background); the seconds the copy took."""
         parts = self.recovery.save_parts()
         t0 = time.perf_counter()
-        def save(part: str | None) -> WorkerCall:
+        def save(part: str) -> WorkerCall:
             return lambda w: w.save(step, part)
 
         self.engine.call({wid: save(part) for wid, part in parts.items()},
                          self.cfg.runtime.call_timeout)
-        self.catalogue.expect(step, {part for part in parts.values() if part is not None})
+        self.catalogue.expect(step, set(parts.values()))
         if not self.cfg.checkpoint.async_write:
             self._finish_writes(wait=0.0)
         return time.perf_counter() - t0
@@ -247,7 +247,7 @@ class Controller:
     def _finish_writes(self, wait: float) -> None:
         """Wait for every checkpoint write and commit what is complete; commits deferred by
         unavailable storage are retried for up to `wait` seconds."""
-        writers = list(self.recovery.writer_parts())
+        writers = list(self.recovery.save_parts())
         done = self.engine.call_all(writers, lambda w: w.flush_writes(),
                                     self.cfg.runtime.call_timeout)
         reports = [w for ws in done.values() for w in ws]

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from relaytrain.config import RunConfig
-from relaytrain.parallel.fsdp import misaligned, parameter_shapes
 from relaytrain.parallel.groups import Placement, placements, shard_size
+from relaytrain.parallel.shards import misaligned, parameter_shapes
 from relaytrain.runtime import rendezvous
 from relaytrain.runtime.catalogue import CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
@@ -67,16 +67,12 @@ class Recovery:
         return placements(self.members, self.dp, self.cfg.parallel.pp,
                           shard_size(self.dp, self.cfg.parallel.fsdp))
 
-    def save_parts(self) -> dict[int, str | None]:
-        """Worker id -> checkpoint part, for every worker a save involves: DP rank 0 of every
-        stage writes its stage's tensors; under sharding the other shards of its replica help
-        gather them (part None)."""
-        return {w: f"stage{p.stage}" if p.dp_rank == 0 else None
+    def save_parts(self) -> dict[int, str]:
+        """Worker id -> the checkpoint part it writes: DP rank 0 of every stage writes its
+        stage's tensors; under sharding every shard of the first replica writes its own, all at
+        once."""
+        return {w: f"stage{p.stage}" + (f"-shard{p.shard}" if p.fsdp > 1 else "")
                 for w, p in self.placements().items() if p.replica == 0}
-
-    def writer_parts(self) -> dict[int, str]:
-        """Worker id -> the checkpoint part it writes."""
-        return {w: part for w, part in self.save_parts().items() if part is not None}
 
     # ---- generations -----------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -179,11 +175,11 @@ class Recovery:
         """The workers that failed, and the failure to report: a collective error that a
         peer's death caused is collateral, the dead or hung peer is named instead."""
         failed: set[int] = set()
-        if self.cfg.faults.hold_capacity_s > 0:  # taken before the failed worker's slot frees
-            self.engine.hold_capacity(self.cfg.faults.hold_capacity_s)
         if not isinstance(failure, WorkerRaised):
             failed.add(failure.wid)
             self.engine.kill(failure.wid)  # a hung peer must go before its partners unblock
+        if self.cfg.faults.hold_capacity_s > 0:  # the failed worker's slot, before a replacement
+            self.engine.hold_capacity(self.cfg.faults.hold_capacity_s)
         # Abort the generation's collectives on every survivor now (runtime/abort.py), so none
         # waits for runtime.collective_timeout (the last resort); a replacement starts meanwhile.
         self.engine.abort([w for w in self.members if w not in failed], self.generation)

@@ -12,13 +12,12 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
-from relaytrain.checkpoint.keys import model_key, tensor_param
+from relaytrain.checkpoint.keys import model_key, optim_key, tensor_param
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.checkpoint.writer import AsyncCheckpointWriter, snapshot_to_host
 from relaytrain.config import RunConfig, config_from_dict
@@ -27,16 +26,16 @@ from relaytrain.data.loader import Loader
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.model.stages import build_stage, partition_layers
-from relaytrain.parallel.fsdp import (
-    ShardedGradReducer,
-    copy_whole_,
-    full_state,
-    local_tensor,
-    shard_model,
-)
 from relaytrain.parallel.groups import PipelineGroups, Placement, form_groups, form_shard_groups
 from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
+from relaytrain.parallel.shards import (
+    assign_,
+    full_state,
+    local_tensor,
+    own_rows,
+    shard_pieces,
+)
 from relaytrain.runtime import rendezvous
 from relaytrain.runtime.abort import (
     GroupSockets,
@@ -54,6 +53,8 @@ from relaytrain.train.execution import (
     set_determinism,
 )
 from relaytrain.train.optim import (
+    MOMENTS,
+    AdamW,
     build_optimizer,
     load_optimizer_state,
     lr_at,
@@ -61,6 +62,9 @@ from relaytrain.train.optim import (
     set_lr,
 )
 from relaytrain.train.step import StepOutcome, train_step
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 def reset_peak_rss() -> None:
@@ -84,7 +88,7 @@ def peak_rss() -> int:
     return 0
 
 
-def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(model: torch.nn.Module, optimizer: AdamW) -> int:
     """Bytes of the parameters, their gradients and the optimizer state this process holds
     (local shards of sharded tensors). Gradients are counted at the parameters' size: they
     have their shape and dtype, and exist through a step's backward and update."""
@@ -117,7 +121,7 @@ class Worker:
         self.placement: Placement | None = None
         self.generation = -1
         self.model: Olmo3 | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer: AdamW | None = None
         self.loader: Loader | None = None
         self.reducer: GradReducer | None = None
         self.groups: PipelineGroups | None = None  # pp > 1: this generation's groups
@@ -226,9 +230,8 @@ class Worker:
         if tensors is None and self._snapshot is not None and self._snapshot[0] == step:
             tensors = self._snapshot[1]
         if tensors is None and step > 0:
-            names = {n for n, _ in self.model.named_parameters()}
-            _, tensors = self.store.read(step, keys=lambda k: tensor_param(k) in names)
-        if tensors is not None:
+            self.load_tensors(self._read_checkpoint(step), local=True)
+        elif tensors is not None:
             self.load_tensors(tensors)
         if self.shards is not None and self.placement.dp > 1:
             # A sharded snapshot is taken at the end of a step (run_steps): one of the state
@@ -238,6 +241,8 @@ class Worker:
         group = self.groups.dp if self.groups is not None else self._group()
         exact = self.cfg.determinism == "exact"
         if self.shards is not None:
+            from relaytrain.parallel.fsdp import ShardedGradReducer  # parallel/shards.py: why
+
             self.reducer = ShardedGradReducer(self._units, list(self.model.parameters()), group,
                                               self.shards[1], exact, self.cfg.micro_batches,
                                               self.placement.dp)
@@ -258,6 +263,8 @@ class Worker:
         init_weights(model, self.cfg.seed)
         self.model = prepare_model(model, self.cfg.model, self.device)
         if self.shards is not None:
+            from relaytrain.parallel.fsdp import shard_model  # parallel/shards.py: why
+
             self._units = shard_model(self.model, list(self.model.layers.values()),
                                       self.shards[0], self.device, self.generation)
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
@@ -283,7 +290,23 @@ class Worker:
         previous = self._snapshot[1] if self._snapshot is not None else None
         self._snapshot = (step, snapshot_to_host(self.state_tensors(), out=previous))
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _read_checkpoint(self, step: int) -> dict[str, torch.Tensor]:
+        """This worker's tensors of checkpoint `step`: its stage's, and of sharded ones only
+        its own rows (only the blocks holding them are read)."""
+        assert self.model is not None
+        names, rows = set(), {}
+        for name, p in self.model.named_parameters():
+            names.add(name)
+            own = own_rows(p)
+            if own is not None:
+                rows[model_key(name)] = own
+                rows.update({optim_key(name, m): own for m in MOMENTS})
+        _, tensors = self.store.read(step, keys=lambda k: tensor_param(k) in names, rows=rows)
+        return tensors
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], local: bool = False) -> None:
+        """The state from whole tensors, or with `local` from this rank's rows of the sharded
+        ones (`_read_checkpoint`)."""
         assert self.model is not None and self.optimizer is not None
         params = dict(self.model.named_parameters())
         missing = [n for n in params if model_key(n) not in tensors]
@@ -291,18 +314,22 @@ class Worker:
             raise KeyError(f"checkpoint lacks parameter {missing[0]!r}")
         with torch.no_grad():
             for name, p in params.items():
-                copy_whole_(p, tensors[model_key(name)])
+                assign_(p, tensors[model_key(name)], local)
         self.optimizer.state.clear()  # nothing of the live run survives a restore
-        load_optimizer_state(self.model, self.optimizer, tensors)
+        load_optimizer_state(self.model, self.optimizer, tensors, local)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The state as whole tensors (sharded: gathered, with every shard of the replica)."""
+        return full_state(self._state())
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The state as this worker holds it (sharded: its DTensors)."""
         assert self.model is not None and self.optimizer is not None
         for unit in self._units:  # FSDP2 keeps the root's parameters gathered after a forward
             unit.reshard()  # with no backward (an evaluation): they must be the sharded ones
         out = {model_key(n): p.detach() for n, p in self.model.named_parameters()}
         out.update(optimizer_state_tensors(self.model, self.optimizer))
-        return full_state(out)
+        return out
 
     # ---- training --------------------------------------------------------------------------
     def run_steps(self, first: int, count: int) -> list[StepResult]:
@@ -393,14 +420,16 @@ class Worker:
                 for i, (out, batch) in enumerate(zip(outs, batches, strict=True))]
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save(self, step: int, part: str | None) -> float:
-        """Copy the state to host memory now; write it in the background as `part`. Returns
-        copy time. Part None: a shard that only helps its writer gather the state."""
+    def save(self, step: int, part: str) -> float:
+        """Copy the state to host memory now; write it in the background as `part` (sharded:
+        this shard's rows only). Returns copy time."""
         t0 = time.perf_counter()
-        state = self.state_tensors()
-        if part is not None:
-            self._pending.append((step, part, self.writer.submit(step, part,
-                                                                 snapshot_to_host(state))))
+        if self.shards is None:
+            state, pieces = self.state_tensors(), None
+        else:
+            state, pieces = shard_pieces(self._state(), first=self.placement.shard == 0)
+        self._pending.append((step, part, self.writer.submit(
+            step, part, snapshot_to_host(state), shards=pieces)))
         return time.perf_counter() - t0
 
     def _collect(self, wait: bool) -> list[WriteReport]:

@@ -4,23 +4,73 @@ state as flat tensors keyed by global parameter name (the checkpoint format)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from relaytrain.checkpoint.keys import optim_key
 from relaytrain.config import OptimSection
-from relaytrain.parallel.fsdp import as_like
+from relaytrain.parallel.shards import as_like, local_tensor
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # shaped as the parameter (sharded as it is)
+STATE_KEYS = (*MOMENTS, "step")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
+class AdamW:
+    """AdamW on torch's fused kernel (`torch._fused_adamw_`), the one `torch.optim.AdamW(...,
+    fused=True)` runs, called the same way: the same bits and the same state layout
+    (`exp_avg`, `exp_avg_sq`, and `step` as a float32 scalar on the parameter's device).
+
+    Not `torch.optim`: its first use imports torch._dynamo (Optimizer's methods are wrapped to
+    keep the compiler out), 0.9-2 s of every worker's start, paid again by every replacement in
+    a recovery. Sharded parameters (DTensors) are updated through their local chunks."""
+
+    def __init__(self, groups: list[dict[str, Any]], lr: float, betas: tuple[float, float],
+                 eps: float):
+        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps, **g,
+                              "params": list(g["params"])} for g in groups]
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            by_kind: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state.get(p) or self._init_state(p)
+                lists = by_kind.setdefault((p.device, p.dtype), [[], [], [], [], []])
+                for out, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                                          state["step"]), strict=True):
+                    out.append(local_tensor(t))
+            beta1, beta2 = group["betas"]
+            for params, grads, exp_avgs, exp_avg_sqs, steps in by_kind.values():
+                torch._foreach_add_(steps, 1)
+                torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps,
+                                    amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                    weight_decay=group["weight_decay"], eps=group["eps"],
+                                    maximize=False, grad_scale=None, found_inf=None)
+
+    def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.state[p] = {
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "step": torch.zeros((), dtype=torch.float32, device=p.device)}
+        return state
+
+    def zero_grad(self) -> None:
+        """Gradients dropped, not zeroed (freed memory; the next backward writes them anew)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+def build_optimizer(model: nn.Module, cfg: OptimSection) -> AdamW:
     """AdamW; embeddings are not decayed unless `decay_embeddings` (the Olmo 3 recipe).
 
-    The fused implementation on every device: one kernel per parameter group instead of a
-    dozen passes over the state (faster than `foreach` on the CPU too, README
-    "Measured"); deterministic, and the same state layout for checkpoints."""
+    The fused kernel on every device: one kernel per parameter group instead of a dozen passes
+    over the state (faster than `foreach` on the CPU too, README "Measured"); deterministic."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -29,7 +79,7 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+    return AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps)
 
 
 def lr_at(step: int, cfg: OptimSection, max_steps: int) -> float:
@@ -42,13 +92,12 @@ def lr_at(step: int, cfg: OptimSection, max_steps: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: AdamW, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
 
 
-def optimizer_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer
-                            ) -> dict[str, torch.Tensor]:
+def optimizer_state_tensors(model: nn.Module, optimizer: AdamW) -> dict[str, torch.Tensor]:
     """`optim.<param name>.<state>` for every parameter that has state."""
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
@@ -56,23 +105,19 @@ def optimizer_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer
         if not state:
             continue
         for key in STATE_KEYS:
-            value = state[key]
-            out[optim_key(name, key)] = value if torch.is_tensor(value) else \
-                torch.tensor(float(value))
+            out[optim_key(name, key)] = state[key]
     return out
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                         tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of optimizer_state_tensors (whole tensors); parameters without saved state start
-    fresh."""
+def load_optimizer_state(model: nn.Module, optimizer: AdamW, tensors: dict[str, torch.Tensor],
+                         local: bool = False) -> None:
+    """Inverse of optimizer_state_tensors: whole tensors, or with `local` this rank's rows of
+    the sharded ones (parallel/shards.py); parameters without saved state start fresh."""
     for name, p in model.named_parameters():
         keys = [optim_key(name, k) for k in STATE_KEYS]
         if not all(k in tensors for k in keys):
             continue
-        state = optimizer.state[p]
-        state["exp_avg"] = as_like(tensors[keys[0]], p)  # sharded as `p` is (parallel.fsdp)
-        state["exp_avg_sq"] = as_like(tensors[keys[1]], p)
-        # AdamW keeps `step` as a float32 scalar tensor (on the param's device when fused).
-        step = tensors[keys[2]].to(torch.float32).clone()
-        state["step"] = step.to(p.device) if optimizer.defaults.get("fused") else step
+        optimizer.state[p] = {
+            "exp_avg": as_like(tensors[keys[0]], p, local),  # sharded as `p` is
+            "exp_avg_sq": as_like(tensors[keys[1]], p, local),
+            "step": tensors[keys[2]].to(device=p.device, dtype=torch.float32).clone()}

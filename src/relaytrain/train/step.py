@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from relaytrain.parallel.fsdp import ShardedGradReducer
 from relaytrain.parallel.reduce import GradReducer
+from relaytrain.train.optim import AdamW
+
+if TYPE_CHECKING:  # imported only by workers that shard (parallel/shards.py says why)
+    from relaytrain.parallel.fsdp import ShardedGradReducer
 
 
 @dataclass
@@ -31,7 +34,7 @@ def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+def train_step(model: nn.Module, optimizer: AdamW,
                reducer: GradReducer | ShardedGradReducer,
                micro_batches: list[tuple[int, torch.Tensor]], total_micro_batches: int,
                z_loss: float, clip: float, device: torch.device) -> StepOutcome:
@@ -52,5 +55,5 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         math.isfinite(v[0]) for v in out.losses.values())
     if out.finite:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return out

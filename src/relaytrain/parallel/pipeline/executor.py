@@ -86,7 +86,7 @@ from relaytrain.parallel.pipeline.schedules import (
 )
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.evaluate import eval_chunks, instance_losses
-from relaytrain.train.optim import set_lr
+from relaytrain.train.optim import AdamW, set_lr
 from relaytrain.train.step import StepOutcome, autocast_for
 
 ACTIVATION_DTYPE = torch.float32  # residual stream between stages (fp32 under bf16 autocast too)
@@ -264,7 +264,7 @@ class _SpanStats:
 class StageRunner:
     """One pipeline stage: runs spans of global batches by its action list."""
 
-    def __init__(self, module: Olmo3, optimizer: torch.optim.Optimizer, reducer: GradReducer,
+    def __init__(self, module: Olmo3, optimizer: AdamW, reducer: GradReducer,
                  spec: StageSpec, transport: Transport, prev: int | None, next: int | None,
                  pipe_group: dist.ProcessGroup | None, lr_of: Callable[[int], float],
                  device: torch.device):
@@ -464,7 +464,7 @@ class StageRunner:
                     for p in params:
                         p.data = p.data.clone()
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         self.reducer.start()
         return _Update(step, value, finite)
 

@@ -160,7 +160,7 @@ class Engine(ABC):
 
     def hold_capacity(self, seconds: float) -> None:
         """Occupy one worker's worth of resources for `seconds` (fault injection: a lost node
-        whose capacity does not come back at once)."""
+        whose capacity does not come back at once), taking the slot a failed worker freed."""
         raise NotImplementedError(f"{type(self).__name__} cannot hold capacity")
 
     @abstractmethod

@@ -286,7 +286,10 @@ class RayEngine(Engine):
         return self._reserved is not None
 
     def hold_capacity(self, seconds: float) -> None:
+        """Placed before returning (within 5 s), so that no replacement started after it can
+        take the slot first."""
         pg = placement_group([self._bundle()], strategy="PACK")
+        ray.wait([pg.ready()], timeout=5.0)
         timer = threading.Timer(seconds, remove_placement_group, (pg,))
         timer.daemon = True
         timer.start()
