@@ -29,8 +29,8 @@ class FakeWorker:
         self.calls.append(f"setup{generation}")
         return {"pid": self.ping(), "start": 0}
 
-    def build(self, step: int, tensors: dict | None) -> int:
-        self.built = (step, tensors)
+    def build(self, step: int, given: Any) -> int:
+        self.built = (step, given)
         self.snapshot = step
         return step
 

@@ -1,7 +1,7 @@
 """`relaytrain bench recovery [key=value ...]`: kill (SIGKILL) or hang (SIGSTOP) a worker N
-times in a tiny 4-worker run, and once take a worker away with no capacity to replace it (a
-shrink), and report, per kind of failure, the time from the fault to the next completed step,
-split by phase, and the steps lost.
+times in a tiny 4-worker run, kill workers of a sharded one (dp 2 x fsdp 2), and once take a
+worker away with no capacity to replace it (a shrink), and report, per kind of failure, the
+time from the fault to the next completed step, split by phase, and the steps lost.
 
 Every setting is the run's default unless given on the command line (e.g. `elastic.spares=1`
 for a warm spare), and the report names the settings that bound recovery. A survivor waits
@@ -24,6 +24,9 @@ from relaytrain.errors import UserError
 from relaytrain.runtime.engines.ray import HEARTBEAT_S, PING_TIMEOUT
 
 PHASES = ("detect", "replace", "reform", "restore", "first_step")
+CAUSES = {"died": "kill (SIGKILL)", "hung": "hang (SIGSTOP)",
+          "died, sharded": "kill in a sharded run (dp 2 x fsdp 2)",
+          "shrunk": "kill, no capacity (shrink)"}
 
 
 def fault_plan(kills: int, hangs: int) -> list[tuple[int, str]]:
@@ -56,7 +59,8 @@ def settings(overrides: list[str]) -> dict[str, Any]:
 
 
 def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | None = None,
-                   shrink: bool = True, overrides: list[str] | None = None) -> dict[str, Any]:
+                   shrink: bool = True, sharded: bool = True,
+                   overrides: list[str] | None = None) -> dict[str, Any]:
     kills = (3 if quick else 8) if kills is None else kills
     hangs = (1 if quick else 4) if hangs is None else hangs
     plan = fault_plan(kills, hangs)
@@ -78,6 +82,14 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
                                 f"faults.hang_at={[s for s, k in plan if k == 'hang']}",
                                 f"elastic.max_recoveries={len(plan)}"])
         recs = summary["recoveries"]
+        if sharded:
+            kill_at = [s for s, _ in fault_plan(2 if quick else 4, 0)]
+            progress.report(f"{len(kill_at)} kills in a sharded run (dp 2 x fsdp 2)")
+            run = run_training([*common, f"run_dir={os.path.join(tmp, 'sharded')}",
+                                "parallel.dp=2", "parallel.fsdp=2",
+                                f"train.max_steps={kill_at[-1] + 10}", f"faults.kill_at={kill_at}",
+                                f"elastic.max_recoveries={len(kill_at)}"])
+            recs += [{**r, "cause": "died, sharded"} for r in run["recoveries"]]
         if shrink:
             # The 4 workers fill the machine's CPUs, and the killed one's slot stays taken
             # until well after the replacement's deadline: no capacity to replace it.
@@ -87,13 +99,17 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
                                    "train.max_steps=20", "faults.kill_at=[10]",
                                    f"faults.hold_capacity_s={held}", "elastic.spares=0",
                                    f"runtime.cpus_per_worker={(os.cpu_count() or 4) / 4:g}"])
-            recs += [{**r, "cause": "shrunk"} for r in shrunk["recoveries"]]
+            # only a recovery that did go on with fewer workers is a shrink's figure
+            recs += [{**r, "cause": "shrunk"} for r in shrunk["recoveries"] if r["dp"] < 4]
+            if not any(r["dp"] < 4 for r in shrunk["recoveries"]):
+                progress.report("the shrink case found capacity for a replacement: no figure")
     out: dict[str, Any] = {"kills": kills, "hangs": hangs, "settings": used, "overrides": given,
                            "recoveries": len(recs), "goodput": summary["goodput"],
                            "targets_s": {"died": 1.0 if used["elastic.spares"] else 3.0,
                                          "hung": PING_TIMEOUT + 1.0,
+                                         "died, sharded": 3.0,
                                          "shrunk": used["elastic.replace_timeout"] + 1.0}}
-    for cause in ("died", "hung", "shrunk"):
+    for cause in CAUSES:
         mine = [r for r in recs if r["cause"] == cause]
         out[cause] = _summary(mine) if mine else None
     return out
@@ -104,8 +120,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"recovery from {r['kills']} kills and {r['hangs']} hangs of 1 of 4 workers, "
              f"{r['recoveries']} recoveries; settings given: {given}",
              "  in effect: " + ", ".join(f"{k} {v:g}" for k, v in r["settings"].items())]
-    for cause, what in (("died", "kill (SIGKILL)"), ("hung", "hang (SIGSTOP)"),
-                        ("shrunk", "kill, no capacity (shrink)")):
+    for cause, what in CAUSES.items():
         s = r[cause]
         if s is None:
             continue

@@ -43,6 +43,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from relaytrain import storage
+from relaytrain.checkpoint.pieces import Piece, Rows, assemble, cut, rows_to_take
 from relaytrain.checkpoint.streaming import (
     BLOCK,
     CHUNK,
@@ -72,8 +73,6 @@ _DTYPES: dict[torch.dtype, str] = {
 _DTYPE_OF = {name: dtype for dtype, name in _DTYPES.items()}
 
 KeyFilter = Callable[[str], bool]
-Rows = dict[str, tuple[int, int]]  # tensor name -> the rows [start, stop) of it wanted
-Piece = tuple[int | None, torch.Tensor]  # (first row, rows), or (None, a whole unsharded tensor)
 
 
 class CheckpointWarning(UserWarning):
@@ -501,7 +500,7 @@ def _valid_shards(shards: Any) -> bool:
         and all(isinstance(n, int) and n >= 0 for n in w["shape"])
         and isinstance(w.get("rows"), list) and len(w["rows"]) == 2
         and all(isinstance(n, int) for n in w["rows"])
-        and 0 <= w["rows"][0] < w["rows"][1] <= w["shape"][0] for w in shards.values())
+        and 0 <= w["rows"][0] <= w["rows"][1] <= w["shape"][0] for w in shards.values())
 
 
 def _untiled(files: dict[str, dict]) -> str | None:
@@ -543,7 +542,10 @@ def _load_dir(fs: fsspec.AbstractFileSystem, d: str, keys: KeyFilter | None,
             if rows and "blocks" in info:
                 got = _read_rows(fs, path, info, keys, rows)
             else:
-                got = _cut(_read_verified(fs, path, info, keys), info, rows, path)
+                got = _read_verified(fs, path, info, keys)
+                for key, t in got.items():
+                    _span(key, list(t.shape), info, path)  # as the manifest says
+                got = cut(got, info.get("shards", {}), rows)
         except FileNotFoundError:
             raise CheckpointError(f"{path}: missing") from None
         for key, (start, t) in got.items():
@@ -552,24 +554,11 @@ def _load_dir(fs: fsspec.AbstractFileSystem, d: str, keys: KeyFilter | None,
             else:
                 pieces.setdefault(key, []).append((start, t))
     for key, parts in pieces.items():
-        tensors[key] = _assemble(key, parts, rows.get(key) or (0, _whole_rows(manifest, key)), d)
+        try:
+            tensors[key] = assemble(key, parts, rows.get(key) or (0, _whole_rows(manifest, key)))
+        except ValueError as e:
+            raise CheckpointError(f"{d}: {e}") from None
     return manifest, tensors
-
-
-def _assemble(key: str, parts: list[tuple[int, torch.Tensor]], want: tuple[int, int],
-              d: str) -> torch.Tensor:
-    """Rows `want` of tensor `key` from its pieces, which must cover them exactly once."""
-    parts.sort(key=lambda p: p[0])
-    end = want[0]
-    for start, t in parts:
-        if start != end:
-            break
-        end += t.shape[0]
-    if end != want[1] or parts[0][0] != want[0]:
-        got = [(a, a + t.shape[0]) for a, t in parts]
-        raise CheckpointError(f"{d}: rows {want[0]}:{want[1]} of {key} wanted, its pieces hold "
-                              f"{got}")
-    return parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts])
 
 
 def _whole_rows(manifest: dict, key: str) -> int:
@@ -588,33 +577,6 @@ def _span(key: str, shape: list[int], info: dict, path: str) -> tuple[int, int] 
         raise CheckpointError(f"{path}: {key} has shape {tuple(shape)}, the manifest says rows "
                               f"{start}:{stop} of {where['shape']}")
     return start, stop
-
-
-def _take(key: str, shape: list[int], info: dict, rows: Rows, path: str
-          ) -> tuple[int | None, int, int] | None:
-    """What to take of a file's tensor `key` of `shape`: (None, ...) the whole (unsharded, or not
-    among `rows`); (first row in the whole tensor, i, j) its rows [i, j); None nothing (it holds
-    none of the rows wanted)."""
-    span = _span(key, shape, info, path)
-    if span is None or (key not in rows and key not in info.get("shards", {})):
-        return None, 0, 0
-    a, b = rows.get(key, span)
-    if a == b:  # an empty chunk (more shards than rows): the type and row shape only
-        return a, 0, 0
-    lo, hi = max(a, span[0]), min(b, span[1])
-    return (lo, lo - span[0], hi - span[0]) if lo < hi else None
-
-
-def _cut(tensors: dict[str, torch.Tensor], info: dict, rows: Rows, path: str
-         ) -> dict[str, Piece]:
-    """A file's tensors as pieces (see `_take`)."""
-    out: dict[str, Piece] = {}
-    for key, t in tensors.items():
-        take = _take(key, list(t.shape), info, rows, path)
-        if take is not None:
-            first, i, j = take
-            out[key] = (first, t if first is None else t[i:j])
-    return out
 
 
 class _Blocks:
@@ -667,7 +629,8 @@ def _read_rows(fs: fsspec.AbstractFileSystem, path: str, info: dict, keys: KeyFi
     offset, wanted = 8 + n, []  # (key, dtype, shape, first row, bytes a, bytes b)
     for key, dtype, shape in _parse_header(blocks.get(8, 8 + n), info["size"] - 8 - n, shown):
         nbytes = dtype.itemsize * math.prod(shape)
-        take = _take(key, shape, info, rows, path) if keys is None or keys(key) else None
+        take = None if keys is not None and not keys(key) else \
+            rows_to_take(key, _span(key, shape, info, path), key in info.get("shards", {}), rows)
         if take is not None:
             first, i, j = take
             if first is None:

@@ -98,8 +98,8 @@ def shard_pieces(tensors: dict[str, torch.Tensor], first: bool
                  ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, list[int]]]]:
     """What one shard writes of a sharded state: its own rows of each sharded tensor, and the
     record the checkpoint store keeps of them (key -> whole shape, rows); tensors that are not
-    sharded (AdamW's step counts: the same on every shard) only if it is the `first`. A shard
-    whose chunk of a tensor is empty writes nothing of it."""
+    sharded (AdamW's step counts: the same on every shard) only if it is the `first`. An empty
+    chunk (more shards than rows) is a piece of no rows: it still says the type and row shape."""
     out: dict[str, torch.Tensor] = {}
     where: dict[str, dict[str, list[int]]] = {}
     for key, t in tensors.items():
@@ -108,10 +108,8 @@ def shard_pieces(tensors: dict[str, torch.Tensor], first: bool
             if first:
                 out[key] = t
             continue
-        start, stop = rows
-        if stop > start:
-            out[key] = t.to_local()
-            where[key] = {"shape": list(t.shape), "rows": [start, stop]}
+        out[key] = t.to_local()
+        where[key] = {"shape": list(t.shape), "rows": list(rows)}
     return out, where
 
 

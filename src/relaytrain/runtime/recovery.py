@@ -43,6 +43,11 @@ class Restore:
     source: str  # "memory" (survivors' snapshots) or "checkpoint"
 
 
+def _rows_of(step: int, p: Placement) -> WorkerCall:
+    """A holder's pieces of the rows a worker placed at `p` holds of the sharded state."""
+    return lambda w: w.snapshot_rows(step, p.fsdp, p.shard)
+
+
 class Recovery:
     def __init__(self, cfg: RunConfig, engine: Engine, worker_args: tuple,
                  catalogue: CheckpointCatalogue, reporter: StepReporter, faults: FaultInjector):
@@ -82,8 +87,7 @@ class Recovery:
         self.initial_pids = {w: self.engine.pid(w) for w in self.members}
         self.form_generation(step)
 
-    def form_generation(self, step: int,
-                        tensors: dict[int, dict[str, Any]] | None = None) -> float:
+    def form_generation(self, step: int, tensors: dict[int, Any] | None = None) -> float:
         """Join every member into a new process-group generation holding the state of `step`.
 
         `tensors` gives a state to some workers (replacements pulling a peer's snapshot); the
@@ -140,6 +144,9 @@ class Recovery:
         restore = self._restore_point(survivors, old)
         replaced, shrunk = self._replace(failed, survivors)
         tensors = self._donations(replaced, survivors, old, restore)
+        for wid in survivors:  # those a shrink left out, once they gave what they held
+            if wid not in self.members:
+                self.engine.kill(wid)
         t_reform0 = time.time()
         t_restore0 = self.form_generation(restore.step, tensors)
         t_done = time.time()
@@ -199,8 +206,10 @@ class Recovery:
         snaps = self.engine.call_all(survivors, lambda w: w.snapshot_step(),
                                      self.cfg.runtime.call_timeout) if survivors else {}
         stages_left = {old[w].stage for w in survivors}
+        shards_left = {old[w].shard for w in survivors}  # a shard's rows: its replicas hold them
         if (len(set(snaps.values())) == 1 and None not in snaps.values()
-                and stages_left == set(range(self.cfg.parallel.pp))):
+                and stages_left == set(range(self.cfg.parallel.pp))
+                and shards_left == set(range(next(iter(old.values())).fsdp))):
             return Restore(next(iter(snaps.values())), "memory")
         step = self.catalogue.latest_readable_step()
         warn(f"no complete in-memory snapshot survived; restoring checkpoint step {step} from "
@@ -226,15 +235,36 @@ class Recovery:
         return replaced, False
 
     def _donations(self, replaced: dict[int, int], survivors: list[int],
-                   old: dict[int, Placement], restore: Restore) -> dict[int, dict[str, Any]]:
-        """From memory, each replacement loads a surviving peer's snapshot of its stage."""
+                   old: dict[int, Placement], restore: Restore) -> dict[int, Any]:
+        """From memory, each replacement loads a surviving peer's snapshot of its stage; in a
+        sharded run, every worker whose rows changed pulls them (`_pull_rows`)."""
         if restore.source != "memory":
             return {}
+        if self.cfg.parallel.fsdp > 1:
+            return self._pull_rows(restore.step, survivors, old)
         out = {}
         for new, wid in replaced.items():
             donor = next(w for w in survivors if old[w].stage == old[wid].stage)
             out[new] = self.engine.call({donor: lambda w: w.snapshot_tensors(restore.step)},
                                         self.cfg.runtime.call_timeout)[donor]
+        return out
+
+    def _pull_rows(self, step: int, holders: list[int], old: dict[int, Placement]
+                   ) -> dict[int, list[dict[str, Any]]]:
+        """For each worker of the new layout whose rows of the sharded state changed (a
+        replacement, or a survivor given another shard by a resize): the pieces of them in
+        the snapshots of `step` that `holders` took under the `old` layout, one holder of each
+        old shard asked (checkpoint/pieces.py; the worker assembles them)."""
+        by_shard: dict[int, int] = {}
+        for w in holders:
+            by_shard.setdefault(old[w].shard, w)
+        out = {}
+        for w, p in self.placements().items():
+            if w in old and w in holders and (old[w].fsdp, old[w].shard) == (p.fsdp, p.shard):
+                continue  # restores its own snapshot
+            got = self.engine.call({h: _rows_of(step, p) for h in by_shard.values()},
+                                   self.cfg.runtime.call_timeout)
+            out[w] = list(got.values())
         return out
 
     def recovered(self, step: int) -> None:
@@ -264,9 +294,7 @@ class Recovery:
                 f"only {len(survivors)} worker(s) left and no replacement within "
                 f"elastic.replace_timeout={cfg.elastic.replace_timeout}s; elastic.min_workers="
                 f"{cfg.elastic.min_workers}")
-        keep, extra = survivors[: fits[0]], survivors[fits[0]:]
-        for wid in extra:
-            self.engine.kill(wid)
+        keep = survivors[: fits[0]]  # the others are let go once the state is restored
         warn(f"no replacement within {cfg.elastic.replace_timeout:.0f}s: continuing on "
              f"{fits[0]} worker(s) with the same global batch")
         self.dp = fits[0]
@@ -293,8 +321,11 @@ class Recovery:
         t0 = time.time()
         timeout = cfg.runtime.call_timeout
         self.engine.call_all(self.members, lambda w: w.take_snapshot(step), timeout)
-        donor = self.members[0]
-        state = self.engine.call({donor: lambda w: w.snapshot_tensors(step)}, timeout)[donor]
+        holders, old = list(self.members), self.placements()
+        sharded = cfg.parallel.fsdp > 1
+        if not sharded:
+            donor = self.members[0]
+            state = self.engine.call({donor: lambda w: w.snapshot_tensors(step)}, timeout)[donor]
         added = []
         while len(self.members) + len(added) < self.target_dp * cfg.parallel.pp:
             try:
@@ -309,6 +340,7 @@ class Recovery:
             return
         self.members += added
         self.dp = d
-        self.form_generation(step, {w: state for w in added})
+        self.form_generation(step, self._pull_rows(step, holders, old) if sharded
+                             else {w: state for w in added})
         self.reporter.header(step, self.dp)
         self.reporter.write("resize", step=step, dp=self.dp, seconds=time.time() - t0)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from relaytrain.checkpoint.keys import model_key, optim_key, tensor_param
+from relaytrain.checkpoint.pieces import Piece, Rows, assemble, cut
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.checkpoint.writer import AsyncCheckpointWriter, snapshot_to_host
 from relaytrain.config import RunConfig, config_from_dict
@@ -31,7 +32,7 @@ from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec, Transp
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.parallel.shards import (
     assign_,
-    full_state,
+    chunk_rows,
     local_tensor,
     own_rows,
     shard_pieces,
@@ -65,6 +66,10 @@ from relaytrain.train.step import StepOutcome, train_step
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
+
+# What a peer gives a worker to restore: its whole snapshot, or (sharded) pieces of this
+# worker's rows, one dict per peer holding some.
+Donation = dict[str, torch.Tensor] | list[dict[str, Piece]] | None
 
 
 def reset_peak_rss() -> None:
@@ -133,7 +138,8 @@ class Worker:
         self.store = CheckpointStore(self.cfg.checkpoint_url)
         self.writer = AsyncCheckpointWriter(self.store)
         self._pending: list[tuple[int, str, Any]] = []
-        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        # (step, tensors, the rows they are of when sharded)
+        self._snapshot: tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None = None
         self._layout: tuple[int, int, int] | None = None  # (stage, pp, fsdp) of the model
         self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
         self._sockets: GroupSockets | None = None  # the current groups' (runtime/abort.py)
@@ -215,28 +221,21 @@ class Worker:
         return dist.group.WORLD if dist.is_initialized() else None
 
     # ---- state -----------------------------------------------------------------------------
-    def build(self, step: int, tensors: dict[str, torch.Tensor] | None = None) -> int:
+    def build(self, step: int, given: Donation = None) -> int:
         """Fresh model and optimizer for this generation, holding the state after `step`.
 
-        The state comes from `tensors` (a peer's in-memory snapshot, for a replacement), else
-        this worker's own snapshot if it is of `step`, else checkpoint `step` from storage, else
-        (step 0) the seed. Returns the step restored."""
+        The state comes from `given` (a peer's whole snapshot, for a replacement; in a sharded
+        run, pieces of this worker's rows from the snapshots of the peers holding them), else
+        this worker's own snapshot if it is of `step` (a shard's, only if its rows are this
+        worker's now: the controller gives pieces otherwise), else checkpoint `step` from
+        storage, else (step 0) the seed. Returns the step restored."""
         p = self.placement
         layout = (p.stage, p.pp, p.fsdp) if p else (0, 1, 1)
         if self.model is None or step == 0 or self._layout != layout:
             # A new module; a worker re-forming with the same layout keeps its own, since
             # every restored value is overwritten below (that makes recovery cheap).
             self._fresh(self._new_module(), layout)
-        if tensors is None and self._snapshot is not None and self._snapshot[0] == step:
-            tensors = self._snapshot[1]
-        if tensors is None and step > 0:
-            self.load_tensors(self._read_checkpoint(step), local=True)
-        elif tensors is not None:
-            self.load_tensors(tensors)
-        if self.shards is not None and self.placement.dp > 1:
-            # A sharded snapshot is taken at the end of a step (run_steps): one of the state
-            # just restored, so a replacement holds one before its first step ends too.
-            self.take_snapshot(step)
+        self._restore(step, given)
         self._state_bytes = None
         group = self.groups.dp if self.groups is not None else self._group()
         exact = self.cfg.determinism == "exact"
@@ -277,31 +276,76 @@ class Worker:
     def snapshot_step(self) -> int | None:
         return None if self._snapshot is None else self._snapshot[0]
 
-    def snapshot_tensors(self, step: int) -> dict[str, torch.Tensor]:
-        """The in-memory snapshot of `step`, for a replacement worker to pull."""
+    def _snapshot_of(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         if self._snapshot is None or self._snapshot[0] != step:
             raise LookupError(f"no in-memory snapshot of step {step} "
                               f"(have {self.snapshot_step()})")
-        return self._snapshot[1]
+        return self._snapshot[1], self._snapshot[2]
+
+    def snapshot_tensors(self, step: int) -> dict[str, torch.Tensor]:
+        """The in-memory snapshot of `step` (unsharded: whole), for a replacement to pull."""
+        return self._snapshot_of(step)[0]
+
+    def snapshot_rows(self, step: int, shards: int, shard: int) -> dict[str, Piece]:
+        """What this worker's snapshot of `step` (a shard's) holds of the rows that shard
+        `shard` of `shards` holds, for a worker of another layout to assemble its own."""
+        tensors, where = self._snapshot_of(step)
+        rows = {k: chunk_rows(w["shape"][0], shards, shard) for k, w in where.items()}
+        return cut(tensors, where, rows)
 
     def take_snapshot(self, step: int) -> None:
-        """Keep the current state (after `step`) in RAM: a recovery restores it, losing at
-        most the step in progress, without reading storage."""
+        """Keep the state (after `step`) as this worker holds it (sharded: its own rows) in
+        RAM: a recovery restores it, losing at most the step in progress, without reading
+        storage. No collective: any worker may take one at any time."""
         previous = self._snapshot[1] if self._snapshot is not None else None
-        self._snapshot = (step, snapshot_to_host(self.state_tensors(), out=previous))
+        state, where = self._held(first=True)
+        self._snapshot = (step, snapshot_to_host(state, out=previous), where)
+
+    def _restore(self, step: int, given: Donation) -> None:
+        """The state after `step` from where `build` says."""
+        if isinstance(given, list):
+            self.load_tensors(self._assembled(given), local=True)
+        elif given is not None:
+            self.load_tensors(given)
+        elif self._snapshot is not None and self._snapshot[0] == step:
+            _, tensors, where = self._snapshot
+            if where and {k: tuple(w["rows"]) for k, w in where.items()} != self._own_rows():
+                raise RuntimeError(f"this worker's snapshot of step {step} holds rows of "
+                                   "another layout (they must be pulled from the peers)")
+            self.load_tensors(tensors, local=bool(where))
+        elif step > 0:
+            self.load_tensors(self._read_checkpoint(step), local=True)
+
+    def _own_rows(self) -> Rows:
+        """The rows this worker holds of each sharded tensor of the state (none unsharded)."""
+        assert self.model is not None
+        rows = {}
+        for name, p in self.model.named_parameters():
+            own = own_rows(p)
+            if own is not None:
+                rows[model_key(name)] = own
+                rows.update({optim_key(name, m): own for m in MOMENTS})
+        return rows
+
+    def _assembled(self, given: list[dict[str, Piece]]) -> dict[str, torch.Tensor]:
+        """This worker's rows of every tensor, from the pieces its peers sent."""
+        rows, parts, out = self._own_rows(), {}, {}
+        for pieces in given:
+            for key, (first, t) in pieces.items():
+                if first is None:
+                    out[key] = t
+                else:
+                    parts.setdefault(key, []).append((first, t))
+        out.update({key: assemble(key, ps, rows[key]) for key, ps in parts.items()})
+        return out
 
     def _read_checkpoint(self, step: int) -> dict[str, torch.Tensor]:
         """This worker's tensors of checkpoint `step`: its stage's, and of sharded ones only
         its own rows (only the blocks holding them are read)."""
         assert self.model is not None
-        names, rows = set(), {}
-        for name, p in self.model.named_parameters():
-            names.add(name)
-            own = own_rows(p)
-            if own is not None:
-                rows[model_key(name)] = own
-                rows.update({optim_key(name, m): own for m in MOMENTS})
-        _, tensors = self.store.read(step, keys=lambda k: tensor_param(k) in names, rows=rows)
+        names = {n for n, _ in self.model.named_parameters()}
+        _, tensors = self.store.read(step, keys=lambda k: tensor_param(k) in names,
+                                     rows=self._own_rows())
         return tensors
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], local: bool = False) -> None:
@@ -319,17 +363,19 @@ class Worker:
         load_optimizer_state(self.model, self.optimizer, tensors, local)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The state as whole tensors (sharded: gathered, with every shard of the replica)."""
-        return full_state(self._state())
-
-    def _state(self) -> dict[str, torch.Tensor]:
-        """The state as this worker holds it (sharded: its DTensors)."""
+        """The state as this worker holds it: whole tensors, or (sharded) its DTensors."""
         assert self.model is not None and self.optimizer is not None
         for unit in self._units:  # FSDP2 keeps the root's parameters gathered after a forward
             unit.reshard()  # with no backward (an evaluation): they must be the sharded ones
         out = {model_key(n): p.detach() for n, p in self.model.named_parameters()}
         out.update(optimizer_state_tensors(self.model, self.optimizer))
         return out
+
+    def _held(self, first: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The state as plain tensors, and (sharded) the record of the rows they are of
+        (parallel/shards.py `shard_pieces`: unsharded tensors only if `first`)."""
+        state = self.state_tensors()
+        return shard_pieces(state, first) if self.shards is not None else (state, {})
 
     # ---- training --------------------------------------------------------------------------
     def run_steps(self, first: int, count: int) -> list[StepResult]:
@@ -338,21 +384,16 @@ class Worker:
         One call may cover several steps: tiny steps amortise the call, and asynchronous
         pipeline schedules need a span to keep the pipeline full. A span ends drained, so its
         end is a consistent cut (the state a snapshot or checkpoint captures)."""
-        # Only a worker with a DP peer benefits: the peer's copy outlives this process. A
-        # sharded state is gathered for it (a collective): that is done at the end of a span,
-        # while every peer is known to be alive, not when the next starts and one may be dead.
+        # Only a worker with a DP peer benefits: the peer's copy (of the same rows, under
+        # sharding: a replica's) outlives this process.
         every = self.cfg.elastic.snapshot_every
-        due = self.placement.dp > 1 and every > 0
-        if due and self.shards is None and (first - 1) % every == 0:
+        if self.placement.dp > 1 and every > 0 and (first - 1) % every == 0:
             self.take_snapshot(first - 1)
         self.raise_hook.check(first, count)
         if self.pipeline is not None:
             out = self._run_span(first, count)
         else:
             out = [self._step(step) for step in range(first, first + count)]
-        last = first + count - 1
-        if due and self.shards is not None and last % every == 0:
-            self.take_snapshot(last)
         out[-1].written = self._collect(wait=False)
         return out
 
@@ -424,12 +465,9 @@ class Worker:
         """Copy the state to host memory now; write it in the background as `part` (sharded:
         this shard's rows only). Returns copy time."""
         t0 = time.perf_counter()
-        if self.shards is None:
-            state, pieces = self.state_tensors(), None
-        else:
-            state, pieces = shard_pieces(self._state(), first=self.placement.shard == 0)
+        state, where = self._held(first=self.placement is None or self.placement.shard == 0)
         self._pending.append((step, part, self.writer.submit(
-            step, part, snapshot_to_host(state), shards=pieces)))
+            step, part, snapshot_to_host(state), shards=where or None)))
         return time.perf_counter() - t0
 
     def _collect(self, wait: bool) -> list[WriteReport]:

@@ -24,8 +24,8 @@ def test_the_worker_implements_the_interface_with_the_same_parameters():
 
 def test_a_call_is_recorded_as_one_method_with_its_arguments():
     assert invocation(lambda w: w.run_steps(3, 2)) == Invocation("run_steps", (3, 2), {})
-    assert invocation(lambda w: w.build(5, tensors=None)) == \
-        Invocation("build", (5,), {"tensors": None})
+    assert invocation(lambda w: w.build(5, given=None)) == \
+        Invocation("build", (5,), {"given": None})
 
 
 def test_a_misspelt_method_fails_in_the_controller():

@@ -33,8 +33,9 @@ class WorkerAPI(Protocol):
               timeout_s: float) -> dict[str, Any]:
         """Join a generation's process groups and take this rank's data shard."""
 
-    def build(self, step: int, tensors: dict[str, torch.Tensor] | None) -> int:
-        """Hold the state after `step` (given tensors, own snapshot, checkpoint or seed)."""
+    def build(self, step: int, given: Any) -> int:
+        """Hold the state after `step` (a peer's snapshot or pieces of it, own snapshot,
+        checkpoint or seed)."""
 
     def warm_up(self) -> None:
         """A standby spare builds its model ahead of a promotion."""
@@ -47,6 +48,10 @@ class WorkerAPI(Protocol):
 
     def snapshot_tensors(self, step: int) -> dict[str, torch.Tensor]:
         """The in-memory snapshot of `step`, for a replacement to load."""
+
+    def snapshot_rows(self, step: int, shards: int, shard: int) -> dict[str, Any]:
+        """A shard's snapshot of `step`: its pieces of the rows shard `shard` of `shards`
+        holds (for a worker of another layout to assemble its own)."""
 
     def take_snapshot(self, step: int) -> None:
         """Keep the current state (after `step`) in memory."""
