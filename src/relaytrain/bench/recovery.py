@@ -53,7 +53,7 @@ def settings(overrides: list[str]) -> dict[str, Any]:
     cfg = load_config(None, [*TINY_RUN, *overrides])
     return {"runtime.collective_timeout": cfg.runtime.collective_timeout,
             "runtime.call_timeout": cfg.runtime.call_timeout,
-            "elastic.spares": cfg.elastic.spares,
+            "elastic.spares": cfg.elastic.spares, "elastic.standby": cfg.elastic.standby,
             "elastic.replace_timeout": cfg.elastic.replace_timeout,
             "ping_timeout": PING_TIMEOUT, "heartbeat_s": HEARTBEAT_S}
 
@@ -115,11 +115,15 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
     return out
 
 
+def _shown(v: float | bool) -> str:
+    return str(v).lower() if isinstance(v, bool) else f"{v:g}"
+
+
 def format_report(r: dict[str, Any]) -> str:
     given = " ".join(r["overrides"]) or "none"
     lines = [f"recovery from {r['kills']} kills and {r['hangs']} hangs of 1 of 4 workers, "
              f"{r['recoveries']} recoveries; settings given: {given}",
-             "  in effect: " + ", ".join(f"{k} {v:g}" for k, v in r["settings"].items())]
+             "  in effect: " + ", ".join(f"{k} {_shown(v)}" for k, v in r["settings"].items())]
     for cause, what in CAUSES.items():
         s = r[cause]
         if s is None:

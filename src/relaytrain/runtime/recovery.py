@@ -142,7 +142,8 @@ class Recovery:
         survivors = [w for w in self.members if w not in failed]
         old = self.placements()
         restore = self._restore_point(survivors, old)
-        replaced, shrunk = self._replace(failed, survivors)
+        replaced, shrunk = self._replace(failed, survivors,
+                                         t_detect + self.cfg.elastic.replace_timeout)
         tensors = self._donations(replaced, survivors, old, restore)
         for wid in survivors:  # those a shrink left out, once they gave what they held
             if wid not in self.members:
@@ -184,7 +185,7 @@ class Recovery:
         failed: set[int] = set()
         if not isinstance(failure, WorkerRaised):
             failed.add(failure.wid)
-            self.engine.kill(failure.wid)  # a hung peer must go before its partners unblock
+            self.engine.retire(failure.wid)  # a hung peer must go before its partners unblock
         if self.cfg.faults.hold_capacity_s > 0:  # the failed worker's slot, before a replacement
             self.engine.hold_capacity(self.cfg.faults.hold_capacity_s)
         # Abort the generation's collectives on every survivor now (runtime/abort.py), so none
@@ -216,14 +217,17 @@ class Recovery:
              f"{self.catalogue.store.url}")
         return Restore(step, "checkpoint")
 
-    def _replace(self, failed: set[int], survivors: list[int]) -> tuple[dict[int, int], bool]:
-        """A new worker in each failed worker's rank ({new: old}); without capacity for all of
-        them, none, and the run shrinks to the survivors (True)."""
+    def _replace(self, failed: set[int], survivors: list[int], deadline: float
+                 ) -> tuple[dict[int, int], bool]:
+        """A new worker in each failed worker's rank ({new: old}) by `deadline` (the failure's
+        detection + elastic.replace_timeout: the timeout bounds the recovery, however long
+        settling took); without capacity for all of them, none, and the run shrinks to the
+        survivors (True)."""
         members = list(self.members)
         replaced: dict[int, int] = {}
         for wid in [w for w in self.members if w in failed]:
             try:
-                new = self.engine.spawn(self.worker_args, self.cfg.elastic.replace_timeout)
+                new = self.engine.spawn(self.worker_args, max(deadline - time.time(), 0.0))
             except WorkerFailure:
                 for w in replaced:
                     self.engine.kill(w)

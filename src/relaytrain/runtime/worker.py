@@ -252,8 +252,10 @@ class Worker:
         return step
 
     def warm_up(self) -> None:
-        """For a standby spare: build the model now (for an unpipelined layout), so a
-        promotion only loads state."""
+        """For a spare or the standby: build the model now (for an unpipelined layout) and
+        import FSDP2 if the run shards (parallel/shards.py), so a promotion only loads state."""
+        if self.cfg.parallel.fsdp > 1:
+            import relaytrain.parallel.fsdp  # noqa: F401
         if self.cfg.parallel.pp == 1:
             self._fresh(Olmo3(self.model_cfg), (0, 1, 1))
 

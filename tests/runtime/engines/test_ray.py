@@ -120,7 +120,7 @@ def test_a_worker_stopped_during_a_long_call_is_named_hung_by_the_heartbeat(
 
 
 def test_a_prestarted_worker_is_the_next_one_spawned(tmp_path, corpus_data, ray_cluster):
-    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray")
+    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "elastic.standby=false")
     engine = RayEngine(cfg)
     args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
     [first] = engine.spawn_many(1, args, wait=60)
@@ -133,3 +133,41 @@ def test_a_prestarted_worker_is_the_next_one_spawned(tmp_path, corpus_data, ray_
         assert engine.pid(second) not in (engine.pid(first), os.getpid())
     finally:
         engine.shutdown()
+
+
+def test_a_replacement_is_the_standby_process_started_ahead_which_reserved_nothing(
+        tmp_path, corpus_data, ray_cluster):
+    import ray
+
+    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray")
+    engine = RayEngine(cfg)
+    args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    [first] = engine.spawn_many(1, args, wait=60)
+    try:
+        [standby] = set(engine.actors) - {first}
+        standby_pid = ray.get(engine.actors[standby].ping.remote(), timeout=60)  # its own word
+        assert standby_pid not in (engine.pid(first), os.getpid())
+        free = 4 - cfg.runtime.cpus_per_worker  # the standby reserved none
+        assert _available_cpus(ray, free) == free
+        engine.prestart()  # the standby is the next replacement: nothing more starts
+        assert set(engine.actors) == {first, standby}
+        engine.kill(first)
+        second = engine.spawn(args, wait=60)
+        assert second == standby and engine.pid(second) == standby_pid
+        assert set(engine.actors) == {second}  # the next standby waits for refill()
+        engine.refill()
+        [new_standby] = set(engine.actors) - {second}
+        assert ray.get(engine.actors[new_standby].ping.remote(), timeout=60) != standby_pid
+    finally:
+        engine.shutdown()
+
+
+def _available_cpus(ray, expected: float) -> float:
+    """Ray's count once it is `expected` or 10 s have passed (a change takes a moment to
+    show)."""
+    deadline = time.monotonic() + 10
+    while True:
+        cpus = ray.available_resources().get("CPU", 0.0)
+        if cpus == expected or time.monotonic() > deadline:
+            return cpus
+        time.sleep(0.1)

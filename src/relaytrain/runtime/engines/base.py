@@ -176,6 +176,11 @@ class Engine(ABC):
     def kill(self, wid: int) -> None:
         """Forcefully end a worker (a hung one, or one being replaced)."""
 
+    def retire(self, wid: int) -> None:
+        """End a failed worker whose replacement follows: an engine may keep its resources
+        reserved for the replacement, which then needs no new placement."""
+        self.kill(wid)
+
     @abstractmethod
     def store_host(self) -> str:
         """The address workers use to reach the controller's rendezvous store."""

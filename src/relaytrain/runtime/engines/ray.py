@@ -147,6 +147,7 @@ class RayEngine(Engine):
         self._reserved: Any = None  # a placement group proven placeable by has_capacity()
         self._outstanding: dict[Any, int] = {}
         self._spares: list[int] = []
+        self._standby: int | None = None  # see _start_standby
         self._warming: dict[int, Any] = {}  # spare -> its warm_up() call
         self._aborting: list[Any] = []  # abort() calls not yet collected
         self._worker_args: tuple | None = None
@@ -201,17 +202,12 @@ class RayEngine(Engine):
         deadline = time.monotonic() + wait
         while self._spares:
             wid = self._spares.pop(0)
-            ping, warm = self.actors[wid].ping.remote(), self._warming.pop(wid)
-            ready, _ = ray.wait([ping, warm], num_returns=2,
-                                timeout=max(deadline - time.monotonic(), 1.0))
-            try:
-                if len(ready) == 2:
-                    self._pids[wid] = int(ray.get(ping))
-                    ray.get(warm)
-                    return wid  # the controller refills spares once training runs again
-            except ray.exceptions.RayError:
-                pass
+            if self._ready(wid, deadline):
+                return wid  # the controller refills spares once training runs again
             self.kill(wid)
+        wid = self._promote_standby(deadline)
+        if wid is not None:
+            return wid
         wid = self._create(worker_args, max(deadline - time.monotonic(), 0.0))
         if wid is None:
             raise WorkerDied(-1, f"no capacity to place a worker ({self._bundle()}) within "
@@ -221,6 +217,54 @@ class RayEngine(Engine):
                                        self.cfg.runtime.setup_timeout)[wid])
         self._refill()
         return wid
+
+    def _ready(self, wid: int, deadline: float) -> bool:
+        """Whether a spare or the standby is up (answers a ping, warmed up) by `deadline` (or
+        within a second)."""
+        ping, warm = self.actors[wid].ping.remote(), self._warming.pop(wid)
+        ready, _ = ray.wait([ping, warm], num_returns=2,
+                            timeout=max(deadline - time.monotonic(), 1.0))
+        try:
+            if len(ready) == 2:
+                self._pids[wid] = int(ray.get(ping))
+                ray.get(warm)
+                return True
+        except ray.exceptions.RayError:
+            pass
+        return False
+
+    def _start_standby(self) -> None:
+        """An idle worker process started ahead (`elastic.standby`): Python and torch imported,
+        the data opened, the model built, but no CPU or GPU reserved (Ray resources 0), so it
+        costs the run only the host memory of one more process. A replacement becomes it,
+        in a placement group placed for it (`_promote_standby`), instead of starting from
+        nothing: seconds saved on every recovery. CPU runs only: Ray gives a GPU only to an
+        actor that reserved it at creation."""
+        if (not self.cfg.elastic.standby or self._standby is not None
+                or self._worker_args is None or "GPU" in self._bundle()):
+            return
+        wid = self._new_actor(self._worker_args, num_cpus=0)
+        self._warming[wid] = self.actors[wid].warm_up.remote()
+        self._standby = wid
+
+    def _promote_standby(self, deadline: float) -> int | None:
+        """The standby as a new worker, in a placement group placed by `deadline` that keeps
+        the worker's resources reserved for it; None without a standby or capacity (the
+        standby stays for the next time) or if it failed."""
+        wid = self._standby
+        if wid is None:
+            return None
+        pg = self._reserved or self._placement(max(deadline - time.monotonic(), 0.0))
+        self._reserved = None
+        if pg is None:
+            return None
+        self._standby = None
+        if not self._ready(wid, deadline):
+            self.kill(wid)
+            self._reserved = pg  # for a new worker instead
+            return None
+        self.groups[wid] = pg
+        return wid  # a new standby starts with `refill`, once training runs again
 
     def spawn_many(self, n: int, worker_args: tuple, wait: float) -> list[int]:
         """Start all at once: process start-up and imports overlap."""
@@ -236,18 +280,19 @@ class RayEngine(Engine):
             wids.append(wid)
         pids = self.call_all(wids, lambda w: w.ping(), self.cfg.runtime.setup_timeout)
         self._pids.update({w: int(p) for w, p in pids.items()})
-        self._refill()
+        self.refill()
         return wids
 
     def refill(self) -> None:
         self._refill()
+        self._start_standby()
 
     def prestart(self) -> None:
         """Start a worker now for the next `spawn` to take, unless a spare is ready or
         starting: after a failure (or a late ping) its start-up overlaps the detection, the
         abort and the restore. It is placed whenever capacity allows (a failed worker's slot
         may still be in use); one not needed stays a spare."""
-        if self._spares or self._worker_args is None:
+        if self._spares or self._standby is not None or self._worker_args is None:
             return
         wid = self._create(self._worker_args, None)
         self._warming[wid] = self.actors[wid].warm_up.remote()
@@ -267,16 +312,20 @@ class RayEngine(Engine):
         pg, self._reserved = self._reserved or self._placement(wait), None
         if pg is None:
             return None
+        wid = self._new_actor(worker_args, num_cpus=self.cfg.runtime.cpus_per_worker,
+                              num_gpus=self._bundle().get("GPU", 0),
+                              scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                  placement_group=pg, placement_group_bundle_index=0))
+        self.groups[wid] = pg
+        return wid
+
+    def _new_actor(self, worker_args: tuple, **options: Any) -> int:
         wid = self._next_id
         self._next_id += 1
-        rt = self.cfg.runtime
         actor_cls = ray.remote(_RankedWorker).options(
-            num_cpus=rt.cpus_per_worker, num_gpus=self._bundle().get("GPU", 0), max_restarts=0,
-            max_task_retries=0,
+            max_restarts=0, max_task_retries=0,
             max_concurrency=2,  # one thread answers ping() while another runs a step
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=0))
-        self.groups[wid] = pg
+            **options)
         self.actors[wid] = actor_cls.remote(wid, *worker_args)
         return wid
 
@@ -287,7 +336,10 @@ class RayEngine(Engine):
 
     def hold_capacity(self, seconds: float) -> None:
         """Placed before returning (within 5 s), so that no replacement started after it can
-        take the slot first."""
+        take the slot first; a slot kept for a replacement (`retire`) is given up first."""
+        if self._reserved is not None:
+            remove_placement_group(self._reserved)
+            self._reserved = None
         pg = placement_group([self._bundle()], strategy="PACK")
         ray.wait([pg.ready()], timeout=5.0)
         timer = threading.Timer(seconds, remove_placement_group, (pg,))
@@ -407,6 +459,19 @@ class RayEngine(Engine):
     def pid(self, wid: int) -> int:
         return self._pids[wid]
 
+    def retire(self, wid: int) -> None:
+        """Kill the worker; its placement group, if still placed where it was (not being moved
+        off a lost node), is kept for the replacement (`_reserved`): a slot freed and placed
+        again costs a recovery 0.3-0.5 s."""
+        pg = self.groups.get(wid)
+        keep = (pg is not None and self._reserved is None
+                and ray.util.placement_group_table(pg).get("state") == "CREATED")
+        if keep:
+            del self.groups[wid]
+        self.kill(wid)
+        if keep:
+            self._reserved = pg
+
     def kill(self, wid: int) -> None:
         actor = self.actors.pop(wid, None)
         if actor is not None:
@@ -417,12 +482,14 @@ class RayEngine(Engine):
         self._outstanding = {r: w for r, w in self._outstanding.items() if w != wid}
         if wid in self._spares:
             self._spares.remove(wid)
+        if wid == self._standby:
+            self._standby = None
         self._warming.pop(wid, None)
 
     def shutdown(self) -> None:
         for wid in list(self.actors):
             try:  # a spare (perhaps not even placed) has nothing to flush
-                if wid not in self._spares:
+                if wid not in self._spares and wid != self._standby:
                     ray.get(self.actors[wid].close.remote(), timeout=10)
             except Exception:  # a dead or hung worker has nothing to flush
                 pass
