@@ -138,8 +138,8 @@ class ElasticSection:
     recovery_window: float = 3600.0  # seconds over which max_recoveries counts
     snapshot_every: int = 1  # steps between in-memory snapshots (workers with a DP peer)
     spares: int = 0  # warm standby workers (Ray): a replacement is then a promotion, not a start
-    # An idle worker process started ahead (Ray, CPU runs), holding no CPU or GPU: a
-    # replacement becomes it instead of waiting seconds for Python and torch to start.
+    # An idle worker process started ahead (Ray, CPU runs, no spares), holding no CPU or GPU:
+    # a replacement becomes it instead of waiting seconds for Python and torch to start.
     standby: bool = True
 
 

@@ -53,7 +53,9 @@ def settings(overrides: list[str]) -> dict[str, Any]:
     cfg = load_config(None, [*TINY_RUN, *overrides])
     return {"runtime.collective_timeout": cfg.runtime.collective_timeout,
             "runtime.call_timeout": cfg.runtime.call_timeout,
-            "elastic.spares": cfg.elastic.spares, "elastic.standby": cfg.elastic.standby,
+            "elastic.spares": cfg.elastic.spares,
+            # in effect: not beside spares (runtime/engines/ray.py)
+            "elastic.standby": cfg.elastic.standby and not cfg.elastic.spares,
             "elastic.replace_timeout": cfg.elastic.replace_timeout,
             "ping_timeout": PING_TIMEOUT, "heartbeat_s": HEARTBEAT_S}
 

@@ -171,3 +171,22 @@ def _available_cpus(ray, expected: float) -> float:
         if cpus == expected or time.monotonic() > deadline:
             return cpus
         time.sleep(0.1)
+
+
+def test_a_failed_worker_s_slot_is_kept_for_the_standby(tmp_path, corpus_data, ray_cluster):
+    """The cluster is full (4 workers, 4 CPUs): the standby, which reserved nothing, becomes
+    the replacement in the very slot the retired worker held, with nothing to free and place
+    again."""
+    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "parallel.dp=4")
+    engine = RayEngine(cfg)
+    args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    workers = engine.spawn_many(4, args, wait=60)
+    try:
+        [standby] = set(engine.actors) - set(workers)
+        slot = engine.groups[workers[1]]
+        engine.retire(workers[1])
+        assert workers[1] not in engine.actors
+        new = engine.spawn(args, wait=60)
+        assert new == standby and engine.groups[new] is slot
+    finally:
+        engine.shutdown()

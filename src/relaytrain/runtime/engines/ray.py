@@ -67,6 +67,12 @@ def _import_ray(private_cluster: bool) -> None:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
+def _placed(pg: Any) -> bool:
+    """Whether a placement group holds its resources now (not pending, not being moved off a
+    lost node). Asked of Ray's table: `pg.ready()` is a task that needs a worker to run."""
+    return ray.util.placement_group_table(pg).get("state") == "CREATED"
+
+
 def _reason(text: str) -> str:
     """The informative line of Ray's multi-line actor-death message."""
     for line in text.splitlines():
@@ -239,8 +245,9 @@ class RayEngine(Engine):
         costs the run only the host memory of one more process. A replacement becomes it,
         in a placement group placed for it (`_promote_standby`), instead of starting from
         nothing: seconds saved on every recovery. CPU runs only: Ray gives a GPU only to an
-        actor that reserved it at creation."""
-        if (not self.cfg.elastic.standby or self._standby is not None
+        actor that reserved it at creation. Not beside warm spares (`elastic.spares`): they
+        already are started workers."""
+        if (not self.cfg.elastic.standby or self.cfg.elastic.spares or self._standby is not None
                 or self._worker_args is None or "GPU" in self._bundle()):
             return
         wid = self._new_actor(self._worker_args, num_cpus=0)
@@ -460,12 +467,14 @@ class RayEngine(Engine):
         return self._pids[wid]
 
     def retire(self, wid: int) -> None:
-        """Kill the worker; its placement group, if still placed where it was (not being moved
-        off a lost node), is kept for the replacement (`_reserved`): a slot freed and placed
-        again costs a recovery 0.3-0.5 s."""
+        """Kill the worker. With the standby ready to replace it, its placement group, if still
+        placed where it was (not being moved off a lost node), is kept as the standby's slot
+        (`_reserved`): a slot freed and placed again costs a recovery 0.3-0.6 s. Not for a new
+        actor: it could start only once Ray has reclaimed the slot from the killed process,
+        which for a stopped one takes seconds."""
         pg = self.groups.get(wid)
-        keep = (pg is not None and self._reserved is None
-                and ray.util.placement_group_table(pg).get("state") == "CREATED")
+        keep = (self._standby is not None and pg is not None and self._reserved is None
+                and _placed(pg))
         if keep:
             del self.groups[wid]
         self.kill(wid)
