@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from relaytrain.checkpoint.store import CheckpointStore, CheckpointWarning, open_checkpoint
+from relaytrain.checkpoint.streaming import block_root
 from relaytrain.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,7 +59,10 @@ def test_checkpoint_round_trip_with_concurrent_multipart_parts(object_server) ->
     manifest = store.read_manifest(7)
     for name, info in manifest["files"].items():  # the stored bytes are what the manifest says
         data = store.fs.cat_file(f"{store.root}/step_00000007/{name}")
-        assert (len(data), hashlib.sha256(data).hexdigest()) == (info["size"], info["sha256"])
+        size = info["block_size"]
+        blocks = [hashlib.sha256(data[i:i + size]).hexdigest() for i in range(0, len(data), size)]
+        assert (len(data), blocks, block_root(blocks)) == \
+            (info["size"], info["blocks"], info["sha256"])
     manifest, tensors = open_checkpoint(url)  # a fresh reader, configured by the environment
     assert manifest["step"] == 7 and manifest["data"] == {"batch": 7}
     assert_same(tensors, state)
