@@ -98,3 +98,30 @@ def test_a_sharded_run_without_a_replacement_reshards_onto_fewer_workers_then_gr
     [grow] = records(run, "resize")
     assert grow["dp"] == 4 and summary["dp"] == 4
     assert_bit_identical(run, exact_reference)
+
+
+# The tiny model at d_model 192: every row and norm is whole 16-value vectors over 3 and over 4
+# shards (parallel/shards.py `misaligned`), so exact mode may shard it 3 ways.
+WIDE = ("model.overrides.d_model=192", "model.overrides.head_dim=48",
+        "model.overrides.mlp_hidden=384")
+
+
+def test_a_sharded_run_reshards_onto_three_workers_then_grows_back_to_four(
+        tmp_path, corpus_data, ray_cluster):
+    """fsdp 4 loses a worker with no capacity to replace it: the killed worker's rows are held
+    by no one else, so the run restores the checkpoint onto the three left (each reading only
+    its rows; the vocabulary's rows split unevenly 3 ways), then grows back to 4, the rows
+    pulled from the three snapshots into the 4-way layout: bit-identical to one worker."""
+    reference = tmp_path / "one"
+    run_layout(reference, corpus_data, 1, *DP, *WIDE, "determinism=exact", "train.max_steps=6")
+    run = tmp_path / "elastic"
+    summary = Controller(tiny_config(run, corpus_data, *DP, *WIDE, "runtime.engine=ray",
+                                     "parallel.fsdp=4", "determinism=exact", "train.max_steps=6",
+                                     "faults.kill_at=[5]", "faults.hold_capacity_s=2",
+                                     "elastic.replace_timeout=1", "runtime.call_timeout=120",
+                                     "runtime.collective_timeout=120")).run()
+    [rec] = records(run, "recovery")
+    assert (rec["dp"], rec["source"], rec["restored_step"]) == (3, "checkpoint", 3), rec
+    [grow] = records(run, "resize")
+    assert grow["dp"] == 4 and summary["dp"] == 4
+    assert_bit_identical(run, reference)
