@@ -58,13 +58,25 @@ def test_dp_must_split_micro_batches_evenly():
 
 
 def test_exact_mode_refuses_a_sharding_whose_chunks_are_not_whole_vectors():
-    """The tiny model's 64-value norm weights in 3 chunks of 22 (parallel/fsdp.py)."""
+    """The tiny model's 64-value norm weights in 3 chunks of 22 (parallel/shards.py)."""
     with pytest.raises(ConfigError, match=r"'parallel.fsdp': got 3 with determinism=exact, .*"
                        r"chunks of 22 values.*expected one of \[1, 2, 4\]"):
         load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=3",
                                           "determinism=exact", "train.global_batch=6"])
     load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=3",
                                       "train.global_batch=6"])  # fast mode: uneven is fine
+
+
+def test_exact_sharding_on_a_torch_without_custom_reduce_scatter_is_refused(monkeypatch):
+    """torch 2.8's FSDP2 has no custom reduce-scatter for exact mode's integers."""
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
+    with pytest.raises(ConfigError, match=r"determinism=exact, which needs torch >= 2.9 .*"
+                                          r"use determinism=fast or fsdp 1"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2",
+                                          "determinism=exact"])
+    load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2"])
 
 
 def test_sharding_pipeline_stages_is_refused_for_now():

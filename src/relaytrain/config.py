@@ -508,8 +508,15 @@ def validate(cfg: RunConfig) -> None:
 def _validate_exact_sharding(fsdp: int, m: Olmo3Config,
                              need: Callable[[bool, str], None]) -> None:
     """Exact mode's bits hold only for shardings whose chunks are whole CPU vectors."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
     from relaytrain.parallel.shards import VECTOR_VALUES, misaligned, parameter_shapes
 
+    # exact mode's integer reduce-scatter plugs into FSDP2's custom-comm hook (torch 2.9)
+    need(hasattr(FSDPModule, "set_custom_reduce_scatter"), "config key 'parallel.fsdp': got "
+         f"{fsdp} with determinism=exact, which needs torch >= 2.9 (FSDP2's custom "
+         f"reduce-scatter); this is torch {torch.__version__}: use determinism=fast or fsdp 1")
     shapes = parameter_shapes(m)  # imports torch: only for a sharded exact run
     bad = misaligned(shapes, fsdp)
     good = [k for k in range(1, max(8, fsdp) + 1) if not misaligned(shapes, k)]
