@@ -13,7 +13,7 @@ Where = dict[str, list[int]]  # a piece's record: {"shape": the whole shape, "ro
 
 
 def rows_to_take(key: str, span: tuple[int, int] | None, sharded: bool, rows: Rows
-         ) -> tuple[int | None, int, int] | None:
+                 ) -> tuple[int | None, int, int] | None:
     """What to take of a held tensor `key` that holds rows `span` of the whole (None: a tensor
     without rows): (None, 0, 0) the whole (unsharded and not among `rows`); (first row in the
     whole tensor, i, j) its rows [i, j); None nothing (it holds none of the rows wanted)."""

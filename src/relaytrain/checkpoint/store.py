@@ -619,7 +619,8 @@ class _Blocks:
 
 def _read_rows(fs: fsspec.AbstractFileSystem, path: str, info: dict, keys: KeyFilter | None,
                rows: Rows) -> dict[str, Piece]:
-    """`_cut` of the file, reading only the blocks that hold its header and the rows wanted."""
+    """`pieces.cut` of the file, reading only the blocks that hold its header and the rows
+    wanted."""
     shown = _shown(fs, path)
     blocks = _Blocks(fs, path, info)
     (n,) = struct.unpack("<Q", blocks.get(0, 8))
