@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 
 import fsspec
 import pytest
@@ -114,3 +115,21 @@ def test_a_header_whose_offsets_do_not_tile_the_data_is_refused(tmp_path):
     manifest.write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match="not a valid safetensors file.*model.w"):
         store.read(1)
+
+
+@pytest.mark.parametrize("block", [7, 64, 1000])
+def test_blocks_hashed_in_parallel_give_the_sequential_digests(block, monkeypatch):
+    """Stable buffers are cut into blocks hashed on several threads; the digests are the ones
+    one thread computes, whatever the buffers' sizes."""
+    monkeypatch.setattr("relaytrain.checkpoint.streaming.HASH_THREADS", 3)
+    rng = random.Random(block)
+    data = bytes(rng.getrandbits(8) for _ in range(3000))
+    cuts = sorted(rng.sample(range(1, len(data)), 40))
+    bufs = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    one, many = BackgroundHash(block_size=block), BackgroundHash(block_size=block, stable=True)
+    for buf in bufs:
+        one.update(buf)
+        many.update(buf)
+    blocks = [hashlib.sha256(data[i:i + block]).hexdigest() for i in range(0, len(data), block)]
+    assert many.hexdigest() == one.hexdigest() == block_root(blocks)
+    assert many.blocks == one.blocks == blocks

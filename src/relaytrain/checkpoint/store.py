@@ -411,7 +411,8 @@ def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], block_size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     head = struct.pack("<Q", len(raw)) + raw
-    h = BackgroundHash(head, block_size=block_size)  # beside the writes, on another core
+    # beside the writes, on other cores; the tensors stay as they are until written
+    h = BackgroundHash(head, block_size=block_size, stable=True)
     try:
         f.write(head)
         for k in order:
@@ -693,7 +694,8 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
     shown = _shown(fs, path)
     tensors: dict[str, torch.Tensor] = {}
     with _source(fs, path, info) as src:
-        h = BackgroundHash(block_size=info.get("block_size"))
+        # read into buffers kept until the digest (the header's, the tensors' own memory)
+        h = BackgroundHash(block_size=info.get("block_size"), stable=True)
         try:
             prefix = _read_exact(src, 8, shown)
             h.update(prefix)
@@ -713,6 +715,8 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
                     h.update(data[i:i + got])
                 if keys is None or keys(key):
                     tensors[key] = t
+                else:  # not wanted: free it once hashed, not at the end of the file
+                    h.wait()
             sha = h.hexdigest()
         except BaseException:
             h.close()
