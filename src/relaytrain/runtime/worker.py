@@ -386,10 +386,11 @@ class Worker:
         One call may cover several steps: tiny steps amortise the call, and asynchronous
         pipeline schedules need a span to keep the pipeline full. A span ends drained, so its
         end is a consistent cut (the state a snapshot or checkpoint captures)."""
-        # Only a worker with a DP peer benefits: the peer's copy (of the same rows, under
-        # sharding: a replica's) outlives this process.
+        # Only a worker whose rows another also holds benefits (a DP peer; under sharding, the
+        # same shard of another replica): that copy outlives this process.
         every = self.cfg.elastic.snapshot_every
-        if self.placement.dp > 1 and every > 0 and (first - 1) % every == 0:
+        replicas = self.placement.dp // self.placement.fsdp
+        if replicas > 1 and every > 0 and (first - 1) % every == 0:
             self.take_snapshot(first - 1)
         self.raise_hook.check(first, count)
         if self.pipeline is not None:
