@@ -8,7 +8,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from relaytrain.checkpoint.store import open_checkpoint
+from relaytrain.checkpoint.store import CheckpointStore, open_checkpoint
 from relaytrain.cli import main
 from relaytrain.errors import CheckpointError
 from relaytrain.model.config import PRESETS
@@ -97,6 +97,32 @@ def test_hf_to_relay_to_hf_is_bit_identical(hf_dir, tmp_path, capsys):
     cfg_src, cfg_out = (json.loads((d / "config.json").read_text()) for d in (hf_dir, back))
     assert cfg_out == cfg_src and from_hf_config(cfg_out) == CFG
     assert "converted relay-to-hf" in capsys.readouterr().out
+
+
+def test_a_checkpoint_written_shard_by_shard_converts_to_the_same_hf_weights(hf_dir, tmp_path):
+    """A sharded run's checkpoint (each tensor's rows in 3 parts, as 3 shards write them) is
+    read whole by `convert relay-to-hf`."""
+    relay, sharded, back = tmp_path / "relay", tmp_path / "sharded", tmp_path / "back"
+    assert main(["convert", "hf-to-relay", str(hf_dir), str(relay)]) == 0
+    manifest, tensors = open_checkpoint(str(relay))
+    store = CheckpointStore(str(sharded))
+    parts = {}
+    for k in range(3):
+        mine, where = {}, {}
+        for key, t in tensors.items():
+            rows = t.shape[0]
+            a, b = min(k * -(-rows // 3), rows), min((k + 1) * -(-rows // 3), rows)
+            mine[key] = t[a:b].clone()
+            where[key] = {"shape": list(t.shape), "rows": [a, b]}
+        parts[f"stage0-shard{k}"] = store.write_part(0, f"stage0-shard{k}", mine, where)
+    meta = {k: v for k, v in manifest.items()
+            if k not in ("format_version", "step", "files", "committed_at")}
+    store.commit(0, parts, meta)
+    assert len(store.read_manifest(0)["files"]) == 3
+    assert main(["convert", "relay-to-hf", str(sharded), str(back)]) == 0
+    src, out = load_file(hf_dir / "model.safetensors"), load_file(back / "model.safetensors")
+    assert src.keys() == out.keys()
+    assert all(torch.equal(src[name], out[name]) for name in src)
 
 
 def break_config(d):
