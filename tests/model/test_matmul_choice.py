@@ -27,6 +27,7 @@ def timings(monkeypatch):
 
     fake.ratio = 0.5
     monkeypatch.setattr(choice_module, "measure", fake)
+    monkeypatch.setattr(choice_module, "loaded", lambda: False)  # the suite loads the cores
     return fake, calls
 
 
@@ -42,6 +43,28 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, timings):
     assert (again.backend, again.source, again.onednn_s) == ("onednn", "cached", 0.005)
     assert len(calls) == 1
     assert "cpu A" in next(iter(json.loads(cache.read_text())))
+
+
+def test_a_measurement_on_a_loaded_host_is_used_but_not_cached(tmp_path, timings, monkeypatch):
+    """Measured while other work competes for the cores, a choice says more about the load
+    than the backends: it serves the run, and the next run measures again."""
+    fake, calls = timings
+    cache = tmp_path / "matmul.json"
+    monkeypatch.setattr(choice_module, "loaded", lambda: True)
+    busy = choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache)
+    assert (busy.backend, busy.source) == ("onednn", "measured on a loaded host, not cached")
+    assert not cache.exists()
+    monkeypatch.setattr(choice_module, "loaded", lambda: False)
+    assert choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache).source == "measured"
+    assert len(calls) == 2 and cache.exists()
+
+
+def test_the_host_key_names_the_processor_beyond_its_marketing_name():
+    """Virtual machines show one generic name for different processors."""
+    key = choice_module.host_key(2)
+    if "family" not in key:
+        pytest.skip("no /proc/cpuinfo model fields on this system")
+    assert "model" in key and "stepping" in key and "2 threads" in key
 
 
 def test_a_changed_host_key_or_model_is_measured_again(tmp_path, timings):

@@ -47,6 +47,7 @@ def host(monkeypatch):
     host = type("Host", (), {"name": "cpu A", "onednn_ratio": 0.5})()
     monkeypatch.setattr(matmul_choice, "host_key", lambda threads: host.name)
     monkeypatch.setattr(matmul_choice, "measure", fake_measure)
+    monkeypatch.setattr(matmul_choice, "loaded", lambda: False)  # the suite loads the cores
     return host
 
 

@@ -11,9 +11,11 @@ The measurement is short (0.1-0.3 s on a quiet 2-core host: 1-2 GFLOP per backen
 and robust against a shared machine: both backends alternate within each round (a load change
 hits both alike), the decision is the median of the per-round ratios, and oneDNN must win by
 `MARGIN`, since `aten` is the path bit-identical with HF. The result is cached per host key
-(CPU model, thread count, torch version) and model dimensions in
+(CPU name, family, model and stepping, thread count, torch version) and model dimensions in
 `$XDG_CACHE_HOME/relaytrain/matmul.json` (`~/.cache/relaytrain` without XDG_CACHE_HOME), so
-it is measured once per host; a changed key measures again.
+it is measured once per host; a changed key measures again. A measurement taken while other
+work loads the cores is used for the run but not cached (one taken at load 15-24 had frozen
+oneDNN in the cache of a host where aten's products are 1.2x faster when it is quiet).
 
 One process decides for a whole run (the controller) and passes the concrete backend to
 every worker, so all workers use the same one even where a first measurement would race.
@@ -63,15 +65,35 @@ class MatmulChoice:
 
 
 def cpu_model() -> str:
-    """The processor's marketing name (Linux's /proc/cpuinfo), else what Python reports."""
+    """The processor (Linux's /proc/cpuinfo: its name, family, model and stepping; virtual
+    machines often show a generic name such as "Intel(R) Xeon(R) Processor" for different
+    processors), else what Python reports."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in ("model name", "cpu family", "model", "stepping"):
+                    fields.setdefault(name, value.strip())
+                if not line.strip() and fields:  # the first processor's block is enough
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    return (f"{fields['model name']} (family {fields.get('cpu family', '?')}, model "
+            f"{fields.get('model', '?')}, stepping {fields.get('stepping', '?')})")
+
+
+def loaded() -> bool:
+    """Whether other work competes for the cores now (one-minute load above the core count):
+    a measurement then says more about the load than about the backends, so it is used for
+    the run but not cached."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def host_key(threads: int) -> str:
@@ -172,9 +194,12 @@ def choose_matmul(setting: str, cfg: Olmo3Config, device: torch.device, threads:
         return MatmulChoice(entry["backend"], "cached", entry.get("aten_s"),
                             entry.get("onednn_s"), key)
     aten_s, onednn_s, ratio = measure(shapes, threads)
-    choice = MatmulChoice("onednn" if ratio < MARGIN else "aten", "measured", aten_s, onednn_s,
-                          key)
-    entries[key] = {**asdict(choice), "ratio": ratio, "source": "cached",
-                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _write_cache(path, entries)
+    busy = loaded()
+    choice = MatmulChoice("onednn" if ratio < MARGIN else "aten",
+                          "measured on a loaded host, not cached" if busy else "measured",
+                          aten_s, onednn_s, key)
+    if not busy:
+        entries[key] = {**asdict(choice), "ratio": ratio, "source": "cached",
+                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        _write_cache(path, entries)
     return choice
