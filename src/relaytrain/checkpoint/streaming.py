@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -49,6 +50,7 @@ class BackgroundHash:
         self._block_size = block_size
         self._parallel = block_size is not None and stable and HASH_THREADS > 1
         self._filled = 0  # bytes in the current block
+        self._block = hashlib.sha256()  # the current block's (sequential)
         self._parts: list[Any] = []  # the current block's buffers (parallel)
         self._futures: list[Future] = []  # each block's digest, in order (parallel)
         self.blocks: list[str] = []
@@ -65,41 +67,32 @@ class BackgroundHash:
     def _hash(self, buf: Any) -> None:
         if self._block_size is None:
             self._h.update(buf)
-            return
+        else:
+            self._split(buf, lambda piece: self._block.update(piece), self._end_block)
+
+    def _split(self, buf: Any, add: Callable[[Any], None], end: Callable[[], None]) -> None:
+        """Give `buf` to the current block (`add`), ending each block that fills (`end`)."""
         view = memoryview(buf).cast("B")
         while len(view):
-            if self._filled == 0:
-                self._block = hashlib.sha256()
             take = min(len(view), self._block_size - self._filled)
-            self._block.update(view[:take])
+            add(view[:take])
             self._filled += take
             view = view[take:]
             if self._filled == self._block_size:
-                self._end_block()
+                end()
 
     def _end_block(self) -> None:
         self.blocks.append(self._block.hexdigest())
         self._h.update(bytes.fromhex(self.blocks[-1]))
-        self._filled = 0
-
-    def _cut_blocks(self, buf: Any) -> None:
-        """Parallel: collect `buf` into blocks; hash each full block on the pool."""
-        view = memoryview(buf).cast("B")
-        while len(view):
-            take = min(len(view), self._block_size - self._filled)
-            self._parts.append(view[:take])
-            self._filled += take
-            view = view[take:]
-            if self._filled == self._block_size:
-                self._submit_block()
+        self._block, self._filled = hashlib.sha256(), 0
 
     def _submit_block(self) -> None:
         self._futures.append(self._pool.submit(_sha256_of, self._parts))
         self._parts, self._filled = [], 0
 
     def update(self, buf: Any) -> None:
-        if self._parallel:
-            self._cut_blocks(buf)
+        if self._parallel:  # collect `buf` into blocks; hash each full one on the pool
+            self._split(buf, lambda piece: self._parts.append(piece), self._submit_block)
             return
         self._pending.append(self._pool.submit(self._hash, buf))
         while len(self._pending) > self._backlog:
