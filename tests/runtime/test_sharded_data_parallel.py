@@ -113,11 +113,13 @@ def test_a_sharded_run_reshards_onto_three_workers_then_grows_back_to_four(
     its rows; the vocabulary's rows split unevenly 3 ways), then grows back to 4, the rows
     pulled from the three snapshots into the 4-way layout: bit-identical to one worker."""
     reference = tmp_path / "one"
-    run_layout(reference, corpus_data, 1, *DP, *WIDE, "determinism=exact", "train.max_steps=6")
+    # 12 steps: the capacity held for 1 s comes back while steps remain, however fast the
+    # recovery (the growth happens at a step boundary once it has)
+    run_layout(reference, corpus_data, 1, *DP, *WIDE, "determinism=exact", "train.max_steps=12")
     run = tmp_path / "elastic"
     summary = Controller(tiny_config(run, corpus_data, *DP, *WIDE, "runtime.engine=ray",
-                                     "parallel.fsdp=4", "determinism=exact", "train.max_steps=6",
-                                     "faults.kill_at=[5]", "faults.hold_capacity_s=2",
+                                     "parallel.fsdp=4", "determinism=exact", "train.max_steps=12",
+                                     "faults.kill_at=[5]", "faults.hold_capacity_s=1",
                                      "elastic.replace_timeout=1", "runtime.call_timeout=120",
                                      "runtime.collective_timeout=120")).run()
     [rec] = records(run, "recovery")

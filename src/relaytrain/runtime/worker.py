@@ -236,6 +236,10 @@ class Worker:
             # every restored value is overwritten below (that makes recovery cheap).
             self._fresh(self._new_module(), layout)
         self._restore(step, given)
+        if self.shards is not None and self.placement.dp // self.placement.fsdp > 1:
+            # Sharded snapshots are taken at the end of a span (run_steps): one of the state
+            # just restored, so a replacement holds one before its first span ends too.
+            self.take_snapshot(step)
         self._state_bytes = None
         group = self.groups.dp if self.groups is not None else self._group()
         exact = self.cfg.determinism == "exact"
@@ -387,16 +391,21 @@ class Worker:
         pipeline schedules need a span to keep the pipeline full. A span ends drained, so its
         end is a consistent cut (the state a snapshot or checkpoint captures)."""
         # Only a worker whose rows another also holds benefits (a DP peer; under sharding, the
-        # same shard of another replica): that copy outlives this process.
+        # same shard of another replica): that copy outlives this process. A sharded one is
+        # taken at the end of a span, when the span's collectives are done (at its start, an
+        # abort after a peer's death raced with it, and the survivors' snapshots disagreed).
         every = self.cfg.elastic.snapshot_every
-        replicas = self.placement.dp // self.placement.fsdp
-        if replicas > 1 and every > 0 and (first - 1) % every == 0:
+        due = self.placement.dp // self.placement.fsdp > 1 and every > 0
+        if due and self.shards is None and (first - 1) % every == 0:
             self.take_snapshot(first - 1)
         self.raise_hook.check(first, count)
         if self.pipeline is not None:
             out = self._run_span(first, count)
         else:
             out = [self._step(step) for step in range(first, first + count)]
+        last = first + count - 1
+        if due and self.shards is not None and last % every == 0:
+            self.take_snapshot(last)
         out[-1].written = self._collect(wait=False)
         return out
 
