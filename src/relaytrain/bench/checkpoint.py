@@ -39,6 +39,7 @@ from relaytrain.checkpoint.writer import snapshot_to_host
 from relaytrain.errors import UserError
 from relaytrain.model.config import PRESETS, Olmo3Config
 from relaytrain.storage import filesystem, redact
+from relaytrain.train.metrics import proc_bytes
 
 DEFAULT_TOKENIZER_VOCAB = 50257  # presets that take the vocabulary from the data: GPT-2's size
 _CHUNK = 16 << 20
@@ -335,11 +336,4 @@ def _check_resources(name: str, nbytes: int, directory: str) -> None:
 
 
 def _available_ram() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_bytes("/proc/meminfo", "MemAvailable")

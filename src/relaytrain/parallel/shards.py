@@ -68,12 +68,6 @@ def whole_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_sharded(t) else t
 
 
-def full_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole tensors for sharded ones (collective: every rank of the shard group, same keys in
-    the same order)."""
-    return {k: whole_tensor(v) for k, v in tensors.items()}
-
-
 def chunk_rows(rows: int, shards: int, rank: int) -> tuple[int, int]:
     """Rows [start, stop) of dim-0 chunk `rank` of `shards` (torch.chunk's split, which FSDP2
     uses: chunks of ceil(rows / shards) rows; the last may be smaller, later ones empty)."""

@@ -53,6 +53,7 @@ from relaytrain.train.execution import (
     retain_freed_memory,
     set_determinism,
 )
+from relaytrain.train.metrics import proc_bytes
 from relaytrain.train.optim import (
     MOMENTS,
     AdamW,
@@ -83,14 +84,7 @@ def reset_peak_rss() -> None:
 
 def peak_rss() -> int:
     """The process's peak resident bytes since `reset_peak_rss` (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return proc_bytes("/proc/self/status", "VmHWM") or 0
 
 
 def state_bytes(model: torch.nn.Module, optimizer: AdamW) -> int:

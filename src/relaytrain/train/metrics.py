@@ -135,6 +135,19 @@ class MemorisationAlarm:
         return None
 
 
+def proc_bytes(path: str, field: str) -> int | None:
+    """A kB field of a Linux /proc file (`VmHWM` of /proc/self/status, `MemAvailable` of
+    /proc/meminfo) in bytes; None where it cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def warn(message: str, stream: TextIO | None = None) -> None:
     """A loud one-line warning on stderr that survives a progress bar."""
     print(f"relaytrain: warning: {message}", file=stream or sys.stderr, flush=True)
