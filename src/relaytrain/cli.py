@@ -16,7 +16,7 @@ from relaytrain.errors import UserError
 
 # subcommand -> "module:function"; the function takes the parsed args and returns an exit code.
 HANDLERS = {
-    "data.prepare": "relaytrain.data.prepare:cli_prepare",
+    "data.prepare": "relaytrain.cli:cli_prepare",
     "data.index": "relaytrain.data.mix_index:cli_index",
     "data.audit": "relaytrain.data.audit:cli_audit",
     "train": "relaytrain.runtime.controller:cli_train",
@@ -55,6 +55,9 @@ def _add_data(sub: Any) -> None:
     prep.add_argument("--workers", type=int, default=0,
                       help="encoding processes (0: one per core); the output does not depend "
                            "on it")
+    prep.add_argument("--address", default=None, metavar="RAY_ADDRESS",
+                      help="encode on the nodes of this Ray cluster ('auto': the one this node "
+                           "is in); --workers 0 then means one per CPU of the cluster")
     prep.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
     prep.add_argument("--eos-token", default=None,
                       help="the tokenizer's end-of-text token (default: a common name)")
@@ -188,6 +191,18 @@ def _add_compare(sub: Any) -> None:
                       help="also draw both curves and their difference")
     cmp_.add_argument("--json", action="store_true")
     cmp_.set_defaults(handler="compare")
+
+
+def cli_prepare(args: argparse.Namespace) -> int:
+    """`data prepare`, on this machine's cores or (--address) a Ray cluster's: the data layer
+    knows nothing of Ray, so the two are joined here."""
+    from relaytrain.data.prepare import cli_prepare as prepare
+
+    if args.address is None:
+        return prepare(args)
+    from relaytrain.runtime.engines.ray_pool import ray_map
+
+    return prepare(args, ray_map(args.address))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

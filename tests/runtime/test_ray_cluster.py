@@ -1,5 +1,6 @@
-"""Against a real multi-node Ray cluster started by the test on 127.0.0.1: joining it by
-address, worker logs reaching the controller, and losing a node mid-run, in one run."""
+"""Against a real multi-node Ray cluster started by the test on 127.0.0.1: preparing data on its
+nodes, then a run joining it by address, worker logs reaching the controller, and losing a node
+mid-run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -41,12 +43,26 @@ def _train(env, run, data, address, *extra) -> subprocess.Popen:
          *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_a_run_joins_a_cluster_by_address_forwards_worker_logs_and_survives_losing_a_node(
+def _prepare_on(env, address, data, out) -> str:
+    """`data prepare --address` of the corpus `data` was prepared from, with its tokenizer, on
+    four workers; its stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "relaytrain.cli", "data", "prepare", "--source",
+         os.path.join(os.path.dirname(data), "corpus", "*.txt"), "--tokenizer",
+         os.path.join(data, "tokenizer.json"), "--heldout-frac", "0.1", "--out", str(out),
+         "--address", address, "--workers", "4"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_data_is_prepared_on_a_clusters_nodes_then_a_run_joins_it_forwards_worker_logs_and_survives_losing_a_node(  # noqa: E501
         tmp_path, corpus_data, cluster_env, monkeypatch):
     """Two Ray nodes on this machine (Ray's own multi-node test cluster: `ray start` refuses a
-    second node on one host), two CPUs each; a `relaytrain train` process joins by address
-    with four workers, two on each node, and the second node is removed mid-run: its raylet
-    and its workers die together."""
+    second node on one host), two CPUs each. `data prepare --address` encodes on both nodes
+    and writes the bytes one process writes; then a `relaytrain train` process joins by
+    address with four workers, two on each node, and the second node is removed mid-run: its
+    raylet and its workers die together."""
     for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
                 "RAY_health_check_period_ms", "RAY_health_check_failure_threshold", "RAY_TMPDIR"):
         monkeypatch.setenv(key, cluster_env[key])
@@ -59,8 +75,17 @@ def test_a_run_joins_a_cluster_by_address_forwards_worker_logs_and_survives_losi
     try:
         second = cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
+        data = tmp_path / "data"
+        log = _prepare_on(cluster_env, cluster.address, corpus_data, data)
+        assert re.search(r"encoding with 4 Ray workers on 2 nodes \(PIDs \d+, \d+, \d+, \d+\)",
+                         log), log
+        ours, theirs = (json.loads((Path(d) / "index.json").read_text())
+                        for d in (data, corpus_data))
+        assert ours["fingerprint"] == theirs["fingerprint"]  # the hash of every file written
+        assert all((data / f).read_bytes() == (Path(corpus_data) / f).read_bytes()
+                   for f in ours["files"])
         run = tmp_path / "run"
-        proc = _train(cluster_env, run, corpus_data, cluster.address, "parallel.dp=4",
+        proc = _train(cluster_env, run, str(data), cluster.address, "parallel.dp=4",
                       "train.max_steps=14", "determinism=exact", "elastic.replace_timeout=2",
                       "runtime.call_timeout=20", "checkpoint.every=0", "eval.every=0")
         deadline = time.monotonic() + 200

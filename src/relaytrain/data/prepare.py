@@ -11,6 +11,7 @@ except for the set of document hashes and the per-document offsets.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -21,7 +22,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,10 +211,14 @@ def _chunks(corpus: _Corpus) -> Iterator[list[tuple[bool, bytes, str]]]:
 
 class _Encoder:
     """Tokens + EOS of each document of a chunk: the work a worker process does, with one
-    Rust thread (TOKENIZERS_PARALLELISM=false): the parallelism is the worker processes."""
+    Rust thread (TOKENIZERS_PARALLELISM=false): the parallelism is the worker processes. It is
+    built from the tokenizer's JSON, not a path, so it runs on any node of a cluster."""
 
-    def __init__(self, tok_file: Path, eos_id: int, dtype: type[np.unsignedinteger]) -> None:
-        tok = _load_tokenizer(tok_file)
+    def __init__(self, tok_json: str, eos_id: int, dtype: type[np.unsignedinteger]) -> None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(tok_json)
+        tok.encode_special_tokens = True  # as _load_tokenizer
         self.encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
         self.eos_id, self.dtype = eos_id, dtype
 
@@ -229,55 +234,72 @@ class _Encoder:
         return out
 
 
-_WORKER_ENCODER: _Encoder | None = None
+# (factory of the per-worker function, items, workers (0: all the pool has), environment of
+# the workers) -> the function's results in the items' order. `process_map` runs on this
+# machine's cores; the CLI hands `prepare` a Ray cluster's (runtime/engines/ray_pool.py).
+ChunkMap = Callable[[Callable[[], Callable[[Any], Any]], Iterable[Any], int, dict[str, str]],
+                    Iterator[Any]]
+IN_FLIGHT_PER_WORKER = 2  # items queued per worker: memory stays flat in corpus size
+ENCODER_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+_WORKER_FN: Callable[[Any], Any] | None = None
 
 
-def _start_worker(tok_file: Path, eos_id: int, dtype: type[np.unsignedinteger]) -> None:
-    global _WORKER_ENCODER
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER_ENCODER = _Encoder(tok_file, eos_id, dtype)
+def _start_worker(factory: Callable[[], Callable[[Any], Any]], env: dict[str, str]) -> None:
+    global _WORKER_FN
+    os.environ.update(env)
+    _WORKER_FN = factory()
 
 
-def _encode_in_worker(chunk: list[tuple[bool, bytes, str]]) -> list[tuple[bool, bytes,
-                                                                        np.ndarray]]:
-    assert _WORKER_ENCODER is not None
-    return _WORKER_ENCODER(chunk)
+def _call_in_worker(item: Any) -> Any:
+    assert _WORKER_FN is not None
+    return _WORKER_FN(item)
 
 
-def _encoded(corpus: _Corpus, encoder: tuple[Path, int, type[np.unsignedinteger]],
-             workers: int) -> Iterator[list[tuple[bool, bytes, np.ndarray]]]:
-    """The corpus's chunks encoded, in corpus order whatever `workers` is (so the output is
-    byte-identical), at most 2 chunks per worker in flight (memory flat in corpus size)."""
+def process_map(factory: Callable[[], Callable[[Any], Any]], items: Iterable[Any],
+                workers: int, env: dict[str, str]) -> Iterator[Any]:
+    """`ChunkMap` on this machine: in this process for one worker, else a pool of processes."""
+    workers = workers or os.cpu_count() or 1
     if workers == 1:
-        before = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
-            yield from map(_Encoder(*encoder), _chunks(corpus))
+            yield from map(factory(), items)
         finally:
-            if before is None:
-                del os.environ["TOKENIZERS_PARALLELISM"]
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = before
+            for k, v in before.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
         return
     # spawn: a fork of a process whose tokenizer threads have run can deadlock
-    with mp.get_context("spawn").Pool(workers, _start_worker, encoder) as pool:
-        pending: deque[Any] = deque()
-        for chunk in _chunks(corpus):
-            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    with mp.get_context("spawn").Pool(workers, _start_worker, (factory, env)) as pool:
+        yield from in_order(lambda _, item: pool.apply_async(_call_in_worker, (item,)),
+                            lambda result: result.get(), items, workers)
+
+
+def in_order(submit: Callable[[int, Any], Any], get: Callable[[Any], Any], items: Iterable[Any],
+             workers: int) -> Iterator[Any]:
+    """Results of `submit(i, item)` (a future) read by `get`, in the items' order, with at most
+    IN_FLIGHT_PER_WORKER per worker submitted and not yet read."""
+    pending: deque[Any] = deque()
+    for i, item in enumerate(items):
+        pending.append(submit(i, item))
+        if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+            yield get(pending.popleft())
+    while pending:
+        yield get(pending.popleft())
 
 
 def _encode(corpus: _Corpus, writers: dict[bool, _SplitWriter],
-            encoder: tuple[Path, int, type[np.unsignedinteger]], workers: int,
+            encoder: Callable[[], _Encoder], workers: int, mapper: ChunkMap,
             progress: bool) -> None:
+    """Encode the corpus's chunks with `mapper` (in corpus order whatever the workers, so the
+    bytes written do not depend on them) and append them to their splits."""
     bar = tqdm(desc="tokenizing", unit="doc", disable=None if progress else True,
                file=sys.stderr, dynamic_ncols=True)
     total = 0
     with bar:
-        for encoded in _encoded(corpus, encoder, workers):
+        for encoded in mapper(encoder, _chunks(corpus), workers, ENCODER_ENV):
             for heldout in (False, True):
                 mine = [(digest, arr) for h, digest, arr in encoded if h == heldout]
                 writers[heldout].add([a for _, a in mine], [d for d, _ in mine])
@@ -298,11 +320,11 @@ def _check_out(out: Path) -> None:
 
 def prepare(sources: Sequence[str] | None, out: str | os.PathLike[str], tokenizer: str, *,
             text_field: str = "text", heldout_frac: float = 0.05, max_docs: int | None = None,
-            eos_token: str | None = None, workers: int = 1,
+            eos_token: str | None = None, workers: int = 1, mapper: ChunkMap = process_map,
             progress: bool = False) -> PrepareResult:
     """Tokenize `sources` (None: the demo corpus) into the data directory `out`, encoding in
-    `workers` processes (0: one per core; the CLI's default); the bytes written do not depend
-    on `workers`."""
+    `workers` processes of `mapper` (0: all it has: this machine's cores, the CLI's default,
+    or a Ray cluster's CPUs); the bytes written depend on neither."""
     t0 = time.perf_counter()
     out = Path(out)
     if not 0 <= heldout_frac < 1:
@@ -341,8 +363,9 @@ def prepare(sources: Sequence[str] | None, out: str | os.PathLike[str], tokenize
         writers = {heldout: _SplitWriter(tmp, "heldout" if heldout else "train", dtype)
                    for heldout in (False, True)}
         try:
-            _encode(corpus, writers, (tok_file, eos_id, dtype), workers or os.cpu_count() or 1,
-                    progress)
+            encoder = functools.partial(_Encoder, tok_file.read_text(encoding="utf-8"),
+                                        eos_id, dtype)
+            _encode(corpus, writers, encoder, workers, mapper, progress)
         except BaseException:
             for w in writers.values():
                 w.file.close()
@@ -408,11 +431,11 @@ def _check_documents(documents: dict[str, int], corpus: _Corpus, heldout_frac: f
                         f"(--heldout-frac {heldout_frac}); add documents or lower --heldout-frac")
 
 
-def cli_prepare(args: argparse.Namespace) -> int:
+def cli_prepare(args: argparse.Namespace, mapper: ChunkMap = process_map) -> int:
     result = prepare(None if args.demo else args.source, args.out, args.tokenizer,
                      text_field=args.text_field, heldout_frac=args.heldout_frac,
                      max_docs=args.max_docs, eos_token=args.eos_token, workers=args.workers,
-                     progress=True)
+                     mapper=mapper, progress=True)
     if result.skipped_files:
         shown = ", ".join(result.skipped_files[:3])
         more = f" and {len(result.skipped_files) - 3} more" if len(result.skipped_files) > 3 else ""
