@@ -64,7 +64,7 @@ def _add_data(sub: Any) -> None:
     prep.add_argument("--json", action="store_true")
     prep.set_defaults(handler="data.prepare")
     index = dsub.add_parser("index", help="index OLMo-core token arrays in place (no copy)")
-    mix = index.add_mutually_exclusive_group(required=True)
+    mix = index.add_mutually_exclusive_group()  # none: an evaluation set (--heldout alone)
     mix.add_argument("--mix", metavar="MANIFEST", help="OLMo-core mix: 'label,path' lines, "
                      "paths relative to --base with {TOKENIZER} for --tokenizer-id")
     mix.add_argument("--files", nargs="+", metavar="PATH|URL", help="token files, in order")

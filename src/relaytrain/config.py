@@ -8,6 +8,7 @@ given and what is accepted.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -72,6 +73,10 @@ class OptimSection:
     final_lr_frac: float = 0.1  # cosine decays to lr * final_lr_frac at max_steps
 
 
+OWN_EVAL_SET = "heldout"  # the run's own held-out split, among the evaluation sets
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
 @dataclass
 class EvalSection:
     every: int = 50  # 0 disables held-out evaluation
@@ -79,6 +84,8 @@ class EvalSection:
     memo_gap: float = 0.5  # alarm when held-out loss exceeds training loss by this (nats)
     memo_patience: int = 3  # alarm when held-out rises while training falls this many evals
     stop_on_alarm: bool = False
+    # name -> data directory whose held-out split is evaluated too (data/eval_sets.py)
+    sets: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -502,7 +509,19 @@ def validate(cfg: RunConfig) -> None:
          f"{cfg.elastic.min_workers}, expected >= 1")
     need(cfg.eval.instances >= 1, f"config key 'eval.instances': got {cfg.eval.instances}, "
          "expected >= 1")
+    _validate_eval_sets(cfg.eval.sets, need)
     _validate_faults(cfg, need)
+
+
+def _validate_eval_sets(sets: dict[str, Any], need: Callable[[bool, str], None]) -> None:
+    for name, path in sets.items():
+        need(isinstance(name, str) and EVAL_SET_NAME.fullmatch(name) is not None
+             and name != OWN_EVAL_SET, f"config key 'eval.sets': set name {name!r} must be "
+             f"letters, digits, '_' or '-' (and not '{OWN_EVAL_SET}', the run's own "
+             "held-out split)")
+        need(isinstance(path, str) and bool(path), f"config key 'eval.sets.{name}': got "
+             f"{path!r}, expected the path of a data directory (from `data prepare` or "
+             "`data index`)")
 
 
 def _validate_exact_sharding(fsdp: int, m: Olmo3Config,

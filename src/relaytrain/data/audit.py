@@ -15,7 +15,9 @@ a rollback):
 - heldout_documents: no document is in both splits (sha256 of the text);
 - heldout_ngrams: sampled held-out 32-token windows are looked up in every training 32-gram
   (a vectorised rolling hash over the whole training stream, or evenly spaced chunks of it
-  above `max_scan_tokens`), catching contamination that the document hashes do not.
+  above `max_scan_tokens`), catching contamination that the document hashes do not;
+- heldout_documents:NAME, heldout_ngrams:NAME: the same two for each named evaluation set
+  (`eval.sets`, recorded in the ledger headers) against the training split.
 
 Exit code 0 when every check passes, 1 when one fails, 2 for bad input.
 """
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from relaytrain.data.dataset import TokenDataset, TokenSplit
+from relaytrain.data.eval_sets import open_eval_set
 from relaytrain.data.ledger import LEDGER_FILE, read_ledger
 from relaytrain.data.olmo_order import OlmoOrder, rank_positions
 from relaytrain.data.order import Order
@@ -81,7 +84,8 @@ class AuditReport:
     resumes: int = 0
     resizes: int = 0
     torn_tail: bool = False
-    ngram: dict[str, Any] = field(default_factory=dict)
+    ngram: dict[str, Any] = field(default_factory=dict)  # the run's own held-out split's
+    eval_ngrams: dict[str, dict[str, Any]] = field(default_factory=dict)  # per named set
     checks: list[CheckResult] = field(default_factory=list)
 
     @property
@@ -94,7 +98,7 @@ class AuditReport:
         found = [c.finding for c in self.checks if not c.ok and c.finding]
         if not found:
             return None
-        return min(found, key=lambda f: (-1 if f.step is None else f.step, CHECKS.index(f.check)))
+        return min(found, key=lambda f: (-1 if f.step is None else f.step, _rank(f.check)))
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "checks"}
@@ -437,13 +441,19 @@ def _check_steps(segments: list[_Segment], recorded: _Steps,
     ]
 
 
-def _check_heldout_documents(ds: TokenDataset) -> CheckResult:
-    c = _Check("heldout_documents")
-    if ds.kind != "prepared":
+def _rank(check: str) -> int:
+    """Where a check is reported: a named set's checks (`heldout_ngrams:c4`) with their kind."""
+    return CHECKS.index(check.split(":")[0])
+
+
+def _check_heldout_documents(ds: TokenDataset, held: TokenDataset, suffix: str = ""
+                             ) -> CheckResult:
+    c = _Check("heldout_documents" + suffix)
+    if ds.kind != "prepared" or held.kind != "prepared":
         return c.result("not applicable: OLMo-core token arrays carry no document text (the "
                         "n-gram check covers contamination)")
     train = ds.doc_hashes("train")
-    heldout = ds.split("heldout").doc_digests()
+    heldout = held.split("heldout").doc_digests()
     shared = [i for i, d in enumerate(heldout) if bytes(d).hex() in train]
     if shared:
         c.fail(f"{len(shared)} held-out documents are also training documents (first: held-out "
@@ -520,11 +530,11 @@ def ngram_overlap(train: TokenSplit, heldout: TokenSplit, *, n: int = NGRAM,
     return result
 
 
-def _check_heldout_ngrams(ds: TokenDataset, max_overlap: float,
-                          report: AuditReport) -> CheckResult:
-    c = _Check("heldout_ngrams")
-    r = ngram_overlap(ds.split("train"), ds.split("heldout"))
-    report.ngram = r
+def _check_heldout_ngrams(ds: TokenDataset, held: TokenDataset, max_overlap: float,
+                          result: dict[str, Any], suffix: str = "") -> CheckResult:
+    c = _Check("heldout_ngrams" + suffix)
+    r = ngram_overlap(ds.split("train"), held.split("heldout"))
+    result.update(r)
     if r["sampled"] == 0:
         return c.result(f"not checked: no held-out window of {NGRAM} tokens")
     detail = (f"{r['matched']} of {r['sampled']} sampled held-out {NGRAM}-grams occur in "
@@ -564,8 +574,17 @@ def audit(run_dir: str | Path, *, data_path: str | None = None,
     report.data_path = str(ds.path)
     report.checks = [_check_config(segments), _check_data(first, ds),
                      *_check_steps(segments, recorded, report),
-                     _check_heldout_documents(ds), _check_heldout_ngrams(ds, max_overlap, report)]
-    report.checks.sort(key=lambda c: CHECKS.index(c.name))
+                     _check_heldout_documents(ds, ds),
+                     _check_heldout_ngrams(ds, ds, max_overlap, report.ngram)]
+    sets = {name: path for seg in segments for name, path in seg.header.get(
+        "eval_sets", {}).items()}  # every set any (re)start evaluated
+    for name, path in sets.items():
+        held = open_eval_set(name, path)
+        report.eval_ngrams[name] = {}
+        report.checks += [_check_heldout_documents(ds, held, f":{name}"),
+                          _check_heldout_ngrams(ds, held, max_overlap,
+                                                report.eval_ngrams[name], f":{name}")]
+    report.checks.sort(key=lambda c: _rank(c.name))
     return report
 
 

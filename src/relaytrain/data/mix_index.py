@@ -126,8 +126,10 @@ def index_mix(splits: dict[str, Sequence[MixFile]], out: str | os.PathLike[str],
         raise DataError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     if vocab_size < 1 or not 0 <= eos_id < vocab_size:
         raise DataError(f"EOS id {eos_id} is not in a vocabulary of {vocab_size} ids")
-    if not splits.get("train"):
-        raise DataError("no training files given; expected --mix MANIFEST or --files FILE...")
+    if not any(splits.values()):
+        raise DataError("no files given; expected --mix MANIFEST, --files FILE... or --sources "
+                        "MIX.yaml for training, or --heldout FILE... / --heldout-mix MANIFEST "
+                        "for an evaluation set")
     if (out / INDEX).exists():
         raise DataError(f"--out {out}: already holds an {INDEX}; indexing never overwrites, "
                         "choose a new directory")
@@ -250,6 +252,7 @@ def cli_index(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     vocab, eos, pad = _tokenizer_ids(args)
     plan = read_plan(args) if args.sources else None
+    # Held-out files alone index an evaluation set (eval.sets).
     splits = {"train": _files(args.mix, args.files, args.base, args.tokenizer_id, "train")}
     if args.heldout_mix or args.heldout:
         splits["heldout"] = _files(args.heldout_mix, args.heldout, args.base,

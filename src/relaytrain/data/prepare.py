@@ -327,14 +327,18 @@ def prepare(sources: Sequence[str] | None, out: str | os.PathLike[str], tokenize
     or a Ray cluster's CPUs); the bytes written depend on neither."""
     t0 = time.perf_counter()
     out = Path(out)
-    if not 0 <= heldout_frac < 1:
-        raise DataError(f"--heldout-frac {heldout_frac}: expected a fraction in [0, 1)")
+    if not 0 <= heldout_frac <= 1:
+        raise DataError(f"--heldout-frac {heldout_frac}: expected a fraction in [0, 1] (1: an "
+                        "evaluation set, every document held out)")
     if max_docs is not None and max_docs < 1:
         raise DataError(f"--max-docs {max_docs}: expected an integer >= 1")
     if workers < 0:
         raise DataError(f"--workers {workers}: expected an integer >= 1, or 0 for every core")
     _check_out(out)
     tok_source = _tokenizer_source(tokenizer)
+    if heldout_frac == 1 and isinstance(tok_source, int):
+        raise DataError(f"--heldout-frac 1 (an evaluation set) leaves no training text for "
+                        f"--tokenizer {tokenizer}; give the training data's --tokenizer FILE")
     if isinstance(tok_source, Path):  # fail on a bad tokenizer before reading any data
         _eos_id(_load_tokenizer(tok_source), tok_source, eos_token)
     demo = sources is None
@@ -426,7 +430,7 @@ def _check_documents(documents: dict[str, int], corpus: _Corpus, heldout_frac: f
         raise DataError(f"the sources have no usable documents ({corpus.stats.empty} empty, "
                         f"{len(corpus.stats.undecodable)} unreadable files skipped); expected "
                         "non-empty UTF-8 text")
-    if documents["train"] == 0:
+    if documents["train"] == 0 and heldout_frac < 1:
         raise DataError(f"all {total} unique documents fell into the held-out split "
                         f"(--heldout-frac {heldout_frac}); add documents or lower --heldout-frac")
 

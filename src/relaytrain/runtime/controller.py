@@ -20,8 +20,8 @@ from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.config import RunConfig, flatten, load_config
 from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
-from relaytrain.data.order import heldout_ids
 from relaytrain.errors import ConfigError, UserError
 from relaytrain.model.accounting import flops_per_token
 from relaytrain.model.matmul_choice import choose_matmul
@@ -93,9 +93,8 @@ class Controller:
                             f"data.seq_len={cfg.seq_len}; train.global_batch="
                             f"{cfg.train.global_batch} needs at least that many")
         self.n_train = n_train
-        n_held = self.dataset.split("heldout").num_instances(cfg.seq_len)
-        self.eval_ids = [int(i) for i in heldout_ids(n_held, cfg.eval.instances)] \
-            if cfg.eval.every > 0 else []
+        self.eval_ids = eval_ids(open_eval_sets(self.dataset, cfg.eval.sets), cfg.seq_len,
+                                 cfg.eval.instances) if cfg.eval.every > 0 else {}
         self.store = CheckpointStore(cfg.checkpoint_url, keep_last=cfg.checkpoint.keep_last)
         self.faults = FaultInjector(plan_faults(cfg.faults, cfg.seed, cfg.train.max_steps,
                                                 cfg.world_size), cfg.faults.slow_seconds)

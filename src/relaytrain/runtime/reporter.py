@@ -14,7 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from relaytrain.config import RunConfig
+from relaytrain.config import OWN_EVAL_SET, RunConfig
+from relaytrain.data.eval_sets import describe
 from relaytrain.data.ledger import (
     LedgerWriter,
     header_record,
@@ -75,7 +76,7 @@ class StepReporter:
         self.quiet = quiet
         self.tokens_per_step = cfg.train.global_batch * cfg.seq_len
         self.spikes = SpikeDetector(cfg.train.spike_factor)
-        self.alarm = MemorisationAlarm(cfg.eval.memo_gap, cfg.eval.memo_patience)
+        self.alarms: dict[str, MemorisationAlarm] = {}  # one per evaluation set
         self.recent_losses: list[float] = []
         self.last: dict[str, Any] = {"loss": math.nan}
         self.heldout = math.nan
@@ -123,7 +124,8 @@ class StepReporter:
         self.ledger.write(header_record(
             seed=cfg.seed, global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch,
             seq_len=cfg.seq_len, n_instances=self.n_instances, fingerprint=self.fingerprint,
-            data_path=os.path.abspath(cfg.data.path), dp=dp, order=cfg.data.order))
+            data_path=os.path.abspath(cfg.data.path), dp=dp, order=cfg.data.order,
+            eval_sets=describe(cfg.eval.sets)))
 
     def rollback(self, steps: range, to_step: int) -> None:
         """Steps whose updates a restore discarded: their data counts as unconsumed."""
@@ -184,25 +186,36 @@ class StepReporter:
         self.bar.refresh()
 
     # ---- evaluation ------------------------------------------------------------------------
-    def evaluation(self, step: int, per_worker: dict[int, dict[int, float]],
-                   ids: list[int]) -> None:
-        """Record the held-out loss of `ids` against the recent training loss; the
-        memorisation alarm warns, or stops the run with eval.stop_on_alarm."""
-        losses: dict[int, float] = {}
-        for r in per_worker.values():
-            losses.update({int(k): v for k, v in r.items()})
-        self.heldout = mean_loss(losses, ids)
+    def evaluation(self, step: int, per_worker: dict[int, dict[str, dict[int, float]]],
+                   sets: dict[str, list[int]]) -> None:
+        """Record each evaluation set's loss over its instances `sets[name]` against the recent
+        training loss (`heldout_loss` is the first set's: the run's own held-out split when it
+        has one); each set's memorisation alarm warns, or stops the run with
+        eval.stop_on_alarm."""
+        losses = {}
+        for name, ids in sets.items():
+            per_instance: dict[int, float] = {}
+            for r in per_worker.values():
+                per_instance.update({int(k): v for k, v in r.get(name, {}).items()})
+            losses[name] = mean_loss(per_instance, ids)
+        self.heldout = next(iter(losses.values()))
         recent = self.recent_losses[-max(1, self.cfg.eval.every):]
         train_loss = math.fsum(recent) / len(recent)
         rec = self.metrics.write("eval", step=step, tokens=step * self.tokens_per_step,
                                  heldout_loss=self.heldout,
                                  heldout_ppl=math.exp(min(self.heldout, 50.0)),
-                                 train_loss=train_loss)
+                                 train_loss=train_loss, sets=losses)
         if self.tensorboard:
             self.tensorboard.write(rec)
-        message = self.alarm.update(train_loss, self.heldout)
-        if message:
-            self.metrics.write("alarm", step=step, message=message)
+        for name, loss in losses.items():
+            alarm = self.alarms.setdefault(name, MemorisationAlarm(self.cfg.eval.memo_gap,
+                                                                   self.cfg.eval.memo_patience))
+            message = alarm.update(train_loss, loss)
+            if message is None:
+                continue
+            if name != OWN_EVAL_SET:
+                message = f"eval set '{name}': {message}"
+            self.metrics.write("alarm", step=step, message=message, set=name)
             warn(message)
             if self.cfg.eval.stop_on_alarm:
                 raise TrainingStopped(f"stopped at step {step}: {message}")

@@ -23,6 +23,7 @@ from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.checkpoint.writer import AsyncCheckpointWriter, snapshot_to_host
 from relaytrain.config import RunConfig, config_from_dict
 from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.eval_sets import open_eval_sets
 from relaytrain.data.loader import Loader
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
@@ -117,6 +118,7 @@ class Worker:
         retain_freed_memory()  # no page faults for buffers freed and re-allocated every step
         self.dataset = TokenDataset.open(self.cfg.data.path)
         self.train_split = self.dataset.split("train")
+        self.eval_splits: dict[str, Any] | None = None  # opened at the first evaluation
         self.placement: Placement | None = None
         self.generation = -1
         self.model: Olmo3 | None = None
@@ -493,15 +495,19 @@ class Worker:
         return self._collect(wait=True)
 
     # ---- evaluation ------------------------------------------------------------------------
-    def evaluate(self, ids: list[int]) -> dict[int, float]:
+    def evaluate(self, sets: dict[str, list[int]]) -> dict[str, dict[int, float]]:
+        if self.eval_splits is None:
+            self.eval_splits = open_eval_sets(self.dataset, self.cfg.eval.sets)
+        return {name: self._evaluate(self.eval_splits[name], ids) for name, ids in sets.items()}
+
+    def _evaluate(self, split: Any, ids: list[int]) -> dict[int, float]:
         assert self.model is not None and self.placement is not None
         if self.pipeline is not None:
-            return self.pipeline.evaluate(self.dataset.split("heldout"), ids,
-                                          self.placement.dp_rank)
+            return self.pipeline.evaluate(split, ids, self.placement.dp_rank)
         p = self.placement
         # A replica's shards run every forward together (each gathers parameters): they take
         # the replica's chunks, and its first shard reports.
-        losses = heldout_losses(self.model, self.dataset.split("heldout"), ids, self.cfg.seq_len,
+        losses = heldout_losses(self.model, split, ids, self.cfg.seq_len,
                                 self.cfg.train.micro_batch, self.device, p.replica,
                                 p.dp // p.fsdp)
         return losses if p.shard == 0 else {}

@@ -59,9 +59,9 @@ def mean_loss(losses: dict[int, float], ids: list[int]) -> float:
 def cli_eval(args: Any) -> int:
     from relaytrain.checkpoint.keys import model_tensors
     from relaytrain.checkpoint.store import open_checkpoint
-    from relaytrain.config import ModelSection, config_from_dict
+    from relaytrain.config import OWN_EVAL_SET, ModelSection, config_from_dict
     from relaytrain.data.dataset import TokenDataset
-    from relaytrain.data.order import heldout_ids
+    from relaytrain.data.eval_sets import eval_ids, open_eval_sets
     from relaytrain.model.config import Olmo3Config
     from relaytrain.model.olmo3 import Olmo3
     from relaytrain.train.execution import pick_device, prepare_model
@@ -83,20 +83,28 @@ def cli_eval(args: Any) -> int:
     seq_len = cfg.seq_len if cfg else model_cfg.max_seq_len
     count = cfg.eval.instances if cfg else 32
     micro = cfg.train.micro_batch if cfg else 4
-    split = dataset.split("heldout")
-    ids = [int(i) for i in heldout_ids(split.num_instances(seq_len), count)]
+    splits = open_eval_sets(dataset, cfg.eval.sets if cfg else {})
+    ids = eval_ids(splits, seq_len, count)
     device = pick_device("auto")
     model = Olmo3(model_cfg)
     model.load_state_dict(model_tensors(tensors))
     # Executed as the run was (its GEMM backend above all), so the loss is the run's to the bit.
     model = prepare_model(model, cfg.model if cfg else ModelSection(), device)
-    loss = mean_loss(heldout_losses(model, split, ids, seq_len, micro, device), ids)
-    result = {"checkpoint_step": manifest["step"], "heldout_loss": loss,
-              "heldout_ppl": math.exp(min(loss, 50.0)), "instances": len(ids),
-              "seq_len": seq_len}
+    sets = {}
+    for name, split in splits.items():
+        loss = mean_loss(heldout_losses(model, split, ids[name], seq_len, micro, device),
+                         ids[name])
+        sets[name] = {"loss": loss, "ppl": math.exp(min(loss, 50.0)),
+                      "instances": len(ids[name])}
+    first = next(iter(sets.values()))  # the run's own held-out split when it has one
+    result = {"checkpoint_step": manifest["step"], "heldout_loss": first["loss"],
+              "heldout_ppl": first["ppl"], "instances": first["instances"],
+              "seq_len": seq_len, "sets": sets}
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"step {result['checkpoint_step']}: held-out loss {loss:.4f}, perplexity "
-              f"{result['heldout_ppl']:.2f} ({len(ids)} instances of {seq_len} tokens)")
+        return 0
+    for name, r in sets.items():
+        what = "held-out" if name == OWN_EVAL_SET else f"eval set '{name}'"
+        print(f"step {result['checkpoint_step']}: {what} loss {r['loss']:.4f}, perplexity "
+              f"{r['ppl']:.2f} ({r['instances']} instances of {seq_len} tokens)")
     return 0

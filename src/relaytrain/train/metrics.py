@@ -46,8 +46,13 @@ class TensorBoard:
     def write(self, record: dict[str, Any]) -> None:
         step = record.get("step", 0)
         for key, value in record.items():
-            if key not in ("kind", "step", "wall") and isinstance(value, int | float):
-                self.writer.add_scalar(f"{record['kind']}/{key}", value, step)
+            if key in ("kind", "step", "wall"):
+                continue
+            values = value if isinstance(value, dict) else {"": value}  # e.g. eval's sets
+            for sub, v in values.items():
+                if isinstance(v, int | float):
+                    name = f"{record['kind']}/{key}" + (f"/{sub}" if sub else "")
+                    self.writer.add_scalar(name, v, step)
 
     def close(self) -> None:
         self.writer.close()

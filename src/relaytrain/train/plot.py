@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from relaytrain.config import OWN_EVAL_SET
 from relaytrain.runlog import RunLog, read_metrics, series
 
 
@@ -18,16 +19,14 @@ def plot_run(log: RunLog, out: str, title: str = "") -> str:
     (ax_step, ax_tok), (ax_lr, ax_tps) = axes
     steps, loss = series(log.steps, "loss")
     tok_steps, tokens = series(log.steps, "tokens")
-    ev_steps, held = series(log.evals, "heldout_loss")
-    _, ev_tokens = series(log.evals, "tokens")
     ax_step.plot(steps, loss, lw=1, label="training loss")
-    if len(ev_steps):
-        ax_step.plot(ev_steps, held, "o-", ms=3, label="held-out loss")
+    ax_tok.plot(tokens, loss, lw=1, label="training loss")
+    for label, evals in eval_curves(log.evals):
+        for ax, x in ((ax_step, "step"), (ax_tok, "tokens")):
+            xs, ys = series(evals, "loss", x)
+            ax.plot(xs, ys, "o-", ms=3, label=label)
     ax_step.set_xlabel("step")
     ax_step.set_ylabel("loss (nats)")
-    ax_tok.plot(tokens, loss, lw=1, label="training loss")
-    if len(ev_steps):
-        ax_tok.plot(ev_tokens, held, "o-", ms=3, label="held-out loss")
     ax_tok.set_xlabel("tokens")
     lr_steps, lr = series(log.steps, "lr")
     ax_lr.plot(lr_steps, lr)
@@ -56,6 +55,18 @@ def plot_run(log: RunLog, out: str, title: str = "") -> str:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def eval_curves(evals: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(label, records with step, tokens and loss) of each evaluation set, in the order they
+    first appear (a log written before named sets: its held-out loss)."""
+    curves: dict[str, list[dict[str, Any]]] = {}
+    for rec in evals:
+        for name, loss in (rec.get("sets") or {OWN_EVAL_SET: rec.get("heldout_loss")}).items():
+            curves.setdefault(name, []).append({"step": rec.get("step"),
+                                                "tokens": rec.get("tokens"), "loss": loss})
+    return [("held-out loss" if name == OWN_EVAL_SET else f"eval set {name}", recs)
+            for name, recs in curves.items()]
 
 
 def cli_plot(args: Any) -> int:

@@ -62,8 +62,8 @@ class WorkerAPI(Protocol):
     def flush_writes(self) -> list[WriteReport]:
         """Wait for every background write; their reports."""
 
-    def evaluate(self, ids: list[int]) -> dict[int, float]:
-        """Held-out losses of this rank's share of `ids`."""
+    def evaluate(self, sets: dict[str, list[int]]) -> dict[str, dict[int, float]]:
+        """Per evaluation set, the losses of this rank's share of its instances `ids`."""
 
     def abort(self, generation: int) -> bool:
         """Make `generation`'s collectives fail at once (called while a step is blocked)."""
