@@ -79,9 +79,16 @@ def test_exact_sharding_on_a_torch_without_custom_reduce_scatter_is_refused(monk
     load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2"])
 
 
-def test_sharding_pipeline_stages_is_refused_for_now():
-    with pytest.raises(ConfigError, match="'parallel.fsdp': got 2 with parallel.pp=2"):
-        load_config(None, ["runtime.engine=ray", "parallel.fsdp=2", "parallel.pp=2"])
+@pytest.mark.parametrize("schedule", ["pipedream", "paci"])
+def test_sharded_pipeline_stages_run_the_flush_schedules_only(schedule):
+    with pytest.raises(ConfigError, match=f"'parallel.fsdp': got 2 with parallel.pp=2 and the "
+                                          f"asynchronous schedule '{schedule}'; sharded stages "
+                                          "run the flush schedules \\(gpipe, 1f1b\\)"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2",
+                                          "parallel.pp=2", f"parallel.schedule={schedule}"])
+    for flush in ("gpipe", "1f1b"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2",
+                                          "parallel.pp=2", f"parallel.schedule={flush}"])
 
 
 def test_a_storage_outage_on_an_object_store_is_refused_in_one_line(tmp_path, capsys):

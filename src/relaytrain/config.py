@@ -22,7 +22,7 @@ from relaytrain.checkpoint.store import run_checkpoint_url
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS, Olmo3Config
 from relaytrain.model.stages import check_layout
-from relaytrain.parallel.pipeline.schedules import ScheduleName
+from relaytrain.parallel.pipeline.schedules import FLUSH_SCHEDULES, ScheduleName, asynchronous
 from relaytrain.storage import redact, scheme
 
 
@@ -481,9 +481,10 @@ def validate(cfg: RunConfig) -> None:
     need(p.dp >= 1, f"config key 'parallel.dp': got {p.dp}, expected >= 1")
     need(p.pp >= 1, f"config key 'parallel.pp': got {p.pp}, expected >= 1")
     need(p.fsdp >= 1, f"config key 'parallel.fsdp': got {p.fsdp}, expected >= 1")
-    need(p.fsdp == 1 or p.pp == 1, f"config key 'parallel.fsdp': got {p.fsdp} with "
-         f"parallel.pp={p.pp}; sharding pipeline stages is not supported yet, expected "
-         "parallel.fsdp=1 with parallel.pp > 1")
+    need(p.fsdp == 1 or p.pp == 1 or not asynchronous(p.schedule), f"config key "
+         f"'parallel.fsdp': got {p.fsdp} with parallel.pp={p.pp} and the asynchronous "
+         f"schedule '{p.schedule}'; sharded stages run the flush schedules "
+         f"({', '.join(FLUSH_SCHEDULES)}), or use parallel.fsdp=1")
     if p.fsdp > 1 and cfg.determinism == "exact":
         _validate_exact_sharding(p.fsdp, m, need)
     need(cfg.micro_batches % cfg.data_parallel == 0,

@@ -50,19 +50,21 @@ def tiny_config(run_dir: Path | str, data: str, *overrides: str) -> RunConfig:
 DP = ("train.global_batch=12", "train.micro_batch=1", "eval.every=3", "checkpoint.every=3")
 
 
-def run_layout(run_dir: Path | str, data: str, dp: int, *extra: str, fsdp: int = 1) -> dict:
-    """A run of `dp` replicas each sharded over `fsdp` workers, in this process when that is
-    one worker; its summary."""
-    workers = dp * fsdp
+def run_layout(run_dir: Path | str, data: str, dp: int, *extra: str, fsdp: int = 1,
+               pp: int = 1) -> dict:
+    """A run of `dp` replicas each sharded over `fsdp` workers (per stage of `pp`), in this
+    process when that is one worker; its summary."""
+    workers = dp * fsdp * pp
     engine = "runtime.engine=inline" if workers == 1 else "runtime.engine=ray"
     summary = Controller(tiny_config(run_dir, data, engine, f"parallel.dp={dp}",
-                                     f"parallel.fsdp={fsdp}", *extra)).run()
+                                     f"parallel.fsdp={fsdp}", f"parallel.pp={pp}",
+                                     *extra)).run()
     # It really ran on that many workers: that many processes (Ray actors, not this one)
     # reported themselves, and its last step's ledger record holds a shard of data for each.
     pids = {w["pid"] for w in records(run_dir, "generation")[-1]["workers"].values()}
     assert len(pids) == workers and (pids == {os.getpid()}) == (workers == 1), pids
     ledger = [json.loads(x) for x in (Path(run_dir) / "ledger.jsonl").read_text().splitlines()]
-    assert len([r for r in ledger if r["kind"] == "step"][-1]["parts"]) == workers
+    assert len([r for r in ledger if r["kind"] == "step"][-1]["parts"]) == dp * fsdp
     return summary
 
 

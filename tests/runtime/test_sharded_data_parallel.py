@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.runtime.controller import Controller
 from tests.runtime.conftest import (
     DP,
@@ -30,6 +31,26 @@ def test_resume_at_another_sharding_continues_to_the_same_bits(tmp_path, corpus_
         run_layout(run, corpus_data, dp, *DP, "determinism=exact", f"train.max_steps={steps}",
                    "checkpoint.every=2", fsdp=fsdp)
     assert [r["step"] for r in records(run, "generation")] == [0, 2, 4]
+    assert_bit_identical(run, exact_reference, steps=range(1, 7))
+
+
+def test_sharded_pipeline_stages_give_the_unsharded_bits_across_a_kill_and_a_resume(
+        tmp_path, corpus_data, ray_cluster, exact_reference):
+    """pp 2 x fsdp 2 (1f1b): each stage's weights, gradients and moments sharded over its two
+    workers. A worker killed at step 3 is replaced alone (its rows are held by no peer: the
+    checkpoint); the checkpoint, written shard by shard per stage, then resumes unsharded on
+    two workers, and the six steps are the single worker's to the bit."""
+    run = tmp_path / "pipelined"
+    run_layout(run, corpus_data, 1, *DP, "determinism=exact", "train.max_steps=4",
+               "checkpoint.every=2", "faults.kill_at=[3]", "runtime.call_timeout=120",
+               "runtime.collective_timeout=120", fsdp=2, pp=2)
+    [rec] = records(run, "recovery")
+    assert rec["cause"] == "died" and rec["source"] == "checkpoint", rec
+    assert_only_failed_ranks_replaced(run)
+    manifest = CheckpointStore(str(run / "checkpoints")).read_manifest(4)
+    assert sorted(manifest["files"]) == [f"stage{s}-shard{k}.safetensors" for s in (0, 1)
+                                         for k in (0, 1)]
+    run_layout(run, corpus_data, 2, *DP, "determinism=exact", "train.max_steps=6")
     assert_bit_identical(run, exact_reference, steps=range(1, 7))
 
 

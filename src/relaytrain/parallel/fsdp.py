@@ -8,6 +8,10 @@ and its backward, and gets its chunk of the gradient back by reduce-scatter. Rep
 hybrid sharding) then sum their chunks with an all-reduce over the ranks holding the same shard,
 in the same backward.
 
+With pipeline stages (pp > 1) each stage's module is sharded the same way over its own
+shard group (parallel/groups.py); the stage executor calls the module and runs backward so that
+these hooks do the gathering and reducing (parallel/pipeline/executor.py).
+
 Gradients are sums, not means: the loss is pre-scaled by 1 / (micro-batches in the global
 batch) everywhere in relaytrain, so FSDP2's division is turned off.
 

@@ -103,24 +103,29 @@ def form_groups(stage: int, dp_rank: int, dp: int, pp: int,
                           next=rank + dp if stage < pp - 1 else None)
 
 
-def form_shard_groups(dp_rank: int, dp: int, fsdp: int, timeout: timedelta | None = None
+def form_shard_groups(dp_rank: int, dp: int, fsdp: int, stage: int = 0, pp: int = 1,
+                      timeout: timedelta | None = None
                       ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """Create every shard group (a replica's fsdp consecutive ranks) then every replica group
-    (the ranks holding the same shard), and return this rank's; the replica group is None with
-    one replica. Needs an initialised default process group of dp ranks (pp = 1)."""
-    if dist.get_world_size() != dp or dp % fsdp:
+    """Create, stage by stage, every shard group (a replica's fsdp consecutive ranks) then every
+    replica group (the ranks holding the same shard), and return this rank's; the replica group
+    is None with one replica. Needs an initialised default process group of dp x pp ranks (and,
+    with pp > 1, `form_groups` called first on every rank)."""
+    if dist.get_world_size() != dp * pp or dp % fsdp:
         raise ValueError(f"world of {dist.get_world_size()} ranks, layout needs dp {dp} "
-                         f"sharded {fsdp} ways")
+                         f"sharded {fsdp} ways x pp {pp}")
     replicas = dp // fsdp
     mine_shard = mine_replica = None
-    for r in range(replicas):
-        group = dist.new_group(list(range(r * fsdp, (r + 1) * fsdp)), timeout=timeout)
-        if r == dp_rank // fsdp:
-            mine_shard = group
-    if replicas > 1:
-        for s in range(fsdp):
-            group = dist.new_group(list(range(s, dp, fsdp)), timeout=timeout)
-            if s == dp_rank % fsdp:
-                mine_replica = group
+    for s in range(pp):
+        base = s * dp
+        for r in range(replicas):
+            group = dist.new_group(list(range(base + r * fsdp, base + (r + 1) * fsdp)),
+                                   timeout=timeout)
+            if (s, r) == (stage, dp_rank // fsdp):
+                mine_shard = group
+        if replicas > 1:
+            for k in range(fsdp):
+                group = dist.new_group(list(range(base + k, base + dp, fsdp)), timeout=timeout)
+                if (s, k) == (stage, dp_rank % fsdp):
+                    mine_replica = group
     assert mine_shard is not None
     return mine_shard, mine_replica

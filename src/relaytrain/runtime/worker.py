@@ -168,9 +168,10 @@ class Worker:
             if placement.pp > 1:
                 self.groups = form_groups(placement.stage, placement.dp_rank, placement.dp,
                                           placement.pp, timedelta(seconds=timeout_s))
-            elif placement.fsdp > 1:
+            if placement.fsdp > 1:
                 self.shards = form_shard_groups(placement.dp_rank, placement.dp,
-                                                placement.fsdp, timedelta(seconds=timeout_s))
+                                                placement.fsdp, placement.stage, placement.pp,
+                                                timedelta(seconds=timeout_s))
             sockets.formed()
             with self._abort_lock:
                 self._sockets = sockets
@@ -454,7 +455,7 @@ class Worker:
                            Transport(self.device), self.groups.prev, self.groups.next,
                            self.groups.pipe,
                            lambda step: lr_at(step, self.cfg.optim, self.cfg.train.max_steps),
-                           self.device)
+                           self.device, sharded=self.shards is not None)
 
     def _run_span(self, first: int, count: int) -> list[StepResult]:
         """Steps first .. first+count-1 as one pipeline span (one step for flush schedules)."""
@@ -502,14 +503,15 @@ class Worker:
 
     def _evaluate(self, split: Any, ids: list[int]) -> dict[int, float]:
         assert self.model is not None and self.placement is not None
-        if self.pipeline is not None:
-            return self.pipeline.evaluate(split, ids, self.placement.dp_rank)
         p = self.placement
         # A replica's shards run every forward together (each gathers parameters): they take
         # the replica's chunks, and its first shard reports.
-        losses = heldout_losses(self.model, split, ids, self.cfg.seq_len,
-                                self.cfg.train.micro_batch, self.device, p.replica,
-                                p.dp // p.fsdp)
+        if self.pipeline is not None:
+            losses = self.pipeline.evaluate(split, ids, p.replica, p.dp // p.fsdp)
+        else:
+            losses = heldout_losses(self.model, split, ids, self.cfg.seq_len,
+                                    self.cfg.train.micro_batch, self.device, p.replica,
+                                    p.dp // p.fsdp)
         return losses if p.shard == 0 else {}
 
     def close(self) -> None:

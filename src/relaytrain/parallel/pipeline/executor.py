@@ -37,6 +37,12 @@ What B then computes depends on the schedule:
   if an in-flight micro-batch still uses them, so its graph keeps the old storage (the stashed
   version, freed with the graph after its B) and the update applies to the copy.
 
+**Sharded stages** (`parallel.fsdp` > 1, flush schedules only): FSDP2's hooks gather a stage's
+weights and reduce-scatter its gradients (exact mode: as integers, parallel/fsdp.py), so F calls
+the module itself and B runs ``autograd.backward``, the input gradient read from ``x.grad``; no
+aliases are needed, since nothing updates the weights between a micro-batch's F and its B. The
+global norm takes each whole tensor's norm (gathered over the stage's shard group).
+
 **Loss scale, learning rate, clipping.** Every update averages its *update group* (the B's since
 the previous update, `schedules.update_groups`) over all DP replicas: micro-batch losses are
 scaled by 1 / (group size x dp). For the flush schedules a group is a global batch, so this is
@@ -85,6 +91,7 @@ from relaytrain.parallel.pipeline.schedules import (
     update_groups,
 )
 from relaytrain.parallel.reduce import GradReducer
+from relaytrain.parallel.shards import local_tensor, whole_tensor
 from relaytrain.train.evaluate import eval_chunks, instance_losses
 from relaytrain.train.optim import AdamW, set_lr
 from relaytrain.train.step import StepOutcome, autocast_for
@@ -100,8 +107,8 @@ class StageSpec:
     schedule: str
     stage: int
     n_stages: int
-    micro_per_batch: int  # M: micro-batches of one global batch on one DP replica
-    dp: int
+    micro_per_batch: int  # M: micro-batches of one global batch on one DP rank
+    dp: int  # data-parallel ranks (replicas x fsdp)
     micro_batch: int
     seq_len: int
     d_model: int
@@ -119,7 +126,8 @@ class StageSpec:
         p = cfg.parallel
         is_async = asynchronous(p.schedule)
         return cls(schedule=p.schedule, stage=stage, n_stages=p.pp,
-                   micro_per_batch=cfg.micro_batches // p.dp, dp=p.dp,
+                   micro_per_batch=cfg.micro_batches // cfg.data_parallel,
+                   dp=cfg.data_parallel,
                    micro_batch=cfg.train.micro_batch, seq_len=cfg.seq_len, d_model=d_model,
                    z_loss=cfg.train.z_loss, clip=cfg.train.clip,
                    a=p.paci.a if is_async else 1,
@@ -264,13 +272,17 @@ class _SpanStats:
 class StageRunner:
     """One pipeline stage: runs spans of global batches by its action list."""
 
-    def __init__(self, module: Olmo3, optimizer: AdamW, reducer: GradReducer,
+    def __init__(self, module: Olmo3, optimizer: AdamW, reducer: GradReducer | Any,
                  spec: StageSpec, transport: Transport, prev: int | None, next: int | None,
                  pipe_group: dist.ProcessGroup | None, lr_of: Callable[[int], float],
-                 device: torch.device):
+                 device: torch.device, sharded: bool = False):
         self.module, self.optimizer, self.reducer, self.spec = module, optimizer, reducer, spec
         self.transport, self.prev, self.next, self.pipe_group = transport, prev, next, pipe_group
         self.lr_of, self.device = lr_of, device
+        if sharded and not spec.global_clip:
+            raise ValueError(f"schedule {spec.schedule}: a sharded stage runs flush schedules "
+                             "only")
+        self.sharded = sharded  # see "Sharded stages" above
         self.params = dict(module.named_parameters())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.last_norm = 0.0  # grad norm of the latest update, carried across spans
@@ -359,20 +371,26 @@ class StageRunner:
                 yield self.next, _tag(act.mb, True)
 
     def _live_weights(self) -> int:
-        return next(iter(self.params.values())).data_ptr()
+        return 0 if self.sharded else next(iter(self.params.values())).data_ptr()
 
     def _meter(self) -> SavedBytes:
-        """Weights are skipped: they are held anyway and counted as versions."""
-        return SavedBytes(self.params.values())
+        """Weights are skipped: they are held anyway and counted as versions (a sharded
+        stage's gathered weights are counted: they are held for the micro-batch's B)."""
+        return SavedBytes(local_tensor(p) for p in self.params.values())
 
-    def _aliases(self) -> dict[str, Tensor]:
+    def _aliases(self) -> dict[str, Tensor] | None:
+        if self.sharded:
+            return None
         return {n: p.data.requires_grad_() for n, p in self.params.items()}
 
-    def _run(self, x: Tensor, leaves: dict[str, Tensor], meter: SavedBytes,
+    def _run(self, x: Tensor, leaves: dict[str, Tensor] | None, meter: SavedBytes,
              labels: Tensor | None = None) -> Any:
-        """The stage's output, or on the last stage given `labels` its (total, ce, z) loss."""
+        """The stage's output, or on the last stage given `labels` its (total, ce, z) loss;
+        through the weight aliases `leaves`, or (sharded) the module itself."""
         kwargs = {} if labels is None else {"labels": labels, "z_loss": self.spec.z_loss}
         with meter.counting(), autocast_for(self.device):
+            if leaves is None:
+                return self.module(x, **kwargs)
             return functional_call(self.module, leaves, (x,), kwargs, strict=True)
 
     def _input(self, mb: int, batches: list[Batch]) -> Tensor:
@@ -407,7 +425,8 @@ class StageRunner:
         else:
             self.transport.send(out, self.next, _tag(mb, False))
         meter.add(out)
-        return _InFlight(x, out, leaves, updates, meter.nbytes, self._live_weights())
+        return _InFlight(x, out, leaves, updates, meter.nbytes,
+                         None if self.sharded else self._live_weights())
 
     def _backward(self, mb: int, held: _InFlight) -> int:
         """Backward of `mb`: input gradient upstream, weight gradients into .grad. Returns the
@@ -425,18 +444,22 @@ class StageRunner:
                 x.requires_grad_()
             out = self._run(x, leaves, meter := self._meter())
             extra = meter.nbytes
-        assert leaves is not None
-        inputs = ([] if spec.first else [x]) + list(leaves.values())
-        grads = torch.autograd.grad(out, inputs, grad_out)
-        if not spec.first:
-            self.transport.send(grads[0], self.prev, _tag(mb, True))
-            grads = grads[1:]
-        with torch.no_grad():
-            for p, g in zip(self.params.values(), grads, strict=True):
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+        if leaves is None:  # sharded: FSDP2's hooks take the weight gradients
+            torch.autograd.backward(out, grad_out)
+            if not spec.first:
+                self.transport.send(x.grad, self.prev, _tag(mb, True))
+        else:
+            inputs = ([] if spec.first else [x]) + list(leaves.values())
+            grads = torch.autograd.grad(out, inputs, grad_out)
+            if not spec.first:
+                self.transport.send(grads[0], self.prev, _tag(mb, True))
+                grads = grads[1:]
+            with torch.no_grad():
+                for p, g in zip(self.params.values(), grads, strict=True):
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
         self.reducer.after_backward()
         return held.nbytes + extra
 
@@ -472,8 +495,11 @@ class StageRunner:
         """The norm of the whole model's gradient, bit for bit `get_total_norm` of the
         unpipelined model: every stage's per-tensor norms (and finite flag) are gathered in stage
         order, which is global parameter order, and reduced alike on every stage."""
-        local = torch.stack([*torch._foreach_norm(grads, 2.0),
-                             torch.tensor(0.0 if ok else 1.0, device=self.device)])
+        if self.sharded:  # each whole tensor's norm, as on one worker
+            norms = [torch._foreach_norm([whole_tensor(g)], 2.0)[0] for g in grads]
+        else:
+            norms = torch._foreach_norm(grads, 2.0)
+        local = torch.stack([*norms, torch.tensor(0.0 if ok else 1.0, device=self.device)])
         if self._norm_sizes is None:  # static per layout: gathered once
             size = torch.tensor([local.numel()], device=self.device)
             sizes = [torch.zeros_like(size) for _ in range(self.spec.n_stages)]
@@ -491,13 +517,14 @@ class StageRunner:
 
     # ---- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, split: Any, ids: list[int], dp_rank: int) -> dict[int, float]:
-        """Per-instance held-out loss through the pipeline: stage 0 reads the tokens, the last
-        stage (which reads the labels) returns the losses, the others return {}."""
+    def evaluate(self, split: Any, ids: list[int], part: int, parts: int) -> dict[int, float]:
+        """Per-instance held-out loss of chunk share `part` of `parts` through the pipeline:
+        stage 0 reads the tokens, the last stage (which reads the labels) returns the losses,
+        the others return {}."""
         spec = self.spec
         out: dict[int, float] = {}
         self.module.eval()
-        for c, chunk in enumerate(eval_chunks(ids, spec.micro_batch, dp_rank, spec.dp)):
+        for c, chunk in enumerate(eval_chunks(ids, spec.micro_batch, part, parts)):
             tokens = None
             if spec.first or spec.last:
                 tokens = torch.from_numpy(split.instances(chunk, spec.seq_len)).to(self.device)
