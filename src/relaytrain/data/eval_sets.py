@@ -4,8 +4,9 @@ A run evaluates its own held-out split (named "heldout", unless it is empty, as 
 without --heldout) and each entry `name: path` of `eval.sets`: the held-out split of another
 data directory, e.g. one of OLMo-core's validation sets indexed with `data index --heldout` or
 text prepared with `data prepare --heldout-frac 1`. Every set must share the training data's
-tokenizer (vocabulary and EOS); its instances evaluated are fixed (`heldout_ids`), so every
-evaluation of every run on it sees the same ones.
+tokenizer (vocabulary, EOS and, where both are prepared text, the tokenizer file); the instances
+of a set evaluated are fixed (`heldout_ids`), so every evaluation of every run on it sees the
+same ones.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def open_eval_sets(dataset: TokenDataset, sets: dict[str, str]) -> dict[str, Any
     for name, path in sets.items():
         ds = open_eval_set(name, path)
         theirs, ours = _tokenizer(ds), _tokenizer(dataset)
-        if theirs[:2] != ours[:2] or None not in (theirs[2], ours[2]) and theirs != ours:
+        if theirs[:2] != ours[:2] or (None not in (theirs[2], ours[2]) and theirs != ours):
             raise DataError(f"eval set '{name}' ({path}): its tokenizer ({_text(theirs)}) is "
                             f"not the training data's ({_text(ours)}); prepare or index it with "
                             "the training data's tokenizer")
@@ -75,7 +76,7 @@ def eval_ids(splits: dict[str, Any], seq_len: int, count: int) -> dict[str, list
     return out
 
 
-def describe(sets: dict[str, str]) -> dict[str, str]:
+def absolute_paths(sets: dict[str, str]) -> dict[str, str]:
     """eval.sets with absolute paths, as the ledger header records them for the audit."""
     return {name: path if "://" in path else os.path.abspath(path)
             for name, path in sets.items()}

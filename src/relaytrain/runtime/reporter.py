@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from relaytrain.config import OWN_EVAL_SET, RunConfig
-from relaytrain.data.eval_sets import describe
+from relaytrain.data.eval_sets import absolute_paths
 from relaytrain.data.ledger import (
     LedgerWriter,
     header_record,
@@ -125,7 +125,7 @@ class StepReporter:
             seed=cfg.seed, global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch,
             seq_len=cfg.seq_len, n_instances=self.n_instances, fingerprint=self.fingerprint,
             data_path=os.path.abspath(cfg.data.path), dp=dp, order=cfg.data.order,
-            eval_sets=describe(cfg.eval.sets)))
+            eval_sets=absolute_paths(cfg.eval.sets)))
 
     def rollback(self, steps: range, to_step: int) -> None:
         """Steps whose updates a restore discarded: their data counts as unconsumed."""
