@@ -368,8 +368,10 @@ def test_object_store_path_needs_no_directories_or_renames(monkeypatch):
         save(store, 1)
         save(store, 2)
         assert store.committed_steps() == [2]
-        assert [p.rsplit("/", 2)[-2:] for p in puts] == [["step_00000001", "manifest.json"],
-                                                        ["step_00000002", "manifest.json"]]
+        # One PUT per part record (each after its part's upload), then the manifest.
+        assert [p.rsplit("/", 2)[-2:] for p in puts] == [
+            [f"step_0000000{s}", name] for s in (1, 2)
+            for name in ("model.record.json", "optim.record.json", "manifest.json")]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             manifest, tensors = open_checkpoint(url)

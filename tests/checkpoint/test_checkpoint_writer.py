@@ -26,10 +26,10 @@ class GatedStore(CheckpointStore):
         self.gate = threading.Event()
         self.started = threading.Event()
 
-    def write_part(self, step, part, tensors, shards=None):
+    def write_part(self, step, part, tensors, shards=None, attempt=None):
         self.started.set()
         assert self.gate.wait(10), "gate never opened"
-        return super().write_part(step, part, tensors)
+        return super().write_part(step, part, tensors, shards, attempt)
 
 
 class FlakyMemoryFS(MemoryFileSystem):
@@ -142,7 +142,7 @@ def test_submit_blocks_while_max_pending_writes_are_unfinished(tmp_path):
 
 def test_a_failed_part_fails_its_future_wait_and_every_commit_that_lists_it(tmp_path):
     class BrokenStore(CheckpointStore):
-        def write_part(self, step, part, tensors, shards=None):
+        def write_part(self, step, part, tensors, shards=None, attempt=None):
             if part == "optim":
                 raise ValueError("optimizer state is not serialisable")
             return super().write_part(step, part, tensors)

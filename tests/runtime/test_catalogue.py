@@ -42,6 +42,29 @@ def test_a_failed_part_is_never_committed_and_its_fault_is_cleared(tmp_path, cap
     assert "writing part stage0 failed (OSError: disk full)" in capsys.readouterr().err
 
 
+def test_a_part_whose_writer_died_before_reporting_it_counts_once_its_record_is_stored(
+        tmp_path):
+    """Before a restore picks the newest checkpoint, parts finished but never reported (their
+    writer killed) are taken from the record written beside them, if of the same save."""
+    cat = _catalogue(tmp_path)
+    cat.expect(4, {"stage0", "stage1"}, attempt="a4")
+    cat.store.write_part(4, "stage1", {"w": torch.ones(2)}, attempt="a4")  # never reported
+    cat.record([WriteReport(4, "stage0", info=cat.store.write_part(
+        4, "stage0", {"w": torch.ones(2)}, attempt="a4"))])
+    assert cat.store.committed_steps() == []  # record() waits for reports
+    assert cat.latest_readable_step() == 4 and cat.last_committed == 4 and not cat.pending
+
+
+def test_an_unfinished_part_or_one_of_an_earlier_save_is_not_taken_from_storage(tmp_path):
+    cat = _catalogue(tmp_path)
+    cat.store.write_part(6, "stage1", {"w": torch.zeros(2)}, attempt="before-a-restore")
+    cat.expect(6, {"stage0", "stage1"}, attempt="a6")
+    cat.record([WriteReport(6, "stage0", info=cat.store.write_part(
+        6, "stage0", {"w": torch.ones(2)}, attempt="a6"))])
+    cat.expect(8, {"stage0"}, attempt="a8")  # its writer died mid-write: no record
+    assert cat.latest_readable_step() == 0 and len(cat.pending) == 2
+
+
 def test_a_restore_forgets_the_checkpoints_being_written_after_it(tmp_path):
     cat = _catalogue(tmp_path)
     for step in (2, 4, 6):

@@ -57,6 +57,7 @@ from relaytrain.errors import CheckpointError
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SUFFIX = ".safetensors"
+RECORD_SUFFIX = ".record.json"  # a part's record, beside it (write_part)
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 _RESERVED = ("format_version", "step", "files", "committed_at")
@@ -104,15 +105,17 @@ class CheckpointStore:
     # -- writing ---------------------------------------------------------------------------
 
     def write_part(self, step: int, part: str, tensors: dict[str, torch.Tensor],
-                   shards: dict[str, dict[str, list[int]]] | None = None) -> dict:
+                   shards: dict[str, dict[str, list[int]]] | None = None,
+                   attempt: str | None = None) -> dict:
         """Write `tensors` as `ROOT/step_NNNNNNNN/{part}.safetensors`; hash while writing.
 
         Tensors may live on any device and have any layout: those not already contiguous on the
         CPU are copied one at a time as they are written, so at most one such copy exists.
         `shards` names the tensors that are pieces of larger ones: key -> {"shape": the whole
         shape, "rows": [start, stop)} (see the module docstring). Returns the
-        `{"file", "size", "sha256", "block_size", "blocks"[, "shards"]}` record that `commit`
-        expects.
+        `{"file", "size", "sha256", "block_size", "blocks"[, "shards"][, "attempt"]}` record
+        that `commit` expects; `attempt` names this save of the step (a caller tells its
+        records from those of an earlier save of the same step by it: `part_record`).
         """
         if not part or "/" in part or part.startswith("."):
             raise ValueError(f"part name {part!r}: expected a plain file stem like 'model'")
@@ -129,8 +132,31 @@ class CheckpointStore:
                                  f"is not rows {start}:{stop} of {where['shape']}")
         size, sha, blocks = self._write(
             f"{d}/{name}", lambda f: _write_safetensors(f, tensors, self.block_size))
-        return {"file": name, "size": size, "sha256": sha, "block_size": self.block_size,
-                "blocks": blocks, **({"shards": shards} if shards else {})}
+        record = {"file": name, "size": size, "sha256": sha, "block_size": self.block_size,
+                  "blocks": blocks, **({"shards": shards} if shards else {}),
+                  **({"attempt": attempt} if attempt else {})}
+        # The record beside the part, written once the part is whole: a checkpoint whose
+        # writer died before reporting it can still be committed (`part_record`).
+        data = json.dumps(record).encode()
+        if self._local:
+            self._write(f"{d}/{part}{RECORD_SUFFIX}", lambda f: f.write(data))
+        else:
+            self.fs.pipe_file(f"{d}/{part}{RECORD_SUFFIX}", data)
+        return record
+
+    def part_record(self, step: int, part: str) -> dict | None:
+        """The record `write_part` returned for `part` of `step`, read from beside the part
+        (None if it is not there: the part was not finished)."""
+        path = f"{self._step_dir(step)}/{part}{RECORD_SUFFIX}"
+        try:
+            record = json.loads(self.fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            if storage.is_transient(e):
+                raise
+            return None  # unreadable: as good as absent, the part will not be committed
+        return record if isinstance(record, dict) else None
 
     def commit(self, step: int, parts: dict[str, dict], meta: dict) -> str:
         """Make `step` visible: check every part's size, write the manifest last, retire old steps.

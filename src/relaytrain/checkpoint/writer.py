@@ -76,9 +76,10 @@ class AsyncCheckpointWriter:
         self._lock = threading.Lock()
 
     def submit(self, step: int, part: str, tensors: dict[str, torch.Tensor],
-               shards: dict[str, dict[str, list[int]]] | None = None) -> Future[dict]:
-        """Queue `store.write_part(step, part, tensors, shards)`; the Future yields its part
-        record.
+               shards: dict[str, dict[str, list[int]]] | None = None,
+               attempt: str | None = None) -> Future[dict]:
+        """Queue `store.write_part(step, part, tensors, shards, attempt)`; the Future yields
+        its part record.
 
         `tensors` must not change until the Future is done: pass a `snapshot_to_host` copy.
         """
@@ -88,7 +89,7 @@ class AsyncCheckpointWriter:
             # FileNotFoundError: the only thing it can miss is an upload session (S3 multipart,
             # GCS resumable) that a restarted server no longer knows.
             fut = self._pool.submit(self._retry, self.store.write_part, step, part, tensors,
-                                    shards, also=(FileNotFoundError,))
+                                    shards, attempt, also=(FileNotFoundError,))
         except BaseException:
             self._slots.release()
             raise

@@ -36,6 +36,7 @@ class PendingCheckpoint:
     expected: set[str] = field(default_factory=set)
     failed: bool = False
     deferred: bool = False  # its commit met unavailable storage and is retried
+    attempt: str = ""  # names this save of the step (its part records carry it)
 
 
 class StorageUnavailable(Exception):
@@ -92,9 +93,9 @@ class CheckpointCatalogue:
                 "train again from step 0")
         return None
 
-    def expect(self, step: int, parts: set[str]) -> None:
-        """A checkpoint of `step` is being written as these parts."""
-        self.pending.append(PendingCheckpoint(step, expected=set(parts)))
+    def expect(self, step: int, parts: set[str], attempt: str = "") -> None:
+        """A checkpoint of `step` is being written as these parts, by the save `attempt`."""
+        self.pending.append(PendingCheckpoint(step, expected=set(parts), attempt=attempt))
 
     def record(self, reports: list[WriteReport]) -> None:
         """Take the workers' write reports, then commit whatever became complete."""
@@ -161,15 +162,28 @@ class CheckpointCatalogue:
                      "were lost with a failed worker; it was not committed")
 
     def latest_readable_step(self) -> int:
-        """The newest committed step (0 if none), after committing what is complete; storage
-        that is unavailable is waited for, since restoring needs it and a deferred commit may
-        hold the newest state."""
+        """The newest committed step (0 if none), after committing what is complete (parts
+        whose report was lost with a failed worker count when their record is in storage:
+        the part was finished); storage that is unavailable is waited for, since restoring
+        needs it and a deferred commit may hold the newest state."""
 
         def latest() -> int:
+            self._adopt_unreported()
             self.commit_ready()
             return self.store.latest_step() or 0
 
         return wait_for_storage(latest, self.store.url, "to restore")
+
+    def _adopt_unreported(self) -> None:
+        """Take from storage the records of pending parts nobody reported (a finished part's
+        record is written beside it, `CheckpointStore.write_part`), if they are of the same
+        save: a record left by an earlier save of the step (before a restore rolled it back)
+        describes another state."""
+        for p in self.pending:
+            for part in sorted(p.expected - set(p.parts)):
+                record = None if p.failed else self.store.part_record(p.step, part)
+                if record is not None and p.attempt and record.get("attempt") == p.attempt:
+                    p.parts[part] = record
 
     def forget_after(self, step: int) -> None:
         """A restore to `step` abandons the checkpoints of later steps still being written."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -233,12 +234,14 @@ class Controller:
         written in the background); the seconds the copy took."""
         parts = self.recovery.save_parts()
         t0 = time.perf_counter()
+        attempt = secrets.token_hex(8)
+
         def save(part: str) -> WorkerCall:
-            return lambda w: w.save(step, part)
+            return lambda w: w.save(step, part, attempt)
 
         self.engine.call({wid: save(part) for wid, part in parts.items()},
                          self.cfg.runtime.call_timeout)
-        self.catalogue.expect(step, set(parts.values()))
+        self.catalogue.expect(step, set(parts.values()), attempt)
         if not self.cfg.checkpoint.async_write:
             self._finish_writes(wait=0.0)
         return time.perf_counter() - t0

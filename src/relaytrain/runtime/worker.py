@@ -470,13 +470,13 @@ class Worker:
                 for i, (out, batch) in enumerate(zip(outs, batches, strict=True))]
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save(self, step: int, part: str) -> float:
+    def save(self, step: int, part: str, attempt: str) -> float:
         """Copy the state to host memory now; write it in the background as `part` (sharded:
-        this shard's rows only). Returns copy time."""
+        this shard's rows only) of the save `attempt`. Returns copy time."""
         t0 = time.perf_counter()
         state, where = self._held(first=self.placement is None or self.placement.shard == 0)
         self._pending.append((step, part, self.writer.submit(
-            step, part, snapshot_to_host(state), shards=where or None)))
+            step, part, snapshot_to_host(state), shards=where or None, attempt=attempt)))
         return time.perf_counter() - t0
 
     def _collect(self, wait: bool) -> list[WriteReport]:

@@ -37,7 +37,7 @@ def test_wrong_arguments_fail_in_the_controller():
     with pytest.raises(TypeError):
         invocation(lambda w: w.run_steps(1))
     with pytest.raises(TypeError):
-        invocation(lambda w: w.save(1, "stage0", "extra"))
+        invocation(lambda w: w.save(1, "stage0", "a1", "extra"))
 
 
 def test_a_call_must_be_one_method_call():

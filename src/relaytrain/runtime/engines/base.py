@@ -56,8 +56,9 @@ class WorkerAPI(Protocol):
     def take_snapshot(self, step: int) -> None:
         """Keep the current state (after `step`) in memory."""
 
-    def save(self, step: int, part: str) -> float:
-        """Start writing checkpoint part `part` of `step` in the background."""
+    def save(self, step: int, part: str, attempt: str) -> float:
+        """Start writing checkpoint part `part` of `step` in the background; `attempt` names
+        this save of the step (its part records carry it)."""
 
     def flush_writes(self) -> list[WriteReport]:
         """Wait for every background write; their reports."""
