@@ -57,6 +57,22 @@ def test_sharded_pipeline_stages_give_the_unsharded_bits_across_a_kill_and_a_res
     assert_bit_identical(run, exact_reference, steps=range(1, 7))
 
 
+def test_hybrid_sharded_stages_replace_a_killed_worker_from_a_replicas_snapshot(
+        tmp_path, corpus_data, ray_cluster, exact_reference):
+    """dp 2 x fsdp 2 x pp 2 (eight workers, gpipe): a stage-1 worker killed at step 3 gets its
+    rows from the snapshot of the same shard of its stage's other replica, not from storage
+    and not from another stage's, to the single worker's bits."""
+    run = tmp_path / "hybrid"
+    run_layout(run, corpus_data, 2, *DP, "determinism=exact", "train.max_steps=6",
+               "parallel.schedule=gpipe", "faults.kill_at=[3]", "faults.kill_rank=6",
+               "runtime.cpus_per_worker=0.5",  # the session cluster has 4 CPUs
+               "runtime.call_timeout=120", "runtime.collective_timeout=120", fsdp=2, pp=2)
+    [rec] = records(run, "recovery")
+    assert (rec["rank"], rec["source"], rec["lost_steps"]) == (6, "memory", 1), rec
+    assert_only_failed_ranks_replaced(run)
+    assert_bit_identical(run, exact_reference)
+
+
 @pytest.fixture(scope="module")
 def fast_unsharded(tmp_path_factory, corpus_data):
     run = tmp_path_factory.mktemp("fast") / "one"

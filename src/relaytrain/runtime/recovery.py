@@ -206,11 +206,11 @@ class Recovery:
         failed step), if each stage still has one and they agree; else the newest checkpoint."""
         snaps = self.engine.call_all(survivors, lambda w: w.snapshot_step(),
                                      self.cfg.runtime.call_timeout) if survivors else {}
-        stages_left = {old[w].stage for w in survivors}
-        shards_left = {old[w].shard for w in survivors}  # a shard's rows: its replicas hold them
-        if (len(set(snaps.values())) == 1 and None not in snaps.values()
-                and stages_left == set(range(self.cfg.parallel.pp))
-                and shards_left == set(range(next(iter(old.values())).fsdp))):
+        # A stage's shard's rows: the same shard of the stage's other replicas holds them.
+        left = {(old[w].stage, old[w].shard) for w in survivors}
+        every = {(s, k) for s in range(self.cfg.parallel.pp)
+                 for k in range(next(iter(old.values())).fsdp)}
+        if len(set(snaps.values())) == 1 and None not in snaps.values() and left == every:
             return Restore(next(iter(snaps.values())), "memory")
         step = self.catalogue.latest_readable_step()
         warn(f"no complete in-memory snapshot survived; restoring checkpoint step {step} from "
@@ -258,15 +258,16 @@ class Recovery:
         """For each worker of the new layout whose rows of the sharded state changed (a
         replacement, or a survivor given another shard by a resize): the pieces of them in
         the snapshots of `step` that `holders` took under the `old` layout, one holder of each
-        old shard asked (checkpoint/pieces.py; the worker assembles them)."""
-        by_shard: dict[int, int] = {}
+        old shard of its stage asked (checkpoint/pieces.py; the worker assembles them)."""
+        by_shard: dict[tuple[int, int], int] = {}
         for w in holders:
-            by_shard.setdefault(old[w].shard, w)
+            by_shard.setdefault((old[w].stage, old[w].shard), w)
         out = {}
         for w, p in self.placements().items():
             if w in old and w in holders and (old[w].fsdp, old[w].shard) == (p.fsdp, p.shard):
                 continue  # restores its own snapshot
-            got = self.engine.call({h: _rows_of(step, p) for h in by_shard.values()},
+            asked = [h for (stage, _), h in by_shard.items() if stage == p.stage]
+            got = self.engine.call({h: _rows_of(step, p) for h in asked},
                                    self.cfg.runtime.call_timeout)
             out[w] = list(got.values())
         return out
