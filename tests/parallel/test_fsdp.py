@@ -9,7 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from relaytrain.parallel.fsdp import SLICE_VALUES, ShardedGradReducer, _IntegerReduceScatter
+from relaytrain.parallel.fsdp import (
+    SLICE_VALUES,
+    ShardedGradReducer,
+    _IntegerReduceScatter,
+    sum_gradients,
+)
 from relaytrain.parallel.reduce import from_limbs, to_limbs
 
 
@@ -47,3 +52,23 @@ def test_the_integer_reduce_scatter_sums_every_rank_s_micro_batches_exactly_in_s
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_integer_reduce_scatter, args=(3, port), nprocs=3)
+
+
+class _Unit:
+    """What `sum_gradients` sees of an FSDP unit: the methods of one torch version or the other."""
+
+    def __init__(self, newer: bool):
+        self.calls: list[tuple[str, object]] = []
+        if newer:
+            self.set_gradient_divide_factor = lambda f: self.calls.append(("divide", f))
+            self.set_force_sum_reduction_for_comms = lambda on: self.calls.append(("sum", on))
+        else:
+            self.set_reduce_scatter_divide_factor = lambda f: self.calls.append(("rs-divide", f))
+
+
+def test_gradients_are_summed_on_torch_with_and_without_fsdp2_s_forced_sums():
+    newer, older = _Unit(newer=True), _Unit(newer=False)
+    sum_gradients(newer)
+    sum_gradients(older)
+    assert newer.calls == [("divide", 1.0), ("sum", True)]
+    assert older.calls == [("rs-divide", 1.0)]

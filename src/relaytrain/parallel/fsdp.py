@@ -65,9 +65,19 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], group: dist.ProcessGr
     fully_shard(model, mesh=mesh)
     units: list[FSDPModule] = [*blocks, model]  # type: ignore[list-item]
     for unit in units:
+        sum_gradients(unit)
+    return units
+
+
+def sum_gradients(unit: Any) -> None:
+    """Make FSDP unit `unit` sum gradients across ranks (relaytrain pre-scales the loss).
+    torch before FSDP2's forced sums (pytorch PR 155915, mid-2025) names the same factor
+    `set_reduce_scatter_divide_factor` and has no forcing: a factor of 1 is a sum there too."""
+    if hasattr(unit, "set_force_sum_reduction_for_comms"):
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-    return units
+    else:
+        unit.set_reduce_scatter_divide_factor(1.0)
 
 
 class ShardedGradReducer:
