@@ -41,6 +41,10 @@ class FakeWorker:
         assert step == self.snapshot
         return {"from": self.wid, "step": step}
 
+    def snapshot_rows(self, step: int, shards: int, shard: int) -> dict[str, Any]:
+        assert step == self.snapshot
+        return {"from": self.wid, "rows of shard": (shard, shards)}
+
     def take_snapshot(self, step: int) -> None:
         self.snapshot = step
 

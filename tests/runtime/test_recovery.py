@@ -110,6 +110,31 @@ def test_without_capacity_the_run_shrinks_to_the_largest_even_split_then_grows_b
     assert [r["dp"] for r in _ledger(tmp_path) if r["kind"] == "header"] == [4, 2, 4]
 
 
+def test_a_sharded_stages_replacement_pulls_its_rows_from_its_own_stages_replicas(tmp_path):
+    """dp 2 x fsdp 2 x pp 2: rank 6 (stage 1, replica 1, shard 0) dies; its rows are those of
+    shard 0 of stage 1, held by rank 4 (replica 0), and only stage 1's holders are asked."""
+    rec, engine = _recovery(tmp_path, [3] * 8, "train.global_batch=8", "parallel.dp=2",
+                            "parallel.fsdp=2", "parallel.pp=2")
+    for w in engine.workers.values():
+        w.snapshot = 3  # taken at the end of step 3
+    rec.recover(WorkerDied(6, "SIGKILL"), done=3, in_flight=1)
+    new = engine.workers[rec.members[6]]
+    assert new.built is not None and new.built[0] == 3
+    assert sorted(piece["from"] for piece in new.built[1]) == [4, 5]  # stage 1's, not 0 and 1
+    assert {piece["rows of shard"] for piece in new.built[1]} == {(0, 2)}
+
+
+def test_a_stage_shard_with_no_survivor_is_restored_from_the_checkpoint(tmp_path):
+    """Both holders of stage 1's shard 0 die: every stage and every shard still has a survivor,
+    but not that pair, so memory cannot restore it."""
+    rec, engine = _recovery(tmp_path, [3] * 8, "train.global_batch=8", "parallel.dp=2",
+                            "parallel.fsdp=2", "parallel.pp=2", checkpoint_at=2)
+    for w in engine.workers.values():
+        w.snapshot = 3
+    engine.settled = {4: WorkerDied(4, "SIGKILL")}
+    assert rec.recover(WorkerDied(6, "SIGKILL"), done=3, in_flight=1) == 2
+
+
 def test_a_pipeline_cannot_shrink(tmp_path):
     rec, _ = _recovery(tmp_path, [1, 1, 1, 1], "parallel.dp=2", "parallel.pp=2", capacity=0)
     with pytest.raises(RecoveryLimitExceeded, match="a stage missing"):

@@ -57,6 +57,8 @@ def test_sharded_pipeline_stages_give_the_unsharded_bits_across_a_kill_and_a_res
     assert_bit_identical(run, exact_reference, steps=range(1, 7))
 
 
+@pytest.mark.soak  # eight Ray workers, ~50 s alone; the choice of holders is tests/runtime/
+# test_recovery.py's, in milliseconds
 def test_hybrid_sharded_stages_replace_a_killed_worker_from_a_replicas_snapshot(
         tmp_path, corpus_data, ray_cluster, exact_reference):
     """dp 2 x fsdp 2 x pp 2 (eight workers, gpipe): a stage-1 worker killed at step 3 gets its
