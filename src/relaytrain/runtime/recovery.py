@@ -202,8 +202,8 @@ class Recovery:
         return failed, failure
 
     def _restore_point(self, survivors: list[int], old: dict[int, Placement]) -> Restore:
-        """Every survivor's snapshot of the last completed step (taken at the start of the
-        failed step), if each stage still has one and they agree; else the newest checkpoint."""
+        """Every survivor's snapshot of the last completed step, if every (stage, shard) still
+        has one and they agree; else the newest checkpoint."""
         snaps = self.engine.call_all(survivors, lambda w: w.snapshot_step(),
                                      self.cfg.runtime.call_timeout) if survivors else {}
         # A stage's shard's rows: the same shard of the stage's other replicas holds them.
