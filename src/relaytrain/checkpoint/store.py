@@ -130,8 +130,16 @@ class CheckpointStore:
             if tuple(tensors[key].shape) != (stop - start, *where["shape"][1:]):
                 raise ValueError(f"part {part!r}: {key} of shape {tuple(tensors[key].shape)} "
                                  f"is not rows {start}:{stop} of {where['shape']}")
-        size, sha, blocks = self._write(
-            f"{d}/{name}", lambda f: _write_safetensors(f, tensors, self.block_size))
+        hashing: list[BackgroundHash] = []
+        try:
+            size = self._write(f"{d}/{name}", lambda f: _write_safetensors(
+                f, tensors, self.block_size, hashing))
+            # The hashing still running overlapped the file's flush and fsync (or upload).
+            sha, blocks = hashing[0].hexdigest(), hashing[0].blocks
+        except BaseException:
+            for h in hashing:
+                h.close()
+            raise
         record = {"file": name, "size": size, "sha256": sha, "block_size": self.block_size,
                   "blocks": blocks, **({"shards": shards} if shards else {}),
                   **({"attempt": attempt} if attempt else {})}
@@ -412,10 +420,12 @@ def open_checkpoint(path_or_url: str, keys: KeyFilter | None = None
 # -- safetensors writing -------------------------------------------------------------------
 
 
-def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], block_size: int
-                       ) -> tuple[int, str, list[str]]:
-    """Stream `tensors` to `f` in the safetensors format; returns (bytes written, digest,
-    block digests) (streaming.BackgroundHash).
+def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], block_size: int,
+                       hashing: list[BackgroundHash]) -> int:
+    """Stream `tensors` to `f` in the safetensors format; returns the bytes written. The
+    hashing of those bytes (streaming.BackgroundHash, appended to `hashing`) may still run: the
+    caller reads its digest, or closes it on an error, and keeps the tensors unchanged until
+    then.
 
     Streaming instead of `safetensors.torch.save` avoids holding the whole file in memory next
     to the tensors, and hashes the exact bytes written in the same pass.
@@ -439,18 +449,15 @@ def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], block_size
     head = struct.pack("<Q", len(raw)) + raw
     # beside the writes, on other cores; the tensors stay as they are until written
     h = BackgroundHash(head, block_size=block_size, stable=True)
-    try:
-        f.write(head)
-        for k in order:
-            data = _raw_bytes(tensors[k])
-            for i in range(0, len(data), CHUNK):
-                chunk = data[i:i + CHUNK]
-                h.update(chunk)
-                f.write(chunk)
-        return len(head) + offset, h.hexdigest(), h.blocks
-    except BaseException:
-        h.close()
-        raise
+    hashing.append(h)
+    f.write(head)
+    for k in order:
+        data = _raw_bytes(tensors[k])
+        for i in range(0, len(data), CHUNK):
+            chunk = data[i:i + CHUNK]
+            h.update(chunk)
+            f.write(chunk)
+    return len(head) + offset
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
