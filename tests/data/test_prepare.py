@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -254,6 +255,18 @@ def test_cli_prints_json_last_and_errors_as_one_line(corpus: Path, tmp_path, cap
                  "bpe:300", "--out", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("relaytrain: error: source ")
+
+
+def test_an_address_where_no_ray_cluster_answers_is_one_error_before_anything_is_written(
+        corpus: Path, tmp_path, capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["data", "prepare", "--source", str(corpus), "--tokenizer", "bpe:300", "--out",
+                 str(tmp_path / "d"), "--address", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no Ray cluster answers there" in err[0], err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_demo_corpus_with_max_docs(tmp_path, capsys):

@@ -43,17 +43,14 @@ def _train(env, run, data, address, *extra) -> subprocess.Popen:
          *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _prepare_on(env, address, data, out) -> str:
-    """`data prepare --address` of the corpus `data` was prepared from, with its tokenizer, on
-    four workers; its stderr."""
-    proc = subprocess.run(
+def _prepare_on(env, address, data, out, workers: int = 4) -> subprocess.CompletedProcess:
+    """`data prepare --address` of the corpus `data` was prepared from, with its tokenizer."""
+    return subprocess.run(
         [sys.executable, "-m", "relaytrain.cli", "data", "prepare", "--source",
          os.path.join(os.path.dirname(data), "corpus", "*.txt"), "--tokenizer",
          os.path.join(data, "tokenizer.json"), "--heldout-frac", "0.1", "--out", str(out),
-         "--address", address, "--workers", "4"],
+         "--address", address, "--workers", str(workers)],
         env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stderr
 
 
 def test_data_is_prepared_on_a_clusters_nodes_then_a_run_joins_it_forwards_worker_logs_and_survives_losing_a_node(  # noqa: E501
@@ -76,7 +73,12 @@ def test_data_is_prepared_on_a_clusters_nodes_then_a_run_joins_it_forwards_worke
         second = cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
         data = tmp_path / "data"
-        log = _prepare_on(cluster_env, cluster.address, corpus_data, data)
+        too_many = _prepare_on(cluster_env, cluster.address, corpus_data, data, workers=5)
+        assert too_many.returncode == 2 and not data.exists(), too_many.stderr
+        assert "--workers 5: the Ray cluster at" in too_many.stderr.splitlines()[-1]
+        done = _prepare_on(cluster_env, cluster.address, corpus_data, data)
+        assert done.returncode == 0, done.stderr
+        log = done.stderr
         assert re.search(r"encoding with 4 Ray workers on 2 nodes \(PIDs \d+, \d+, \d+, \d+\)",
                          log), log
         ours, theirs = (json.loads((Path(d) / "index.json").read_text())
