@@ -45,10 +45,12 @@ def test_sharded_pipeline_stages_give_the_unsharded_bits_across_a_kill_and_a_res
                "checkpoint.every=2", "faults.kill_at=[3]", "runtime.call_timeout=120",
                "runtime.collective_timeout=120", fsdp=2, pp=2)
     [rec] = records(run, "recovery")
-    # Step 2's checkpoint was written but the dead worker had not reported its part yet: its
-    # record in storage commits it, and one step is lost, not three.
+    # Step 2's checkpoint was saved just before the kill, and no write had been reported yet:
+    # if the dead worker had finished its part, its record commits step 2 (1 step lost);
+    # under load it may still have been writing (step 0 then). Which one is timing;
+    # tests/runtime/test_catalogue.py pins the rule.
     assert rec["cause"] == "died" and rec["source"] == "checkpoint", rec
-    assert rec["restored_step"] == 2 and rec["lost_steps"] == 1, rec
+    assert (rec["restored_step"], rec["lost_steps"]) in ((2, 1), (0, 3)), rec
     assert_only_failed_ranks_replaced(run)
     manifest = CheckpointStore(str(run / "checkpoints")).read_manifest(4)
     assert sorted(manifest["files"]) == [f"stage{s}-shard{k}.safetensors" for s in (0, 1)
