@@ -36,9 +36,9 @@ def test_quick_bench_reports_bandwidth_next_to_the_raw_disk(tmp_path):
     r = local["tiny"]
     assert r["bytes"] > 3 * 4 * r["params"] - 1
     for key in ("save_GBps", "restore_GBps", "raw_write_GBps", "raw_read_GBps",
-                "save_vs_raw", "restore_vs_raw"):
+                "raw_read_new_GBps", "save_vs_raw", "restore_vs_raw", "restore_vs_raw_new"):
         assert r[key] > 0, key
-    assert "x raw write" in format_report({"repeats": 1, "local": local, "remote": {}})
+    assert "x a raw read into new memory" in format_report({"repeats": 1, "local": local, "remote": {}})
     assert list(tmp_path.iterdir()) == []  # cleans up after itself
 
 

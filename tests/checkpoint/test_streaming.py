@@ -133,3 +133,63 @@ def test_blocks_hashed_in_parallel_give_the_sequential_digests(block, monkeypatc
     blocks = [hashlib.sha256(data[i:i + block]).hexdigest() for i in range(0, len(data), block)]
     assert many.hexdigest() == one.hexdigest() == block_root(blocks)
     assert many.blocks == one.blocks == blocks
+
+
+class _Recorded:
+    """libc as the streaming module calls it, recording sync_file_range's ranges."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self._libc = streaming._libc
+
+    def sync_file_range(self, fd, offset, nbytes, flags):
+        self.ranges.append((offset.value, nbytes.value))
+        return self._libc.sync_file_range(fd, offset, nbytes, flags)
+
+    def __getattr__(self, name):
+        return getattr(self._libc, name)
+
+
+@pytest.mark.skipif(streaming._libc is None, reason="sync_file_range is Linux's")
+def test_a_local_part_goes_to_disk_while_it_is_written(tmp_path, monkeypatch):
+    """Writeback is started for every WRITEBACK bytes as they are written, in order, so the
+    final fsync waits only for the tail; the file is the same."""
+    libc = _Recorded()
+    monkeypatch.setattr(streaming, "_libc", libc)
+    monkeypatch.setattr(streaming, "WRITEBACK", 1 << 20)
+    tensors = {f"w{i}": torch.randn(300_000) for i in range(4)}  # 4.8 MB
+    record = CheckpointStore(str(tmp_path)).write_part(1, "model", tensors)
+    starts = [0, *[a + n for a, n in libc.ranges]]
+    assert [a for a, _ in libc.ranges] == starts[:-1]  # contiguous from the first byte
+    assert all(n >= 1 << 20 for _, n in libc.ranges)
+    assert 0 <= record["size"] - starts[-1] < 1 << 20  # all but the tail, before the fsync
+    loaded = safetensors.torch.load_file(tmp_path / "step_00000001" / "model.safetensors")
+    assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
+
+
+def _minor_faults() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.skipif(streaming._libc is None or
+                    tuple(map(int, os.uname().release.split(".")[:2])) < (5, 14),
+                    reason="MADV_POPULATE_WRITE is Linux 5.14's")
+def test_prefault_takes_the_page_faults_and_leaves_the_contents():
+    """A restore's fresh tensors are faulted in beside its reads: afterwards writing them
+    faults (almost) nothing, and bytes already read into them are kept."""
+    n = 64 << 20  # above malloc's mmap threshold: fresh pages from the kernel
+    plain = torch.empty(n, dtype=torch.uint8)
+    before = _minor_faults()
+    plain.fill_(1)
+    faults_plain = _minor_faults() - before
+    t = torch.empty(n, dtype=torch.uint8)
+    t[: n // 2] = 7  # what a read put there first
+    prefault = streaming.Prefault([(t.data_ptr(), t.nbytes)])
+    prefault.join()
+    assert bool((t[: n // 2] == 7).all())
+    before = _minor_faults()
+    t[n // 2:] = 1
+    faults_after = _minor_faults() - before
+    assert faults_plain > n // 2 // os.sysconf("SC_PAGE_SIZE") // 2  # fresh memory does fault
+    assert faults_after < faults_plain // 20

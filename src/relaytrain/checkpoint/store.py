@@ -48,6 +48,8 @@ from relaytrain.checkpoint.streaming import (
     BLOCK,
     CHUNK,
     BackgroundHash,
+    EarlyWriteback,
+    Prefault,
     RangedReader,
     block_root,
     hash_stream,
@@ -309,7 +311,7 @@ class CheckpointStore:
         os.makedirs(parent, exist_ok=True)
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
-            out = fill(f)
+            out = fill(EarlyWriteback(f))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -726,6 +728,7 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
     size and sha256 match `info`."""
     shown = _shown(fs, path)
     tensors: dict[str, torch.Tensor] = {}
+    prefault: Prefault | None = None
     with _source(fs, path, info) as src:
         # read into buffers kept until the digest (the header's, the tensors' own memory)
         h = BackgroundHash(block_size=info.get("block_size"), stable=True)
@@ -738,22 +741,27 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
                                       f"{n} exceeds the file)")
             raw = _read_exact(src, n, shown)
             h.update(raw)
-            for key, dtype, shape in _parse_header(raw, info["size"] - 8 - n, shown):
-                t = torch.empty(shape, dtype=dtype)
+            header = _parse_header(raw, info["size"] - 8 - n, shown)
+            tensors = {key: torch.empty(shape, dtype=dtype) for key, dtype, shape in header
+                       if keys is None or keys(key)}
+            prefault = Prefault([(t.data_ptr(), t.nbytes) for t in tensors.values()])
+            for key, dtype, shape in header:
+                t = tensors[key] if key in tensors else torch.empty(shape, dtype=dtype)
                 data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                 for i in range(0, len(data), CHUNK):
                     got = src.readinto(data[i:i + CHUNK])
                     if got != len(data[i:i + CHUNK]):
                         raise CheckpointError(f"{shown}: ended early (truncated)")
                     h.update(data[i:i + got])
-                if keys is None or keys(key):
-                    tensors[key] = t
-                else:  # not wanted: free it once hashed, not at the end of the file
+                if key not in tensors:  # not wanted: free it once hashed, not at the end
                     h.wait()
             sha = h.hexdigest()
         except BaseException:
             h.close()
             raise
+        finally:
+            if prefault is not None:
+                prefault.join()
     _check_digest(shown, info["size"], sha, info)
     return tensors
 

@@ -7,13 +7,19 @@ disk read. hashlib releases the GIL for buffers over 2 KiB, so hashing threads r
 cores while the I/O thread waits on the kernel or the network; a file hashed in blocks (16 MiB,
 each verifiable alone) is hashed on several cores at once. A single streaming GET from an
 object store is one TCP connection's bandwidth; several ranged GETs in flight fill the link.
+A local file's pages go to the disk as it is written (`EarlyWriteback`), not all at the final
+fsync, and a restore's fresh tensors are faulted in on a thread of their own (`Prefault`) while
+the reads wait on the disk: both were serial work in front of the disk before.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import hashlib
 import os
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -23,6 +29,12 @@ RANGE, MAX_RANGE = 8 << 20, 64 << 20  # bytes per ranged GET: a file in 8 ranges
 RANGES_IN_FLIGHT = 8  # ranged GETs outstanding at once (64-512 MiB of buffers)
 HASH_BACKLOG = 4  # chunks queued for hashing before the I/O thread waits for it
 HASH_THREADS = min(4, os.cpu_count() or 1)  # blocks hashed at once (stable buffers)
+WRITEBACK = 32 << 20  # bytes written before the kernel is asked to start putting them on disk
+
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait for it
+_MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+): fault pages in writable, contents unchanged
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 BLOCK = 16 << 20  # bytes per verified block of a part file (a ranged restore's granularity)
@@ -154,6 +166,62 @@ def hash_stream(src: Any, block_size: int | None = None) -> tuple[int, str]:
     except BaseException:
         h.close()
         raise
+
+
+class EarlyWriteback:
+    """A binary file whose written bytes the kernel starts writing to disk every `WRITEBACK`
+    bytes (sync_file_range), so the disk works while the writer copies the next bytes into the
+    page cache and the final fsync waits only for the tail. Elsewhere than Linux, the file
+    itself."""
+
+    def __init__(self, f: Any):
+        self._f, self._fd = f, f.fileno()
+        self._written = self._started = 0
+        self._start = getattr(_libc, "sync_file_range", None)
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        self._written += n
+        if self._start is not None and self._written - self._started >= WRITEBACK:
+            self._f.flush()
+            self._start(self._fd, ctypes.c_longlong(self._started),
+                        ctypes.c_longlong(self._written - self._started),
+                        ctypes.c_uint(_SYNC_FILE_RANGE_WRITE))  # a failure: the fsync does it
+            self._started = self._written
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+class Prefault:
+    """Faults in the pages of fresh buffers, in the order given, on a thread of its own, while
+    the caller reads into them: the kernel's page faults and zeroing then overlap the disk
+    instead of following each read. Contents are never written (madvise MADV_POPULATE_WRITE),
+    so a page the reader fills first is left as it is. Where the kernel lacks it (before Linux
+    5.14, or not Linux) it does nothing."""
+
+    def __init__(self, buffers: list[tuple[int, int]]):
+        self._thread: threading.Thread | None = None
+        madvise = getattr(_libc, "madvise", None)
+        if madvise is None or not buffers:
+            return
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+        def run() -> None:
+            for address, size in buffers:
+                start = -(-address // _PAGE) * _PAGE
+                end = (address + size) // _PAGE * _PAGE
+                if end > start and madvise(start, end - start, _MADV_POPULATE_WRITE):
+                    return  # unsupported: the reads fault the pages in themselves
+
+        self._thread = threading.Thread(target=run, name="relaytrain-prefault", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait for it: the buffers must outlive the faulting of their pages."""
+        if self._thread is not None:
+            self._thread.join()
 
 
 class RangedReader:
