@@ -165,31 +165,3 @@ def test_a_local_part_goes_to_disk_while_it_is_written(tmp_path, monkeypatch):
     assert 0 <= record["size"] - starts[-1] < 1 << 20  # all but the tail, before the fsync
     loaded = safetensors.torch.load_file(tmp_path / "step_00000001" / "model.safetensors")
     assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
-
-
-def _minor_faults() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-@pytest.mark.skipif(streaming._libc is None or
-                    tuple(map(int, os.uname().release.split(".")[:2])) < (5, 14),
-                    reason="MADV_POPULATE_WRITE is Linux 5.14's")
-def test_prefault_takes_the_page_faults_and_leaves_the_contents():
-    """A restore's fresh tensors are faulted in beside its reads: afterwards writing them
-    faults (almost) nothing, and bytes already read into them are kept."""
-    n = 64 << 20  # above malloc's mmap threshold: fresh pages from the kernel
-    plain = torch.empty(n, dtype=torch.uint8)
-    before = _minor_faults()
-    plain.fill_(1)
-    faults_plain = _minor_faults() - before
-    t = torch.empty(n, dtype=torch.uint8)
-    t[: n // 2] = 7  # what a read put there first
-    prefault = streaming.Prefault([(t.data_ptr(), t.nbytes)])
-    prefault.join()
-    assert bool((t[: n // 2] == 7).all())
-    before = _minor_faults()
-    t[n // 2:] = 1
-    faults_after = _minor_faults() - before
-    assert faults_plain > n // 2 // os.sysconf("SC_PAGE_SIZE") // 2  # fresh memory does fault
-    assert faults_after < faults_plain // 20

@@ -49,7 +49,6 @@ from relaytrain.checkpoint.streaming import (
     CHUNK,
     BackgroundHash,
     EarlyWriteback,
-    Prefault,
     RangedReader,
     block_root,
     hash_stream,
@@ -728,7 +727,6 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
     size and sha256 match `info`."""
     shown = _shown(fs, path)
     tensors: dict[str, torch.Tensor] = {}
-    prefault: Prefault | None = None
     with _source(fs, path, info) as src:
         # read into buffers kept until the digest (the header's, the tensors' own memory)
         h = BackgroundHash(block_size=info.get("block_size"), stable=True)
@@ -741,27 +739,22 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
                                       f"{n} exceeds the file)")
             raw = _read_exact(src, n, shown)
             h.update(raw)
-            header = _parse_header(raw, info["size"] - 8 - n, shown)
-            tensors = {key: torch.empty(shape, dtype=dtype) for key, dtype, shape in header
-                       if keys is None or keys(key)}
-            prefault = Prefault([(t.data_ptr(), t.nbytes) for t in tensors.values()])
-            for key, dtype, shape in header:
-                t = tensors[key] if key in tensors else torch.empty(shape, dtype=dtype)
+            for key, dtype, shape in _parse_header(raw, info["size"] - 8 - n, shown):
+                t = torch.empty(shape, dtype=dtype)
                 data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                 for i in range(0, len(data), CHUNK):
                     got = src.readinto(data[i:i + CHUNK])
                     if got != len(data[i:i + CHUNK]):
                         raise CheckpointError(f"{shown}: ended early (truncated)")
                     h.update(data[i:i + got])
-                if key not in tensors:  # not wanted: free it once hashed, not at the end
+                if keys is None or keys(key):
+                    tensors[key] = t
+                else:  # not wanted: free it once hashed, not at the end of the file
                     h.wait()
             sha = h.hexdigest()
         except BaseException:
             h.close()
             raise
-        finally:
-            if prefault is not None:
-                prefault.join()
     _check_digest(shown, info["size"], sha, info)
     return tensors
 

@@ -8,8 +8,7 @@ cores while the I/O thread waits on the kernel or the network; a file hashed in 
 each verifiable alone) is hashed on several cores at once. A single streaming GET from an
 object store is one TCP connection's bandwidth; several ranged GETs in flight fill the link.
 A local file's pages go to the disk as it is written (`EarlyWriteback`), not all at the final
-fsync, and a restore's fresh tensors are faulted in on a thread of their own (`Prefault`) while
-the reads wait on the disk: both were serial work in front of the disk before.
+fsync, which otherwise waited for the whole file after it had been copied to the page cache.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import ctypes
 import hashlib
 import os
 import sys
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -32,8 +30,6 @@ HASH_THREADS = min(4, os.cpu_count() or 1)  # blocks hashed at once (stable buff
 WRITEBACK = 32 << 20  # bytes written before the kernel is asked to start putting them on disk
 
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait for it
-_MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+): fault pages in writable, contents unchanged
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -192,36 +188,6 @@ class EarlyWriteback:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
-
-
-class Prefault:
-    """Faults in the pages of fresh buffers, in the order given, on a thread of its own, while
-    the caller reads into them: the kernel's page faults and zeroing then overlap the disk
-    instead of following each read. Contents are never written (madvise MADV_POPULATE_WRITE),
-    so a page the reader fills first is left as it is. Where the kernel lacks it (before Linux
-    5.14, or not Linux) it does nothing."""
-
-    def __init__(self, buffers: list[tuple[int, int]]):
-        self._thread: threading.Thread | None = None
-        madvise = getattr(_libc, "madvise", None)
-        if madvise is None or not buffers:
-            return
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-        def run() -> None:
-            for address, size in buffers:
-                start = -(-address // _PAGE) * _PAGE
-                end = (address + size) // _PAGE * _PAGE
-                if end > start and madvise(start, end - start, _MADV_POPULATE_WRITE):
-                    return  # unsupported: the reads fault the pages in themselves
-
-        self._thread = threading.Thread(target=run, name="relaytrain-prefault", daemon=True)
-        self._thread.start()
-
-    def join(self) -> None:
-        """Wait for it: the buffers must outlive the faulting of their pages."""
-        if self._thread is not None:
-            self._thread.join()
 
 
 class RangedReader:
