@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from relaytrain.bench.recovery import bench_recovery, fault_plan, settings
+from relaytrain.bench.recovery import FAULT_SPACING, bench_recovery, fault_plan, settings
 from relaytrain.cli import main
 from relaytrain.config import RunConfig
 from relaytrain.errors import UserError
 
 
 @pytest.mark.parametrize("kills,hangs", [(8, 4), (3, 1), (0, 2), (2, 0), (1, 5)])
-def test_the_plan_holds_each_fault_once_thirty_steps_apart(kills, hangs):
+def test_the_plan_holds_each_fault_once_evenly_spaced(kills, hangs):
     plan = fault_plan(kills, hangs)
     kinds = [k for _, k in plan]
     assert (kinds.count("kill"), kinds.count("hang")) == (kills, hangs)
-    assert [s for s, _ in plan] == [10 + 30 * i for i in range(kills + hangs)]
+    assert [s for s, _ in plan] == [10 + FAULT_SPACING * i for i in range(kills + hangs)]
 
 
 def test_hangs_are_spread_among_the_kills():

@@ -29,14 +29,21 @@ CAUSES = {"died": "kill (SIGKILL)", "hung": "hang (SIGSTOP)",
           "shrunk": "kill, no capacity (shrink)"}
 
 
+# Tiny steps between faults: time for the promoted standby (or spare) to be replaced by a new
+# warm one, as between real failures. A new worker process warms up in about 28 steps' time
+# when the run's 4 workers take a 2-core host's cores (6.1-6.3 s at 0.22 s a step, measured
+# 2026-12-02; both scale with the host's speed); at 30 apart the next fault found it still
+# warming and the kill's recovery took 1.1-1.3 s longer waiting for it.
+FAULT_SPACING = 60
+
+
 def fault_plan(kills: int, hangs: int) -> list[tuple[int, str]]:
-    """(step, "kill" | "hang") for every fault, 30 tiny steps (a few seconds) apart: time for
-    the promoted spare to be replaced by a new warm one, as between real failures. Hangs are
-    spread evenly among the kills."""
+    """(step, "kill" | "hang") for every fault, `FAULT_SPACING` steps apart. Hangs are spread
+    evenly among the kills."""
     n = kills + hangs
     hang_slots = {int((i + 0.5) * n / hangs) for i in range(hangs)}
     kinds = ["hang" if i in hang_slots else "kill" for i in range(n)]
-    return [(10 + 30 * i, kind) for i, kind in enumerate(kinds)]
+    return [(10 + FAULT_SPACING * i, kind) for i, kind in enumerate(kinds)]
 
 
 def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -63,8 +70,8 @@ def settings(overrides: list[str]) -> dict[str, Any]:
 def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | None = None,
                    shrink: bool = True, sharded: bool = True,
                    overrides: list[str] | None = None) -> dict[str, Any]:
-    kills = (3 if quick else 8) if kills is None else kills
-    hangs = (1 if quick else 4) if hangs is None else hangs
+    kills = (3 if quick else 6) if kills is None else kills
+    hangs = (1 if quick else 3) if hangs is None else hangs
     plan = fault_plan(kills, hangs)
     if not plan:
         raise UserError("bench recovery: nothing to recover from; give at least one kill or hang")
@@ -85,7 +92,7 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
                                 f"elastic.max_recoveries={len(plan)}"])
         recs = summary["recoveries"]
         if sharded:
-            kill_at = [s for s, _ in fault_plan(2 if quick else 4, 0)]
+            kill_at = [s for s, _ in fault_plan(2 if quick else 3, 0)]
             progress.report(f"{len(kill_at)} kills in a sharded run (dp 2 x fsdp 2)")
             run = run_training([*common, f"run_dir={os.path.join(tmp, 'sharded')}",
                                 "parallel.dp=2", "parallel.fsdp=2",
