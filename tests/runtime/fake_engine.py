@@ -4,10 +4,12 @@ end-to-end behaviour with real processes is tested on Ray (test_elastic.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from relaytrain.runtime.engines.base import Engine, Invocation
 from relaytrain.runtime.failures import WorkerDied
+from relaytrain.runtime.wire import WriteReport
 
 
 class FakeWorker:
@@ -19,6 +21,7 @@ class FakeWorker:
         self.calls: list[str] = []
         self.built: tuple[int, Any] | None = None  # (step, tensors given) of the last build
         self.placement: Any = None
+        self.writing: list[Callable[[], WriteReport]] = []  # checkpoint parts still being written
 
     def ping(self) -> int:
         return 1000 + self.wid
@@ -47,6 +50,10 @@ class FakeWorker:
 
     def take_snapshot(self, step: int) -> None:
         self.snapshot = step
+
+    def flush_writes(self) -> list[WriteReport]:
+        done, self.writing = [finish() for finish in self.writing], []
+        return done
 
 
 class FakeEngine(Engine):

@@ -19,6 +19,7 @@ from relaytrain.runtime.failures import (
 from relaytrain.runtime.faults import FaultInjector
 from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter
+from relaytrain.runtime.wire import WriteReport
 from tests.runtime.conftest import tiny_config
 from tests.runtime.fake_engine import FakeEngine
 
@@ -133,6 +134,27 @@ def test_a_stage_shard_with_no_survivor_is_restored_from_the_checkpoint(tmp_path
         w.snapshot = 3
     engine.settled = {4: WorkerDied(4, "SIGKILL")}
     assert rec.recover(WorkerDied(6, "SIGKILL"), done=3, in_flight=1) == 2
+
+
+def test_the_survivors_writes_in_progress_may_complete_the_checkpoint_restored(tmp_path):
+    """A one-replica sharded run restores a dead worker's shard from storage. It had finished
+    its part of step 4 (the part's record is beside it) while the survivors were still writing
+    theirs: their writes are waited for, and step 4 is restored, not step 2."""
+    rec, engine = _recovery(tmp_path, [4, 4, 4, 4], "parallel.dp=1", "parallel.fsdp=4",
+                            checkpoint_at=2)
+    store, parts = rec.catalogue.store, rec.save_parts()
+    rec.catalogue.expect(4, set(parts.values()), "save-4")
+
+    def part_of(wid: int) -> WriteReport:
+        info = store.write_part(4, parts[wid], {f"model.w{wid}": torch.ones(2)},
+                                attempt="save-4")
+        return WriteReport(4, parts[wid], info=info)
+
+    part_of(3)  # finished, not reported: the worker dies
+    for wid in (0, 1, 2):
+        engine.workers[wid].writing = [lambda wid=wid: part_of(wid)]
+    assert rec.recover(WorkerDied(3, "SIGKILL"), done=4, in_flight=1) == 4
+    assert all(not engine.workers[w].writing for w in (0, 1, 2))
 
 
 def test_a_pipeline_cannot_shrink(tmp_path):

@@ -203,7 +203,8 @@ class Recovery:
 
     def _restore_point(self, survivors: list[int], old: dict[int, Placement]) -> Restore:
         """Every survivor's snapshot of the last completed step, if every (stage, shard) still
-        has one and they agree; else the newest checkpoint."""
+        has one and they agree; else the newest checkpoint, once the survivors' writes in
+        progress are done."""
         snaps = self.engine.call_all(survivors, lambda w: w.snapshot_step(),
                                      self.cfg.runtime.call_timeout) if survivors else {}
         # A stage's shard's rows: the same shard of the stage's other replicas holds them.
@@ -212,6 +213,12 @@ class Recovery:
                  for k in range(next(iter(old.values())).fsdp)}
         if len(set(snaps.values())) == 1 and None not in snaps.values() and left == every:
             return Restore(next(iter(snaps.values())), "memory")
+        # The survivors' writes still in progress may complete the newest checkpoint (a failed
+        # writer's finished part counts by its record): wait for them, not a checkpoint older.
+        writers = [w for w in self.save_parts() if w in survivors]
+        done = self.engine.call_all(writers, lambda w: w.flush_writes(),
+                                    self.cfg.runtime.call_timeout)
+        self.catalogue.record([r for reports in done.values() for r in reports])
         step = self.catalogue.latest_readable_step()
         warn(f"no complete in-memory snapshot survived; restoring checkpoint step {step} from "
              f"{self.catalogue.store.url}")
