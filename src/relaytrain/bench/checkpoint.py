@@ -7,10 +7,10 @@ reads the same bytes with plain file I/O and fsync, in the same directory and ru
 show what the checkpoint format, hashing and verification cost on this machine's disk. Pages are
 evicted from the cache (posix_fadvise) before every read, so reads hit the disk where the OS
 allows it. The raw write is a plain program's: write everything, then fsync (a checkpoint
-starts the writeback as it writes, `checkpoint.streaming.EarlyWriteback`, so it can beat it). The
-raw read goes into one reused buffer: the disk's bandwidth. A restore must also fault in the
-fresh memory its tensors take (about 0.13 s of CPU per 350 MB here), so the raw read of the
-whole file into new memory is reported beside it. On an object store the baseline
+starts the writeback as it writes, `checkpoint.streaming.EarlyWriteback`, so it can beat it).
+The raw read goes into one reused buffer: the disk's bandwidth. A restore must also fault in
+the fresh memory its tensors take (0.13-0.17 s of CPU per 350 MB on a 2-core host), so the raw
+read of the whole file into new memory is reported beside it. On an object store the baseline
 puts and gets one object per checkpoint part through the same fsspec client (endpoints and
 credentials from the environment, as for training runs). The benchmark measures stores it is
 pointed at and starts none: `scripts/bench_object_storage.py` starts the test suite's local S3
@@ -123,7 +123,7 @@ def format_report(result: dict[str, Any]) -> str:
             f"{r['restore_GBps']:.2f} GB/s = {r['restore_vs_raw']:.2f}x raw read "
             f"{r['raw_read_GBps']:.2f} GB/s ({r['restore_vs_raw_new']:.2f}x a raw read into new "
             f"memory, {r['raw_read_new_GBps']:.2f} GB/s) | blocking host snapshot "
-            f"{r['snapshot_s']:.2f}s "            f"({r['snapshot_first_s']:.2f}s allocating)")
+            f"{r['snapshot_s']:.2f}s ({r['snapshot_first_s']:.2f}s allocating)")
     for where, r in result["remote"].items():
         lines.append(
             f"{where}: {r['bytes'] / 1e6:.0f} MB | save {r['save_s']:.2f}s "
