@@ -51,7 +51,7 @@ class FakeWorker:
     def take_snapshot(self, step: int) -> None:
         self.snapshot = step
 
-    def flush_writes(self) -> list[WriteReport]:
+    def flush_writes(self, timeout: float | None = None) -> list[WriteReport]:
         done, self.writing = [finish() for finish in self.writing], []
         return done
 

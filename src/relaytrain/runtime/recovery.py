@@ -19,7 +19,7 @@ from relaytrain.config import RunConfig
 from relaytrain.parallel.groups import Placement, placements, shard_size
 from relaytrain.parallel.shards import misaligned, parameter_shapes
 from relaytrain.runtime import rendezvous
-from relaytrain.runtime.catalogue import CheckpointCatalogue
+from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
 from relaytrain.runtime.failures import (
     NodeLost,
@@ -214,9 +214,10 @@ class Recovery:
         if len(set(snaps.values())) == 1 and None not in snaps.values() and left == every:
             return Restore(next(iter(snaps.values())), "memory")
         # The survivors' writes still in progress may complete the newest checkpoint (a failed
-        # writer's finished part counts by its record): wait for them, not a checkpoint older.
+        # writer's finished part counts by its record): wait for them, as long as for storage
+        # (a write stuck on unresponsive storage must not make its worker look hung).
         writers = [w for w in self.save_parts() if w in survivors]
-        done = self.engine.call_all(writers, lambda w: w.flush_writes(),
+        done = self.engine.call_all(writers, lambda w: w.flush_writes(STORAGE_WAIT_S),
                                     self.cfg.runtime.call_timeout)
         self.catalogue.record([r for reports in done.values() for r in reports])
         step = self.catalogue.latest_readable_step()

@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from concurrent import futures
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -479,7 +480,12 @@ class Worker:
             step, part, snapshot_to_host(state), shards=where or None, attempt=attempt)))
         return time.perf_counter() - t0
 
-    def _collect(self, wait: bool) -> list[WriteReport]:
+    def _collect(self, wait: bool, timeout: float | None = None) -> list[WriteReport]:
+        """Reports of the finished writes; with `wait`, of all once finished (within `timeout`
+        seconds, if given: the rest stay pending)."""
+        if wait and timeout is not None:
+            futures.wait([fut for *_, fut in self._pending], timeout)
+            wait = False
         done, keep = [], []
         for step, part, fut in self._pending:
             if not wait and not fut.done():
@@ -492,8 +498,8 @@ class Worker:
         self._pending = keep
         return done
 
-    def flush_writes(self) -> list[WriteReport]:
-        return self._collect(wait=True)
+    def flush_writes(self, timeout: float | None = None) -> list[WriteReport]:
+        return self._collect(wait=True, timeout=timeout)
 
     # ---- evaluation ------------------------------------------------------------------------
     def evaluate(self, sets: dict[str, list[int]]) -> dict[str, dict[int, float]]:

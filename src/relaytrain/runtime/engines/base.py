@@ -60,8 +60,9 @@ class WorkerAPI(Protocol):
         """Start writing checkpoint part `part` of `step` in the background; `attempt` names
         this save of the step (its part records carry it)."""
 
-    def flush_writes(self) -> list[WriteReport]:
-        """Wait for every background write; their reports."""
+    def flush_writes(self, timeout: float | None = None) -> list[WriteReport]:
+        """Wait for every background write (at most `timeout` seconds: those still running
+        stay pending); the finished ones' reports."""
 
     def evaluate(self, sets: dict[str, list[int]]) -> dict[str, dict[int, float]]:
         """Per evaluation set, the losses of this rank's share of its instances `ids`."""
