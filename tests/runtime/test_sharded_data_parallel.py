@@ -46,9 +46,10 @@ def test_sharded_pipeline_stages_give_the_unsharded_bits_across_a_kill_and_a_res
                "runtime.collective_timeout=120", fsdp=2, pp=2)
     [rec] = records(run, "recovery")
     # Step 2's checkpoint was saved just before the kill, and no write had been reported yet:
-    # if the dead worker had finished its part, its record commits step 2 (1 step lost);
-    # under load it may still have been writing (step 0 then). Which one is timing;
-    # tests/runtime/test_catalogue.py pins the rule.
+    # the survivors' writes are waited for, and if the dead worker had finished its part, its
+    # record commits step 2 (1 step lost); under load it may still have been writing (step 0
+    # then). Which one is timing; tests/runtime/test_catalogue.py and test_recovery.py pin the
+    # rules.
     assert rec["cause"] == "died" and rec["source"] == "checkpoint", rec
     assert (rec["restored_step"], rec["lost_steps"]) in ((2, 1), (0, 3)), rec
     assert_only_failed_ranks_replaced(run)

@@ -146,11 +146,7 @@ class CheckpointStore:
                   **({"attempt": attempt} if attempt else {})}
         # The record beside the part, written once the part is whole: a checkpoint whose
         # writer died before reporting it can still be committed (`part_record`).
-        data = json.dumps(record).encode()
-        if self._local:
-            self._write(f"{d}/{part}{RECORD_SUFFIX}", lambda f: f.write(data))
-        else:
-            self.fs.pipe_file(f"{d}/{part}{RECORD_SUFFIX}", data)
+        self._put(f"{d}/{part}{RECORD_SUFFIX}", json.dumps(record).encode())
         return record
 
     def part_record(self, step: int, part: str) -> dict | None:
@@ -193,11 +189,7 @@ class CheckpointStore:
             raise CheckpointError(f"cannot commit step {step}: {gap}")
         manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files,
                     "committed_at": time.time(), **meta}
-        data = json.dumps(manifest, indent=1).encode()
-        if self._local:
-            self._write(f"{d}/{MANIFEST}", lambda f: f.write(data))
-        else:
-            self.fs.pipe_file(f"{d}/{MANIFEST}", data)  # one PUT: atomic on object stores
+        self._put(f"{d}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         self._retire()
         return self._show(d)
 
@@ -316,6 +308,14 @@ class CheckpointStore:
         os.replace(tmp, path)
         _fsync_dir(parent)
         return out
+
+    def _put(self, path: str, data: bytes) -> None:
+        """A small file, whole or not at all: renamed into place locally, one PUT (atomic on
+        object stores) elsewhere."""
+        if self._local:
+            self._write(path, lambda f: f.write(data))
+        else:
+            self.fs.pipe_file(path, data)
 
     def _sizes(self, d: str) -> dict[str, int]:
         """File name -> size in directory `d`, from one listing."""

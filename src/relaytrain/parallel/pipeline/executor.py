@@ -425,8 +425,7 @@ class StageRunner:
         else:
             self.transport.send(out, self.next, _tag(mb, False))
         meter.add(out)
-        return _InFlight(x, out, leaves, updates, meter.nbytes,
-                         None if self.sharded else self._live_weights())
+        return _InFlight(x, out, leaves, updates, meter.nbytes, self._live_weights())
 
     def _backward(self, mb: int, held: _InFlight) -> int:
         """Backward of `mb`: input gradient upstream, weight gradients into .grad. Returns the
