@@ -178,6 +178,42 @@ def test_keys_filter_loads_only_selected_tensors_and_skips_files_without_them(tm
         store.read(1)
 
 
+def test_read_into_fills_the_callers_tensors_that_fit_and_allocates_the_rest(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 1)
+    live = {"model.embed.weight": torch.nn.Parameter(torch.zeros(8, 4)),  # in place
+            "optim.embed.weight.exp_avg": torch.zeros(4, 8),  # another shape: not
+            "optim.embed.weight.step": torch.tensor(0.0)}  # another dtype: not
+    _, tensors = store.read(1, into=live)
+    assert_state(tensors, 1)
+    assert tensors["model.embed.weight"] is live["model.embed.weight"]
+    assert torch.equal(live["model.embed.weight"], state(1)["model.embed.weight"])
+    assert not torch.equal(live["optim.embed.weight.exp_avg"], torch.ones(4, 8))
+    assert live["optim.embed.weight.step"].item() == 0.0
+
+
+def test_a_key_not_asked_for_is_never_read_into_its_tensor(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 1)
+    live = {"optim.embed.weight.exp_avg": torch.zeros(8, 4)}
+    _, tensors = store.read(1, keys=lambda k: k != "optim.embed.weight.exp_avg", into=live)
+    assert "optim.embed.weight.exp_avg" not in tensors
+    assert torch.equal(live["optim.embed.weight.exp_avg"], torch.zeros(8, 4))
+
+
+def test_a_corrupt_step_read_in_place_is_overwritten_by_the_good_one_loaded(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 1)
+    save(store, 2)
+    flip_byte(part_path(tmp_path, 2, "optim"))  # found after the model part was read in place
+    live = {k: torch.zeros_like(v) for k, v in state(1).items()}
+    with pytest.warns(CheckpointWarning, match="optim.safetensors"):
+        manifest, tensors = store.read(into=live)
+    assert manifest["step"] == 1
+    assert_state(tensors, 1)
+    assert all(tensors[k] is live[k] for k in live)
+
+
 # -- retention -----------------------------------------------------------------------------
 
 
@@ -441,6 +477,15 @@ def test_rows_are_read_from_only_the_blocks_holding_them(tmp_path, cuts):
         store.read(1, rows={"model.w": (8, 10)})
     with pytest.raises(CheckpointError, match="corrupt"):
         store.read(1)
+
+
+def test_pieces_are_never_read_into_the_callers_tensor_of_their_shape(tmp_path):
+    """Two pieces of one shape would both land in it: a tensor is read in place only whole."""
+    store = CheckpointStore(str(tmp_path))
+    store.commit(1, save_sharded(store, 1, [(0, 5), (5, 10)]), {})
+    live = {"model.w": torch.zeros(5, 6)}
+    _, got = store.read(1, into=live)
+    assert torch.equal(got["model.w"], WHOLE) and torch.equal(live["model.w"], torch.zeros(5, 6))
 
 
 def test_rows_of_a_checkpoint_hashed_whole_and_an_empty_chunk(tmp_path):

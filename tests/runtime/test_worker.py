@@ -1,14 +1,20 @@
-"""The worker's checkpoint writes as the controller collects them (the rest of the worker is
-exercised through real runs: test_train.py, test_elastic.py)."""
+"""The worker's checkpoint writes as the controller collects them, and its restore from storage
+(the rest of the worker is exercised through real runs: test_train.py, test_elastic.py)."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 
 import pytest
+import torch
 
+from relaytrain.checkpoint.keys import model_key, optim_key
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.parallel.groups import Placement
+from relaytrain.runtime.controller import Controller
 from relaytrain.runtime.wire import WriteReport
 from relaytrain.runtime.worker import Worker
+from tests.runtime.conftest import tiny_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -30,3 +36,36 @@ def test_a_bounded_flush_reports_the_finished_writes_and_keeps_the_rest_pending(
     stuck.set_exception(OSError("storage unreachable"))
     assert w.flush_writes() == [WriteReport(4, "part1", error="OSError: storage unreachable")]
     assert w.flush_writes() == []
+
+
+def test_a_restore_from_storage_lands_in_the_live_state_and_equals_the_checkpoint(
+        tmp_path, corpus_data):
+    """A worker that already holds a state (a survivor rolled back, a resume into a built
+    model) reads a checkpoint straight into its parameters and optimizer moments: no fresh
+    memory, no copy, and the values are the checkpoint's."""
+    cfg = tiny_config(tmp_path, corpus_data, "runtime.engine=inline", "train.max_steps=4",
+                      "checkpoint.every=2")
+    Controller(cfg).run()
+    w = Worker(cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    w.setup(0, Placement(rank=0, world=1, dp_rank=0, dp=1))
+    w.build(4)
+    w.run_steps(5, 1)  # the state now differs from any checkpoint
+    live = {k: t.data_ptr() for k, t in w.state_tensors().items()}
+    reads, read = [], w.store.read
+
+    def spy(*args, **kwargs):
+        manifest, tensors = read(*args, **kwargs)
+        reads.append((kwargs.get("into"), tensors))
+        return manifest, tensors
+    w.store.read = spy
+    w.build(2)
+    (into, got), = reads
+    _, saved = read(2)
+    state = w.state_tensors()
+    assert {k: t.data_ptr() for k, t in state.items()} == live
+    assert all(got[k] is into[k] for k in state)  # read there, not copied there afterwards
+    names = [n for n, _ in w.model.named_parameters()]
+    assert state.keys() == {model_key(n) for n in names} | {
+        optim_key(n, m) for n in names for m in ("exp_avg", "exp_avg_sq", "step")}
+    for k, t in state.items():
+        assert torch.equal(t, saved[k]), k

@@ -35,7 +35,7 @@ import re
 import struct
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
 import fsspec
@@ -75,6 +75,7 @@ _DTYPES: dict[torch.dtype, str] = {
 _DTYPE_OF = {name: dtype for dtype, name in _DTYPES.items()}
 
 KeyFilter = Callable[[str], bool]
+Into = Mapping[str, torch.Tensor]  # tensors a read fills in place (`CheckpointStore.read`)
 
 
 class CheckpointWarning(UserWarning):
@@ -241,7 +242,8 @@ class CheckpointStore:
         return _read_manifest(self.fs, self._step_dir(step), step)
 
     def read(self, step: int | None = None, keys: KeyFilter | None = None,
-             rows: Rows | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+             rows: Rows | None = None, into: Into | None = None
+             ) -> tuple[dict, dict[str, torch.Tensor]]:
         """(manifest, tensors) of `step`, everything read verified against the manifest.
 
         `keys` selects tensors by name (a pipeline stage reads only its parameters); files
@@ -249,25 +251,35 @@ class CheckpointStore:
         it names (a shard of a sharded run: see `_load_dir`). With `step=None` this is
         `load_latest_good`, so a corrupt newest checkpoint falls back to the previous one; an
         explicit step raises `CheckpointError` naming the bad file instead.
+
+        `into`: tensors the state already lives in (a worker's parameters and optimizer
+        state). A whole stored tensor of the same name, dtype and shape, on the CPU, is read
+        straight into that tensor's memory and returned as it: no fresh memory to fault in
+        and no copy afterwards (README "Measured": restore in place). The bytes land before
+        their file is verified, so after a `CheckpointError` the tensors the read reached hold
+        part of a corrupt file: the caller overwrites them (another checkpoint, a snapshot)
+        before using them.
         """
         if step is None:
-            got = self.load_latest_good(keys, rows)
+            got = self.load_latest_good(keys, rows, into)
             if got is None:
                 raise CheckpointError(self._nothing_loadable())
             return got
-        return _load_dir(self.fs, self._step_dir(step), keys, step, rows)
+        return _load_dir(self.fs, self._step_dir(step), keys, step, rows, into)
 
-    def load_latest_good(self, keys: KeyFilter | None = None, rows: Rows | None = None
+    def load_latest_good(self, keys: KeyFilter | None = None, rows: Rows | None = None,
+                         into: Into | None = None
                          ) -> tuple[dict, dict[str, torch.Tensor]] | None:
         """The newest checkpoint whose files (those `keys` needs) verify, or None.
 
         Corrupt or incomplete steps are skipped with a `CheckpointWarning` naming the file.
         With `keys`, only the files read are verified: stages restoring one checkpoint together
         should agree on a step first (`latest_step` or `verify`) and then each `read(step, keys)`.
+        `into` as for `read` (a skipped step's bytes are overwritten by the one loaded).
         """
         for step, _ in self._newest_committed():
             try:
-                return _load_dir(self.fs, self._step_dir(step), keys, step, rows)
+                return _load_dir(self.fs, self._step_dir(step), keys, step, rows, into)
             except CheckpointError as e:
                 _skip(step, e)
         return None
@@ -559,12 +571,13 @@ def _untiled(files: dict[str, dict]) -> str | None:
 
 
 def _load_dir(fs: fsspec.AbstractFileSystem, d: str, keys: KeyFilter | None,
-              step: int | None = None, rows: Rows | None = None
+              step: int | None = None, rows: Rows | None = None, into: Into | None = None
               ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(manifest, tensors) of the step directory `d`, verifying what is read: each file read
     whole against its digest, or (`rows`, a file hashed in blocks) only the blocks holding the
     rows wanted, each against its own. Sharded tensors come back whole, or as the `rows` asked
-    of them, assembled from every file holding a piece."""
+    of them, assembled from every file holding a piece; whole ones (a file read whole) go
+    `into` the caller's tensors where they fit (`CheckpointStore.read`)."""
     manifest = _read_manifest(fs, d, step)
     rows = rows or {}
     tensors: dict[str, torch.Tensor] = {}
@@ -577,7 +590,7 @@ def _load_dir(fs: fsspec.AbstractFileSystem, d: str, keys: KeyFilter | None,
             if rows and "blocks" in info:
                 got = _read_rows(fs, path, info, keys, rows)
             else:
-                got = _read_verified(fs, path, info, keys)
+                got = _read_verified(fs, path, info, keys, into)
                 for key, t in got.items():
                     _span(key, list(t.shape), info, path)  # as the manifest says
                 got = cut(got, info.get("shards", {}), rows)
@@ -721,10 +734,11 @@ def _verify_file(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> None:
 
 
 def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
-                   keys: KeyFilter | None) -> dict[str, torch.Tensor]:
+                   keys: KeyFilter | None, into: Into | None = None
+                   ) -> dict[str, torch.Tensor]:
     """The tensors (those `keys` selects) of the safetensors file at `path`, read in one pass
-    into their own memory while a second thread hashes what arrived; returned only once the
-    size and sha256 match `info`."""
+    into their own memory (or `into` the caller's: `_destination`) while a second thread hashes
+    what arrived; returned only once the size and sha256 match `info`."""
     shown = _shown(fs, path)
     tensors: dict[str, torch.Tensor] = {}
     with _source(fs, path, info) as src:
@@ -740,14 +754,15 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
             raw = _read_exact(src, n, shown)
             h.update(raw)
             for key, dtype, shape in _parse_header(raw, info["size"] - 8 - n, shown):
-                t = torch.empty(shape, dtype=dtype)
-                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                wanted = keys is None or keys(key)
+                t = _destination(key, dtype, shape, info, into if wanted else None)
+                data = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
                 for i in range(0, len(data), CHUNK):
                     got = src.readinto(data[i:i + CHUNK])
                     if got != len(data[i:i + CHUNK]):
                         raise CheckpointError(f"{shown}: ended early (truncated)")
                     h.update(data[i:i + got])
-                if keys is None or keys(key):
+                if wanted:
                     tensors[key] = t
                 else:  # not wanted: free it once hashed, not at the end of the file
                     h.wait()
@@ -757,6 +772,18 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
             raise
     _check_digest(shown, info["size"], sha, info)
     return tensors
+
+
+def _destination(key: str, dtype: torch.dtype, shape: list[int], info: dict,
+                 into: Into | None) -> torch.Tensor:
+    """Where a file's tensor is read to: the caller's tensor of that name if it is whole in
+    the file (a piece is assembled with others, never read over live state) and has its
+    dtype and shape, contiguous on the CPU; fresh memory otherwise."""
+    t = into.get(key) if into is not None and key not in info.get("shards", {}) else None
+    if (t is not None and t.dtype == dtype and list(t.shape) == shape
+            and t.device.type == "cpu" and t.is_contiguous()):
+        return t
+    return torch.empty(shape, dtype=dtype)
 
 
 def _read_exact(src: Any, n: int, shown: str) -> bytearray:

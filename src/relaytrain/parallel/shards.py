@@ -107,10 +107,15 @@ def shard_pieces(tensors: dict[str, torch.Tensor], first: bool
     return out, where
 
 
-def as_like(values: torch.Tensor, like: torch.Tensor, local: bool = False) -> torch.Tensor:
+def as_like(values: torch.Tensor, like: torch.Tensor, local: bool = False,
+            copy: bool = True) -> torch.Tensor:
     """A new tensor holding `values` (the whole tensor, or with `local` this rank's rows of it:
-    `own_rows`) laid out as `like` (sharded if `like` is)."""
-    out = local_chunk(values, like, local).to(device=like.device, dtype=like.dtype).clone()
+    `own_rows`) laid out as `like` (sharded if `like` is); with `copy=False`, `values`' own
+    memory where it is exactly this rank's part (tensors a checkpoint read made for it; a view
+    into more is copied, so that it does not keep the rest alive)."""
+    part = local_chunk(values, like, local)
+    whole = part.untyped_storage().nbytes() == part.numel() * part.element_size()
+    out = part.to(device=like.device, dtype=like.dtype, copy=copy or not whole)
     if not is_sharded(like):
         return out
     return type(like).from_local(out, like.device_mesh, like.placements, shape=like.shape,

@@ -318,7 +318,7 @@ class Worker:
                                    "another layout (they must be pulled from the peers)")
             self.load_tensors(tensors, local=bool(where))
         elif step > 0:
-            self.load_tensors(self._read_checkpoint(step), local=True)
+            self.load_tensors(self._read_checkpoint(step), local=True, owned=True)
 
     def _own_rows(self) -> Rows:
         """The rows this worker holds of each sharded tensor of the state (none unsharded)."""
@@ -345,16 +345,24 @@ class Worker:
 
     def _read_checkpoint(self, step: int) -> dict[str, torch.Tensor]:
         """This worker's tensors of checkpoint `step`: its stage's, and of sharded ones only
-        its own rows (only the blocks holding them are read)."""
+        its own rows (only the blocks holding them are read). Whole tensors are read straight
+        into the parameters and optimizer state they restore (the store's `into`): a failed
+        read leaves them partly overwritten, and a build that fails is followed by another
+        restore before any step (`build` overwrites every value)."""
         assert self.model is not None
         names = {n for n, _ in self.model.named_parameters()}
+        live = {k: local_tensor(t) for k, t in self.state_tensors().items()}
         _, tensors = self.store.read(step, keys=lambda k: tensor_param(k) in names,
-                                     rows=self._own_rows())
+                                     rows=self._own_rows(), into=live)
         return tensors
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], local: bool = False) -> None:
+    def load_tensors(self, tensors: dict[str, torch.Tensor], local: bool = False,
+                     owned: bool = False) -> None:
         """The state from whole tensors, or with `local` from this rank's rows of the sharded
-        ones (`_read_checkpoint`)."""
+        ones (`_read_checkpoint`). `owned`: `tensors` are this restore's alone (a checkpoint
+        read, not a snapshot or a peer's donation), so the optimizer state takes them as they
+        are; a parameter read in place is already set (copying a tensor onto its own memory is
+        a no-op in torch)."""
         assert self.model is not None and self.optimizer is not None
         params = dict(self.model.named_parameters())
         missing = [n for n in params if model_key(n) not in tensors]
@@ -364,7 +372,7 @@ class Worker:
             for name, p in params.items():
                 assign_(p, tensors[model_key(name)], local)
         self.optimizer.state.clear()  # nothing of the live run survives a restore
-        load_optimizer_state(self.model, self.optimizer, tensors, local)
+        load_optimizer_state(self.model, self.optimizer, tensors, local, owned)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The state as this worker holds it: whole tensors, or (sharded) its DTensors."""

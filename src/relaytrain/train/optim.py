@@ -110,14 +110,16 @@ def optimizer_state_tensors(model: nn.Module, optimizer: AdamW) -> dict[str, tor
 
 
 def load_optimizer_state(model: nn.Module, optimizer: AdamW, tensors: dict[str, torch.Tensor],
-                         local: bool = False) -> None:
+                         local: bool = False, owned: bool = False) -> None:
     """Inverse of optimizer_state_tensors: whole tensors, or with `local` this rank's rows of
-    the sharded ones (parallel/shards.py); parameters without saved state start fresh."""
+    the sharded ones (parallel/shards.py); parameters without saved state start fresh.
+    `owned`: the tensors are the caller's to give away (a checkpoint read made them), so they
+    become the state as they are instead of being copied."""
     for name, p in model.named_parameters():
         keys = [optim_key(name, k) for k in STATE_KEYS]
         if not all(k in tensors for k in keys):
             continue
         optimizer.state[p] = {
-            "exp_avg": as_like(tensors[keys[0]], p, local),  # sharded as `p` is
-            "exp_avg_sq": as_like(tensors[keys[1]], p, local),
-            "step": tensors[keys[2]].to(device=p.device, dtype=torch.float32).clone()}
+            "exp_avg": as_like(tensors[keys[0]], p, local, copy=not owned),  # sharded as `p`
+            "exp_avg_sq": as_like(tensors[keys[1]], p, local, copy=not owned),
+            "step": tensors[keys[2]].to(device=p.device, dtype=torch.float32, copy=not owned)}
