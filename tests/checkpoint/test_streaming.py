@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import random
+import threading
+import time
 
 import fsspec
 import pytest
@@ -37,8 +39,7 @@ def test_hash_stream_reuses_two_buffers_without_mixing_them(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("read_size", [1, 999, 1000, 4096, 1 << 20])
 def test_ranged_reader_delivers_the_file_in_order(tmp_path, monkeypatch, read_size):
-    monkeypatch.setattr(streaming, "RANGE", 1000)
-    monkeypatch.setattr(streaming, "MAX_RANGE", 1000)  # 11 ranges, 8 in flight
+    monkeypatch.setattr(streaming, "RANGE", 1000)  # 11 ranges, RANGES_IN_FLIGHT at once
     data = os.urandom(10_500)
     path = str(tmp_path / "f")
     (tmp_path / "f").write_bytes(data)
@@ -56,13 +57,26 @@ def test_ranged_reader_delivers_the_file_in_order(tmp_path, monkeypatch, read_si
     assert sorted(calls) == list(range(0, len(data), 1000))
 
 
-def test_ranges_are_as_few_as_fill_the_requests_in_flight(tmp_path):
+def test_no_more_than_ranges_in_flight_are_requested_at_once(tmp_path, monkeypatch):
+    """Memory in flight is bounded: RANGES_IN_FLIGHT requests of RANGE bytes."""
+    monkeypatch.setattr(streaming, "RANGE", 100)
+    (tmp_path / "f").write_bytes(os.urandom(2_000))
     fs = fsspec.filesystem("file")
-    (tmp_path / "f").write_bytes(b"x")
-    for size, expected in [(1, streaming.RANGE), (80 << 20, 10 << 20),
-                           (10 << 30, streaming.MAX_RANGE)]:
-        with RangedReader(fs, str(tmp_path / "f"), size) as src:
-            assert src.range == expected
+    lock, running, most = threading.Lock(), [0], [0]
+    cat_file = fs.cat_file
+
+    def slow_cat_file(path, start, end):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+        return cat_file(path, start=start, end=end)
+    monkeypatch.setattr(fs, "cat_file", slow_cat_file)
+    with RangedReader(fs, str(tmp_path / "f"), 2_000) as src:
+        assert src.readinto(bytearray(2_000)) == 2_000
+    assert most[0] == streaming.RANGES_IN_FLIGHT
 
 
 def state() -> dict[str, torch.Tensor]:
