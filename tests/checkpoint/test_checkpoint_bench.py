@@ -36,10 +36,12 @@ def test_quick_bench_reports_bandwidth_next_to_the_raw_disk(tmp_path):
     r = local["tiny"]
     assert r["bytes"] > 3 * 4 * r["params"] - 1
     for key in ("save_GBps", "restore_GBps", "raw_write_GBps", "raw_read_GBps",
-                "raw_read_new_GBps", "save_vs_raw", "restore_vs_raw", "restore_vs_raw_new"):
+                "raw_read_new_GBps", "save_vs_raw", "restore_vs_raw", "restore_vs_raw_new",
+                "restore_in_place_GBps", "restore_in_place_vs_raw"):
         assert r[key] > 0, key
     report = format_report({"repeats": 1, "local": local, "remote": {}})
     assert "x raw write" in report and "x a raw read into new memory" in report
+    assert "restore in place" in report
     assert list(tmp_path.iterdir()) == []  # cleans up after itself
 
 
@@ -49,7 +51,7 @@ def test_an_object_store_is_measured_against_raw_put_and_get_then_emptied(object
     url = object_server.url("bench")
     r = bench_checkpoint_remote(url, "tiny", 1)
     for key in ("save_GBps", "restore_GBps", "raw_put_GBps", "raw_get_GBps", "save_vs_raw",
-                "restore_vs_raw"):
+                "restore_vs_raw", "restore_in_place_vs_raw"):
         assert r[key] > 0, key
     assert "repetition 1/1" in capsys.readouterr().err  # progress on stderr
     text = format_report({"repeats": 1, "local": {}, "remote": {f"{url} tiny": r}})

@@ -8,20 +8,24 @@ show what the checkpoint format, hashing and verification cost on this machine's
 evicted from the cache (posix_fadvise) before every read, so reads hit the disk where the OS
 allows it. The raw write is a plain program's: write everything, then fsync (a checkpoint
 starts the writeback as it writes, `checkpoint.streaming.EarlyWriteback`, so it can beat it).
-The raw read goes into one reused buffer: the disk's bandwidth. A restore must also fault in
-the fresh memory its tensors take (0.13-0.17 s of CPU per 350 MB on a 2-core host), so the raw
-read of the whole file into new memory is reported beside it. On an object store the baseline
+Reads compare like with like. The raw read into one reused buffer (the disk's bandwidth) is
+matched by a restore in place: into tensors the process already holds, as a worker restores into
+its parameters and optimizer state (`CheckpointStore.read(into=...)`). A restore into new
+tensors also faults that memory in (0.13-0.19 s of CPU per 350 MB on a 2-core VM), as does the
+raw read of the whole file into new memory it is set beside. On an object store the baseline
 puts and gets one object per checkpoint part through the same fsspec client (endpoints and
-credentials from the environment, as for training runs). The benchmark measures stores it is
+credentials from the environment, as for training runs), and restores are measured both ways
+too. The benchmark measures stores it is
 pointed at and starts none: `scripts/bench_object_storage.py` starts the test suite's local S3
 and GCS servers and runs it against them.
 
 Repetitions alternate baseline and checkpoint (neither inherits the other's wake); figures are
-medians. Default: the `small` preset's state (350 MB with a 50k vocabulary), 3 repetitions:
-under a minute on the disk of a 2-core host; `--quick`: 1 repetition. Other states are opt-in
-(`--only small,olmo3-190m`: the 190M-class state is 2.3 GB, 1-2 minutes per repetition there),
-as are object stores (on the local emulators, which run on the same 2 cores, about 2 minutes per
-repetition of `small` on moto's S3).
+medians. Default: the `small` preset's state (350 MB with a 50k vocabulary), 7 repetitions
+(the host's disk and CPU swing from run to run): about 30 s on the disk of a 2-core host;
+`--quick`: 1 repetition. Other states are opt-in (`--only small,olmo3-190m`: the 190M-class
+state is 2.3 GB, 1-2 minutes per repetition there), as are object stores, 3 repetitions each (on
+the local emulators, which run on the same 2 cores, about 2 minutes per repetition of `small`
+on moto's S3).
 """
 
 from __future__ import annotations
@@ -83,22 +87,24 @@ def training_state(cfg: Olmo3Config, seed: int = 0) -> dict[str, dict[str, torch
     return {"model": model, "optim": optim}
 
 
-PRESETS_DEFAULT, REPEATS = ("small",), 3
+PRESETS_DEFAULT, REPEATS = ("small",), 7
+REMOTE_REPEATS = 3  # an object store's repetition takes minutes on the local emulators
 
 
 def bench_checkpoint(quick: bool = False, urls: Sequence[str] = (),
                      presets: Sequence[str] | None = None) -> dict[str, Any]:
     """`relaytrain bench checkpoint`: the local disk, then each object store in `urls`, for
     each preset's state (see the module docstring for what is measured and the defaults)."""
-    repeats = 1 if quick else REPEATS
+    repeats, remote = (1, 1) if quick else (REPEATS, REMOTE_REPEATS)
     presets = tuple(presets or PRESETS_DEFAULT)
     _check_presets(presets)
-    progress.start("checkpoint", f"states of {', '.join(presets)} on the local disk"
-                   + (f" and on {', '.join(redact(u) for u in urls)}" if urls else
-                      " (--url URL adds an object store)") + f", {repeats} repetition(s) each")
-    return {"bench": "checkpoint", "repeats": repeats,
+    progress.start("checkpoint", f"states of {', '.join(presets)} on the local disk, {repeats} "
+                   "repetition(s) each" + (f", and on {', '.join(redact(u) for u in urls)}, "
+                                           f"{remote} each" if urls else
+                                           " (--url URL adds an object store)"))
+    return {"bench": "checkpoint", "repeats": repeats, "remote_repeats": remote,
             "local": bench_checkpoint_local(presets, repeats),
-            "remote": {f"{redact(url)} {name}": bench_checkpoint_remote(url, name, repeats)
+            "remote": {f"{redact(url)} {name}": bench_checkpoint_remote(url, name, remote)
                        for url in urls for name in presets}}
 
 
@@ -113,8 +119,10 @@ def bench_checkpoint_local(sizes: Sequence[str] = ("small",), repeats: int = REP
 
 def format_report(result: dict[str, Any]) -> str:
     """One human-readable line per preset on the disk and per object store."""
+    remote = (f" ({result['remote_repeats']} on object stores)"
+              if result["remote"] and "remote_repeats" in result else "")
     lines = [f"checkpoint save/restore against raw I/O of the same bytes, median of "
-             f"{result['repeats']} repetition(s):"]
+             f"{result['repeats']} repetition(s){remote}:"]
     for name, r in result["local"].items():
         lines.append(
             f"{name}: {r['bytes'] / 1e6:.0f} MB state ({r['params'] / 1e6:.1f}M params + Adam) | "
@@ -122,7 +130,9 @@ def format_report(result: dict[str, Any]) -> str:
             f"write+fsync {r['raw_write_GBps']:.2f} GB/s | restore {r['restore_s']:.2f}s "
             f"{r['restore_GBps']:.2f} GB/s = {r['restore_vs_raw']:.2f}x raw read "
             f"{r['raw_read_GBps']:.2f} GB/s ({r['restore_vs_raw_new']:.2f}x a raw read into new "
-            f"memory, {r['raw_read_new_GBps']:.2f} GB/s) | blocking host snapshot "
+            f"memory, {r['raw_read_new_GBps']:.2f} GB/s) | restore in place "
+            f"{r['restore_in_place_s']:.2f}s {r['restore_in_place_GBps']:.2f} GB/s = "
+            f"{r['restore_in_place_vs_raw']:.2f}x raw read | blocking host snapshot "
             f"{r['snapshot_s']:.2f}s ({r['snapshot_first_s']:.2f}s allocating)")
     for where, r in result["remote"].items():
         lines.append(
@@ -130,7 +140,8 @@ def format_report(result: dict[str, Any]) -> str:
             f"{r['save_GBps']:.3f} GB/s = {r['save_vs_raw']:.2f}x raw put "
             f"{r['raw_put_GBps']:.3f} GB/s | restore {r['restore_s']:.2f}s "
             f"{r['restore_GBps']:.3f} GB/s = {r['restore_vs_raw']:.2f}x raw get "
-            f"{r['raw_get_GBps']:.3f} GB/s")
+            f"{r['raw_get_GBps']:.3f} GB/s | in place {r['restore_in_place_s']:.2f}s = "
+            f"{r['restore_in_place_vs_raw']:.2f}x raw get")
     return "\n".join(lines)
 
 
@@ -141,7 +152,7 @@ def _check_presets(sizes: Sequence[str]) -> None:
                         f"of {sorted(PRESETS)}")
 
 
-def bench_checkpoint_remote(url: str, name: str = "small", repeats: int = REPEATS,
+def bench_checkpoint_remote(url: str, name: str = "small", repeats: int = REMOTE_REPEATS,
                             ) -> dict[str, Any]:
     """Save/restore of preset `name`'s state under `url` against raw put/get of one object
     per checkpoint part (emulators' cost per object is not linear in its size) through the
@@ -153,12 +164,14 @@ def bench_checkpoint_remote(url: str, name: str = "small", repeats: int = REPEAT
     store = CheckpointStore(f"{root}/checkpoints", keep_last=1)
     fs, raw = filesystem(f"{root}/raw")
     objects = {f"{raw}/{part}.bin": list(tensors.values()) for part, tensors in state.items()}
-    times: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "save": [], "restore": []}
+    live = {k: torch.zeros_like(t) for part in state.values() for k, t in part.items()}
+    times: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "save": [], "restore": [],
+                                     "restore_in_place": []}
     try:
         for step in range(1, repeats + 1):
             progress.report(f"{redact(url)} {name}", step, repeats)
             rounds = [lambda: _raw_object_round(fs, objects),
-                      lambda step=step: _remote_checkpoint_round(store, step, state)]
+                      lambda step=step: _remote_checkpoint_round(store, step, state, live)]
             if step % 2 == 0:
                 rounds.reverse()
             for run in rounds:
@@ -173,7 +186,10 @@ def bench_checkpoint_remote(url: str, name: str = "small", repeats: int = REPEAT
             "save_GBps": gbps["save"], "restore_GBps": gbps["restore"],
             "raw_put_GBps": gbps["raw_put"], "raw_get_GBps": gbps["raw_get"],
             "save_vs_raw": gbps["save"] / gbps["raw_put"],
-            "restore_vs_raw": gbps["restore"] / gbps["raw_get"]}
+            "restore_vs_raw": gbps["restore"] / gbps["raw_get"],
+            "restore_in_place_s": s["restore_in_place"],
+            "restore_in_place_GBps": gbps["restore_in_place"],
+            "restore_in_place_vs_raw": gbps["restore_in_place"] / gbps["raw_get"]}
 
 
 def _raw_object_round(fs: Any, objects: dict[str, list[torch.Tensor]]) -> dict[str, float]:
@@ -184,16 +200,13 @@ def _raw_object_round(fs: Any, objects: dict[str, list[torch.Tensor]]) -> dict[s
 
 
 def _remote_checkpoint_round(store: CheckpointStore, step: int,
-                             state: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+                             state: dict[str, dict[str, torch.Tensor]],
+                             live: dict[str, torch.Tensor]) -> dict[str, float]:
     t0 = time.perf_counter()
     parts = {p: store.write_part(step, p, t) for p, t in state.items()}
     store.commit(step, parts, {"bench": True})
     save_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _, restored = store.read(step)
-    restore_s = time.perf_counter() - t0
-    _check_equal(restored, state)
-    return {"save": save_s, "restore": restore_s}
+    return {"save": save_s, **_restores(store, step, state, live, lambda: None)}
 
 
 def _raw_put(fs: Any, objects: dict[str, list[torch.Tensor]]) -> None:
@@ -231,15 +244,16 @@ def _bench_preset(name: str, repeats: int, directory: str | None) -> dict[str, A
     snap = snapshot_to_host(flat)
     snapshot_s = _timed(snapshot_to_host, flat, snap)  # steady state: buffers reused
     del snap
+    live = {k: torch.zeros_like(t) for k, t in flat.items()}  # a worker's state, faulted in
     times: dict[str, list[float]] = {"raw_write": [], "raw_read": [], "raw_read_new": [],
-                                     "save": [], "restore": []}
+                                     "save": [], "restore": [], "restore_in_place": []}
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-", dir=directory) as tmp:
         raw = os.path.join(tmp, "raw.bin")
         store = CheckpointStore(os.path.join(tmp, "ckpt"))
         for step in range(1, repeats + 1):
             progress.report(f"local disk {name}", step, repeats)
             rounds = [lambda: _raw_round(raw, tensors, nbytes),
-                      lambda step=step: _checkpoint_round(store, step, state)]
+                      lambda step=step: _checkpoint_round(store, step, state, live)]
             if step % 2 == 0:  # alternate the order so neither side inherits the other's wake
                 rounds.reverse()
             for run in rounds:
@@ -256,6 +270,9 @@ def _bench_preset(name: str, repeats: int, directory: str | None) -> dict[str, A
             "restore_vs_raw": gbps["restore"] / gbps["raw_read"],
             "raw_read_new_GBps": gbps["raw_read_new"],
             "restore_vs_raw_new": gbps["restore"] / gbps["raw_read_new"],
+            "restore_in_place_s": s["restore_in_place"],
+            "restore_in_place_GBps": gbps["restore_in_place"],
+            "restore_in_place_vs_raw": gbps["restore_in_place"] / gbps["raw_read"],
             "cache_evicted": hasattr(os, "posix_fadvise")}
 
 
@@ -270,21 +287,35 @@ def _raw_round(path: str, tensors: list[torch.Tensor], nbytes: int) -> dict[str,
 
 
 def _checkpoint_round(store: CheckpointStore, step: int,
-                      state: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Save (parts and commit) and restore (verified) one checkpoint; deleting it is untimed,
-    as for the raw file."""
+                      state: dict[str, dict[str, torch.Tensor]],
+                      live: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Save (parts and commit) and restore (verified) one checkpoint, into new tensors and in
+    place into `live`; deleting it is untimed, as for the raw file."""
     t0 = time.perf_counter()
     parts = {p: store.write_part(step, p, t) for p, t in state.items()}
     url = store.commit(step, parts, {"bench": True})
     save_s = time.perf_counter() - t0
-    for info in parts.values():
-        _evict(os.path.join(url, info["file"]))
-    t0 = time.perf_counter()
-    _, restored = store.read(step)
-    restore_s = time.perf_counter() - t0
-    _check_equal(restored, state)
+    out = {"save": save_s, **_restores(store, step, state, live, lambda: [
+        _evict(os.path.join(url, info["file"])) for info in parts.values()])}
     shutil.rmtree(url)
-    return {"save": save_s, "restore": restore_s}
+    return out
+
+
+def _restores(store: CheckpointStore, step: int, state: dict[str, dict[str, torch.Tensor]],
+              live: dict[str, torch.Tensor], before: Callable[[], object]) -> dict[str, float]:
+    """Seconds to restore `step` (verified) into new tensors and in place into `live`, each
+    after `before()` (dropping the files' cached pages)."""
+    out = {}
+    for key, into in (("restore", None), ("restore_in_place", live)):
+        before()
+        t0 = time.perf_counter()
+        _, restored = store.read(step, into=into)
+        out[key] = time.perf_counter() - t0
+        _check_equal(restored, state)
+        if into is not None and any(restored[k] is not t for k, t in into.items()):
+            raise RuntimeError("bench checkpoint: a restore in place allocated new tensors")
+        del restored
+    return out
 
 
 def _raw_write(path: str, tensors: list[torch.Tensor]) -> None:
@@ -336,15 +367,16 @@ def _check_equal(restored: dict[str, torch.Tensor],
 
 
 def _check_resources(name: str, nbytes: int, directory: str) -> None:
-    """Fail early, in one line, when the state cannot fit: RAM holds it four times (state,
-    two snapshots, restored copy) and the disk once plus the baseline file."""
+    """Fail early, in one line, when the state cannot fit: RAM holds it five times (state,
+    two snapshots, restored copy, the state restored in place) and the disk once plus the
+    baseline file."""
     free_disk = shutil.disk_usage(directory).free
     if free_disk < 2.2 * nbytes:
         raise UserError(f"bench checkpoint: preset {name!r} needs {2.2 * nbytes / 1e9:.1f} GB "
                         f"free in {directory}, found {free_disk / 1e9:.1f} GB")
     free_ram = _available_ram()
-    if free_ram is not None and free_ram < 4.2 * nbytes:
-        raise UserError(f"bench checkpoint: preset {name!r} needs {4.2 * nbytes / 1e9:.1f} GB "
+    if free_ram is not None and free_ram < 5.2 * nbytes:
+        raise UserError(f"bench checkpoint: preset {name!r} needs {5.2 * nbytes / 1e9:.1f} GB "
                         f"of available memory, found {free_ram / 1e9:.1f} GB")
 
 

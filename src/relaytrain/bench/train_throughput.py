@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import resource
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -127,7 +128,8 @@ def bench_train_throughput(device: str = "cpu", quick: bool = False, preset: str
     """Tokens/s, MFU and memory of our training step and HF's, and their ratio (see module doc).
 
     Defaults: CPU: sequences of min(256, max_seq_len) tokens, micro-batch 8, `threads` torch
-    threads, 12 rounds of 1 step per variant after 2 warm-up steps (`quick`: 2 rounds after 1).
+    threads, 12 rounds of 1 step per variant after 2 warm-up steps (`quick`: 2 rounds after 1,
+    and not the compiled-blocks variant).
     CUDA: min(4096, max_seq_len) tokens, micro-batch 4, 5 rounds of 5 steps after 3.
     """
     try:
@@ -166,14 +168,14 @@ def bench_train_throughput(device: str = "cpu", quick: bool = False, preset: str
         torch.set_num_threads(threads)
     try:
         return _run(cfg, preset, dev, seq_len, micro_batch, tokens, warmup, rounds, steps,
-                    threads, seed, hf_twin)
+                    threads, seed, hf_twin, quick)
     finally:
         torch.set_num_threads(prev_threads)
 
 
 def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: int,
          tokens: int, warmup: int, rounds: int, steps: int, threads: int, seed: int,
-         hf_twin: Callable[[nn.Module], nn.Module]) -> dict[str, Any]:
+         hf_twin: Callable[[nn.Module], nn.Module], quick: bool) -> dict[str, Any]:
     cuda = dev.type == "cuda"
     retain_freed_memory()  # as a worker process does (process-wide: HF's step gets it too)
     optim_cfg, train_cfg = OptimSection(), TrainSection()
@@ -233,6 +235,10 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
             dataclasses.replace(execution, matmul=other))[2]
     if cuda:
         variants["hf_compiled"] = hf_step_with(torch.compile(hf))
+    elif not (quick or compiles(execution.compile, dev)) and _cpp_compiler():
+        # The lever left on the CPU, measured beside the default (its compile takes ~30 s).
+        variants["ours_compiled"] = our_step_with(
+            dataclasses.replace(execution, compile="blocks"))[2]
 
     # Memory: what each model saves for its backward (CPU), before any timing.
     saved = {}
@@ -252,12 +258,15 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
             torch.cuda.synchronize(dev)
 
     first_loss: dict[str, float] = {}
+    warmup_s: dict[str, float] = {}
     progress.report(f"warm-up of {', '.join(variants)}")
     for name, fn in variants.items():  # warm-up (and compilation); same first batch for all
+        t0 = time.perf_counter()
         for i in range(warmup):
             loss = fn(i)
             first_loss.setdefault(name, loss)
         sync()
+        warmup_s[name] = time.perf_counter() - t0
 
     load_before = _load()
     # The peak is measured between rounds too: a contended moment can only lower it, so the
@@ -336,6 +345,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
             "step_memory_bytes": over[name] if cuda else None,
             "saved_activation_bytes": saved.get(name),
             "first_loss": first_loss[name],
+            "warmup_s": warmup_s[name],
         }
     def paired(faster: str, baseline: str) -> list[float]:
         """Per round, how many times `faster`'s step time fits in `baseline`'s."""
@@ -350,8 +360,15 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
         out["ratio_vs_compiled"] = statistics.median(paired("ours", "hf_compiled"))
     if f"ours_{other}" in variants:
         out[f"ratio_{other}"] = statistics.median(paired(f"ours_{other}", "hf"))
+    if "ours_compiled" in variants:
+        out["ratio_compiled"] = statistics.median(paired("ours_compiled", "hf"))
     out["target_ratio"] = TARGET_RATIO if (preset == "small" and not cuda) else None
     return out
+
+
+def _cpp_compiler() -> str | None:
+    """The C++ compiler Inductor would build CPU kernels with, if there is one."""
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")
 
 
 def _transformers_version() -> str:
@@ -377,8 +394,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'memory':>14}{'faulted/step':>14}  first loss",
     ]
     names = {"ours": f"relaytrain ({s['ours_matmul']})", "ours_aten": "relaytrain (aten)",
-             "ours_onednn": "relaytrain (onednn)", "hf": "HF transformers",
-             "hf_compiled": "HF compiled"}
+             "ours_onednn": "relaytrain (onednn)", "ours_compiled": "relaytrain compiled",
+             "hf": "HF transformers", "hf_compiled": "HF compiled"}
     for key, label in names.items():
         if key not in r:
             continue
@@ -410,6 +427,13 @@ def format_report(r: dict[str, Any]) -> str:
         if f"ratio_{other}" in r:
             lines.append(f"ours with the other GEMMs (model.matmul={other}) / HF: "
                          f"{r[f'ratio_{other}']:.2f}x (median of paired rounds)")
+    if "ratio_compiled" in r:
+        lines.append(
+            f"ours with compiled blocks (model.compile=blocks) / HF: {r['ratio_compiled']:.2f}x "
+            f"(median of paired rounds); not the CPU default: its {s['warmup_steps']} warm-up "
+            f"steps took {r['ours_compiled']['warmup_s']:.1f} s against "
+            f"{r['ours']['warmup_s']:.1f} s eager (Inductor's compile, once per worker "
+            "process; its on-disk cache shortens later ones)")
     lines.append(f"memory column: {memory_kind}; MFU peak {r['peak_flops'] / 1e9:,.0f} GFLOP/s "
                  f"({r['peak_source']}), {r['flops_per_token'] / 1e6:,.1f} MFLOP/token")
     lines.append(f"load average before {r['load_before']}, after {r['load_after']} on "
