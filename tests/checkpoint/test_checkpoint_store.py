@@ -488,6 +488,23 @@ def test_pieces_are_never_read_into_the_callers_tensor_of_their_shape(tmp_path):
     assert torch.equal(got["model.w"], WHOLE) and torch.equal(live["model.w"], torch.zeros(5, 6))
 
 
+def test_rows_one_piece_holds_all_of_are_read_into_the_callers_tensor(tmp_path):
+    """A sharded worker restoring its own rows reads them into its shard; rows that two pieces
+    hold are assembled, never read over it."""
+    store = CheckpointStore(str(tmp_path), block_size=32)
+    store.commit(1, save_sharded(store, 1, [(0, 4), (4, 8), (8, 10)]), {})
+    mine = torch.zeros(4, 6)
+    _, got = store.read(1, rows={"model.w": (4, 8)}, into={"model.w": mine})
+    assert got["model.w"] is mine and torch.equal(mine, WHOLE[4:8])
+    straddling = torch.zeros(4, 6)
+    _, got = store.read(1, rows={"model.w": (2, 6)}, into={"model.w": straddling})
+    assert torch.equal(got["model.w"], WHOLE[2:6])
+    assert torch.equal(straddling, torch.zeros(4, 6))
+    piece_shaped = torch.zeros(4, 6)  # no rows asked of model.w: it comes whole, from 3 pieces
+    _, got = store.read(1, rows={"model.other": (0, 1)}, into={"model.w": piece_shaped})
+    assert torch.equal(got["model.w"], WHOLE) and torch.equal(piece_shaped, torch.zeros(4, 6))
+
+
 def test_rows_of_a_checkpoint_hashed_whole_and_an_empty_chunk(tmp_path):
     """A part from before block hashing (one sha256 over the file) is read whole, then cut."""
     store = CheckpointStore(str(tmp_path))

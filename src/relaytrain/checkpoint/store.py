@@ -26,7 +26,6 @@ hashes on a second thread too (`checkpoint.streaming`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -36,6 +35,7 @@ import struct
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import fsspec
@@ -47,11 +47,13 @@ from relaytrain.checkpoint.pieces import Piece, Rows, assemble, cut, rows_to_tak
 from relaytrain.checkpoint.streaming import (
     BLOCK,
     CHUNK,
+    HASH_THREADS,
     BackgroundHash,
     EarlyWriteback,
     RangedReader,
     block_root,
     hash_stream,
+    sha256_hex,
 )
 from relaytrain.errors import CheckpointError
 
@@ -576,8 +578,9 @@ def _load_dir(fs: fsspec.AbstractFileSystem, d: str, keys: KeyFilter | None,
     """(manifest, tensors) of the step directory `d`, verifying what is read: each file read
     whole against its digest, or (`rows`, a file hashed in blocks) only the blocks holding the
     rows wanted, each against its own. Sharded tensors come back whole, or as the `rows` asked
-    of them, assembled from every file holding a piece; whole ones (a file read whole) go
-    `into` the caller's tensors where they fit (`CheckpointStore.read`)."""
+    of them, assembled from every file holding a piece. A tensor that comes whole from one
+    file, or whose rows asked one piece holds exactly, goes `into` the caller's tensor where
+    it fits (`CheckpointStore.read`)."""
     manifest = _read_manifest(fs, d, step)
     rows = rows or {}
     tensors: dict[str, torch.Tensor] = {}
@@ -588,7 +591,7 @@ def _load_dir(fs: fsspec.AbstractFileSystem, d: str, keys: KeyFilter | None,
             if keys is not None and not any(keys(k) for k in _header_keys(fs, path, info)):
                 continue
             if rows and "blocks" in info:
-                got = _read_rows(fs, path, info, keys, rows)
+                got = _read_rows(fs, path, info, keys, rows, into)
             else:
                 got = _read_verified(fs, path, info, keys, into)
                 for key, t in got.items():
@@ -629,46 +632,63 @@ def _span(key: str, shape: list[int], info: dict, path: str) -> tuple[int, int] 
 
 class _Blocks:
     """Verified byte ranges of one file hashed in blocks: only the blocks holding the ranges
-    asked for are read (contiguous ones in one request), each checked against its digest."""
+    asked for are read (contiguous ones in one request), each checked against its digest on
+    HASH_THREADS threads while the next request is read."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str, info: dict):
         self.fs, self.path, self.info = fs, path, info
         self.size, self.block = info["size"], info["block_size"]
-        self.got: dict[int, bytes] = {}
+        self.got: dict[int, memoryview] = {}
 
     def fetch(self, spans: list[tuple[int, int]]) -> None:
         need = sorted({i for a, b in spans if b > a for i in range(a // self.block,
                                                                     (b - 1) // self.block + 1)}
                       - set(self.got))
-        while need:
-            run = 1
-            while run < len(need) and need[run] == need[0] + run:
-                run += 1
-            first, need = need[0], need[run:]
-            start, end = first * self.block, min((first + run) * self.block, self.size)
-            data = self.fs.cat_file(self.path, start=start, end=end)
-            if len(data) != end - start:
-                raise CheckpointError(f"{_shown(self.fs, self.path)}: ended early (truncated)")
-            for i in range(first, first + run):
-                block = data[(i - first) * self.block:(i - first + 1) * self.block]
-                if hashlib.sha256(block).hexdigest() != self.info["blocks"][i]:
-                    raise CheckpointError(
-                        f"{_shown(self.fs, self.path)}: block {i} (bytes {i * self.block}-"
-                        f"{i * self.block + len(block)}) does not match the manifest's sha256 "
-                        "(corrupt)")
-                self.got[i] = block
+        checks: list[tuple[int, memoryview, Future]] = []
+        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="relaytrain-sha256") as pool:
+            while need:
+                run = 1
+                while run < len(need) and need[run] == need[0] + run:
+                    run += 1
+                first, need = need[0], need[run:]
+                start, end = first * self.block, min((first + run) * self.block, self.size)
+                data = memoryview(self.fs.cat_file(self.path, start=start, end=end))
+                if len(data) != end - start:
+                    raise CheckpointError(f"{_shown(self.fs, self.path)}: ended early "
+                                          "(truncated)")
+                for i in range(first, first + run):
+                    block = data[(i - first) * self.block:(i - first + 1) * self.block]
+                    checks.append((i, block, pool.submit(sha256_hex, block)))
+        for i, block, digest in checks:
+            if digest.result() != self.info["blocks"][i]:
+                raise CheckpointError(
+                    f"{_shown(self.fs, self.path)}: block {i} (bytes {i * self.block}-"
+                    f"{i * self.block + len(block)}) does not match the manifest's sha256 "
+                    "(corrupt)")
+        self.got.update((i, block) for i, block, _ in checks)
 
     def get(self, a: int, b: int) -> bytes:
         self.fetch([(a, b)])
-        return b"".join(self.got[i][max(a - i * self.block, 0):b - i * self.block]
-                        for i in range(a // self.block, (b - 1) // self.block + 1)) if b > a \
-            else b""
+        return b"".join(self._slices(a, b))
+
+    def copy_to(self, out: memoryview, a: int) -> None:
+        """Bytes [a, a + len(out)) of the file (fetched already) into `out`, block by block."""
+        at = 0
+        for piece in self._slices(a, a + len(out)):
+            out[at:at + len(piece)] = piece
+            at += len(piece)
+
+    def _slices(self, a: int, b: int) -> Iterator[memoryview]:
+        for i in range(a // self.block, (b - 1) // self.block + 1) if b > a else ():
+            yield self.got[i][max(a - i * self.block, 0):b - i * self.block]
 
 
 def _read_rows(fs: fsspec.AbstractFileSystem, path: str, info: dict, keys: KeyFilter | None,
-               rows: Rows) -> dict[str, Piece]:
+               rows: Rows, into: Into | None = None) -> dict[str, Piece]:
     """`pieces.cut` of the file, reading only the blocks that hold its header and the rows
-    wanted."""
+    wanted. A whole tensor, or the rows asked of one when this file's piece holds all of them
+    (no other piece then holds any: pieces tile a tensor's rows), goes `into` the caller's
+    tensor where it fits."""
     shown = _shown(fs, path)
     blocks = _Blocks(fs, path, info)
     (n,) = struct.unpack("<Q", blocks.get(0, 8))
@@ -691,11 +711,12 @@ def _read_rows(fs: fsspec.AbstractFileSystem, path: str, info: dict, keys: KeyFi
         offset += nbytes
     blocks.fetch([(a, b) for *_, a, b in wanted])
     out: dict[str, Piece] = {}
-    for key, dtype, shape, first, a, b in wanted:
-        t = torch.empty(shape, dtype=dtype)
-        if b > a:
-            t.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(blocks.get(a, b)),
-                                                                   dtype=torch.uint8))
+    for key, dtype, shape, first, a, _ in wanted:
+        asked = rows.get(key)
+        exact = first is None or (asked is not None and first == asked[0]
+                                  and shape[0] == asked[1] - asked[0])
+        t = _destination(dtype, shape, into.get(key) if into is not None and exact else None)
+        blocks.copy_to(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()), a)
         out[key] = (first, t)
     return out
 
@@ -755,7 +776,8 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
             h.update(raw)
             for key, dtype, shape in _parse_header(raw, info["size"] - 8 - n, shown):
                 wanted = keys is None or keys(key)
-                t = _destination(key, dtype, shape, info, into if wanted else None)
+                whole = wanted and into is not None and key not in info.get("shards", {})
+                t = _destination(dtype, shape, into.get(key) if whole else None)
                 data = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
                 for i in range(0, len(data), CHUNK):
                     got = src.readinto(data[i:i + CHUNK])
@@ -774,15 +796,14 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
     return tensors
 
 
-def _destination(key: str, dtype: torch.dtype, shape: list[int], info: dict,
-                 into: Into | None) -> torch.Tensor:
-    """Where a file's tensor is read to: the caller's tensor of that name if it is whole in
-    the file (a piece is assembled with others, never read over live state) and has its
+def _destination(dtype: torch.dtype, shape: list[int], live: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """Where a tensor read is put: `live` (the caller's tensor it restores, when the bytes read
+    are all of it: a piece assembled with others is never read over live state) if it has the
     dtype and shape, contiguous on the CPU; fresh memory otherwise."""
-    t = into.get(key) if into is not None and key not in info.get("shards", {}) else None
-    if (t is not None and t.dtype == dtype and list(t.shape) == shape
-            and t.device.type == "cpu" and t.is_contiguous()):
-        return t
+    if (live is not None and live.dtype == dtype and list(live.shape) == shape
+            and live.device.type == "cpu" and live.is_contiguous()):
+        return live
     return torch.empty(shape, dtype=dtype)
 
 

@@ -95,7 +95,7 @@ class BackgroundHash:
         self._block, self._filled = hashlib.sha256(), 0
 
     def _submit_block(self) -> None:
-        self._futures.append(self._pool.submit(_sha256_of, self._parts))
+        self._futures.append(self._pool.submit(sha256_hex, *self._parts))
         self._parts, self._filled = [], 0
 
     def update(self, buf: Any) -> None:
@@ -134,7 +134,8 @@ class BackgroundHash:
         self._pool.shutdown(wait=True)
 
 
-def _sha256_of(parts: list[Any]) -> str:
+def sha256_hex(*parts: Any) -> str:
+    """The sha256 of `parts` in order (buffers), as hex; releases the GIL while hashing."""
     h = hashlib.sha256()
     for part in parts:
         h.update(part)

@@ -345,10 +345,10 @@ class Worker:
 
     def _read_checkpoint(self, step: int) -> dict[str, torch.Tensor]:
         """This worker's tensors of checkpoint `step`: its stage's, and of sharded ones only
-        its own rows (only the blocks holding them are read). Whole tensors are read straight
-        into the parameters and optimizer state they restore (the store's `into`): a failed
-        read leaves them partly overwritten, and a build that fails is followed by another
-        restore before any step (`build` overwrites every value)."""
+        its own rows (only the blocks holding them are read). What one file holds all of is
+        read straight into the parameter or optimizer state it restores (the store's `into`):
+        a failed read leaves them partly overwritten, and a build that fails is followed by
+        another restore before any step (`build` overwrites every value)."""
         assert self.model is not None
         names = {n for n, _ in self.model.named_parameters()}
         live = {k: local_tensor(t) for k, t in self.state_tensors().items()}
