@@ -15,9 +15,9 @@ tensors also faults that memory in (0.13-0.19 s of CPU per 350 MB on a 2-core VM
 raw read of the whole file into new memory it is set beside. On an object store the baseline
 puts and gets one object per checkpoint part through the same fsspec client (endpoints and
 credentials from the environment, as for training runs), and restores are measured both ways
-too. The benchmark measures stores it is
-pointed at and starts none: `scripts/bench_object_storage.py` starts the test suite's local S3
-and GCS servers and runs it against them.
+too. The benchmark measures stores it is pointed at and starts none:
+`scripts/bench_object_storage.py` starts the test suite's local S3 and GCS servers and runs it
+against them.
 
 Repetitions alternate baseline and checkpoint (neither inherits the other's wake); figures are
 medians. Default: the `small` preset's state (350 MB with a 50k vocabulary), 7 repetitions

@@ -255,7 +255,8 @@ class CheckpointStore:
         explicit step raises `CheckpointError` naming the bad file instead.
 
         `into`: tensors the state already lives in (a worker's parameters and optimizer
-        state). A whole stored tensor of the same name, dtype and shape, on the CPU, is read
+        state). A stored tensor, or the `rows` asked of one when a single file holds them all,
+        of the same name, dtype and shape as one of them (contiguous, on the CPU) is read
         straight into that tensor's memory and returned as it: no fresh memory to fault in
         and no copy afterwards (README "Measured": restore in place). The bytes land before
         their file is verified, so after a `CheckpointError` the tensors the read reached hold
