@@ -490,7 +490,7 @@ def test_pieces_are_never_read_into_the_callers_tensor_of_their_shape(tmp_path):
 
 def test_rows_one_piece_holds_all_of_are_read_into_the_callers_tensor(tmp_path):
     """A sharded worker restoring its own rows reads them into its shard; rows that two pieces
-    hold are assembled, never read over it."""
+    hold are copied into it once both are verified, never read over it."""
     store = CheckpointStore(str(tmp_path), block_size=32)
     store.commit(1, save_sharded(store, 1, [(0, 4), (4, 8), (8, 10)]), {})
     mine = torch.zeros(4, 6)
@@ -498,11 +498,15 @@ def test_rows_one_piece_holds_all_of_are_read_into_the_callers_tensor(tmp_path):
     assert got["model.w"] is mine and torch.equal(mine, WHOLE[4:8])
     straddling = torch.zeros(4, 6)
     _, got = store.read(1, rows={"model.w": (2, 6)}, into={"model.w": straddling})
-    assert torch.equal(got["model.w"], WHOLE[2:6])
-    assert torch.equal(straddling, torch.zeros(4, 6))
+    assert got["model.w"] is straddling and torch.equal(straddling, WHOLE[2:6])
     piece_shaped = torch.zeros(4, 6)  # no rows asked of model.w: it comes whole, from 3 pieces
     _, got = store.read(1, rows={"model.other": (0, 1)}, into={"model.w": piece_shaped})
     assert torch.equal(got["model.w"], WHOLE) and torch.equal(piece_shaped, torch.zeros(4, 6))
+    flip_byte(part_path(tmp_path, 1, "shard1"), offset_from_end=90)  # shard1 ends with rows 4:8
+    kept = torch.zeros(4, 6)
+    with pytest.raises(CheckpointError, match="shard1.*corrupt"):
+        store.read(1, rows={"model.w": (2, 6)}, into={"model.w": kept})
+    assert torch.equal(kept, torch.zeros(4, 6))
 
 
 def test_rows_of_a_checkpoint_hashed_whole_and_an_empty_chunk(tmp_path):

@@ -32,6 +32,16 @@ def test_any_layout_s_pieces_give_any_other_layout_s_rows(rows, old, new):
         assert torch.equal(got, whole[a:b]) and got.shape == (b - a, 3)
 
 
+def test_pieces_go_into_the_tensor_they_restore_when_it_has_their_shape():
+    whole = torch.arange(30.0).reshape(10, 3)
+    parts = [(2, whole[2:4]), (4, whole[4:7])]
+    out = torch.zeros(5, 3)
+    assert assemble("w", parts, (2, 7), out) is out and torch.equal(out, whole[2:7])
+    other = torch.zeros(5, 3, dtype=torch.float64)  # another dtype: a new tensor, it untouched
+    got = assemble("w", parts, (2, 7), other)
+    assert got is not other and torch.equal(got, whole[2:7]) and not other.any()
+
+
 def test_a_gap_or_an_overlap_names_the_rows_held():
     w = torch.zeros(10, 2)
     with pytest.raises(ValueError, match=r"rows 0:10 of w wanted, its pieces hold \[\(0, 4\), "

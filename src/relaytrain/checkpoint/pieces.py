@@ -40,10 +40,11 @@ def cut(tensors: dict[str, torch.Tensor], shards: dict[str, Where], rows: Rows
     return out
 
 
-def assemble(key: str, parts: list[tuple[int, torch.Tensor]], want: tuple[int, int]
-             ) -> torch.Tensor:
+def assemble(key: str, parts: list[tuple[int, torch.Tensor]], want: tuple[int, int],
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows `want` of tensor `key` from pieces that must cover them exactly once (ValueError
-    naming what they hold otherwise)."""
+    naming what they hold otherwise); copied into `out` when it has their shape and dtype (the
+    tensor they restore), else a piece itself or a new tensor."""
     parts = sorted(parts, key=lambda p: p[0])
     end = want[0]
     for start, t in parts:
@@ -53,4 +54,11 @@ def assemble(key: str, parts: list[tuple[int, torch.Tensor]], want: tuple[int, i
     if not parts or end != want[1] or parts[0][0] != want[0]:
         got = [(a, a + t.shape[0]) for a, t in parts]
         raise ValueError(f"rows {want[0]}:{want[1]} of {key} wanted, its pieces hold {got}")
-    return parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts])
+    first = parts[0][1]
+    if out is not None and out.dtype == first.dtype and \
+            tuple(out.shape) == (want[1] - want[0], *first.shape[1:]):
+        for start, t in parts:
+            if t is not out:
+                out[start - want[0]:start - want[0] + t.shape[0]].copy_(t)
+        return out
+    return first if len(parts) == 1 else torch.cat([t for _, t in parts])

@@ -258,10 +258,11 @@ class CheckpointStore:
         state). A stored tensor, or the `rows` asked of one when a single file holds them all,
         of the same name, dtype and shape as one of them (contiguous, on the CPU) is read
         straight into that tensor's memory and returned as it: no fresh memory to fault in
-        and no copy afterwards (README "Measured": restore in place). The bytes land before
-        their file is verified, so after a `CheckpointError` the tensors the read reached hold
-        part of a corrupt file: the caller overwrites them (another checkpoint, a snapshot)
-        before using them.
+        and no copy afterwards (README "Measured": restore in place); rows assembled from
+        several files are copied into it once all are verified. The bytes read in place land
+        before their file is verified, so after a `CheckpointError` the tensors the read
+        reached hold part of a corrupt file: the caller overwrites them (another checkpoint, a
+        snapshot) before using them.
         """
         if step is None:
             got = self.load_latest_good(keys, rows, into)
@@ -580,8 +581,9 @@ def _load_dir(fs: fsspec.AbstractFileSystem, d: str, keys: KeyFilter | None,
     whole against its digest, or (`rows`, a file hashed in blocks) only the blocks holding the
     rows wanted, each against its own. Sharded tensors come back whole, or as the `rows` asked
     of them, assembled from every file holding a piece. A tensor that comes whole from one
-    file, or whose rows asked one piece holds exactly, goes `into` the caller's tensor where
-    it fits (`CheckpointStore.read`)."""
+    file, or whose rows asked one piece holds exactly, is read `into` the caller's tensor where
+    it fits (`CheckpointStore.read`); rows from several pieces are copied into it once every
+    file is verified."""
     manifest = _read_manifest(fs, d, step)
     rows = rows or {}
     tensors: dict[str, torch.Tensor] = {}
@@ -607,7 +609,8 @@ def _load_dir(fs: fsspec.AbstractFileSystem, d: str, keys: KeyFilter | None,
                 pieces.setdefault(key, []).append((start, t))
     for key, parts in pieces.items():
         try:
-            tensors[key] = assemble(key, parts, rows.get(key) or (0, _whole_rows(manifest, key)))
+            tensors[key] = assemble(key, parts, rows.get(key) or (0, _whole_rows(manifest, key)),
+                                    into.get(key) if into is not None else None)
         except ValueError as e:
             raise CheckpointError(f"{d}: {e}") from None
     return manifest, tensors
