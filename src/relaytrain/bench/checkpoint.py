@@ -11,7 +11,7 @@ starts the writeback as it writes, `checkpoint.streaming.EarlyWriteback`, so it 
 Reads compare like with like. The raw read into one reused buffer (the disk's bandwidth) is
 matched by a restore in place: into tensors the process already holds, as a worker restores into
 its parameters and optimizer state (`CheckpointStore.read(into=...)`). A restore into new
-tensors also faults that memory in (0.13-0.19 s of CPU per 350 MB on a 2-core VM), as does the
+tensors also faults that memory in (README "Measured": checkpoint save / restore), as does the
 raw read of the whole file into new memory it is set beside. On an object store the baseline
 puts and gets one object per checkpoint part through the same fsspec client (endpoints and
 credentials from the environment, as for training runs), and restores are measured both ways

@@ -30,10 +30,9 @@ CAUSES = {"died": "kill (SIGKILL)", "hung": "hang (SIGSTOP)",
 
 
 # Tiny steps between faults: time for the promoted standby (or spare) to be replaced by a new
-# warm one, as between real failures. A new worker process warms up in about 28 steps' time
-# when the run's 4 workers take a 2-core host's cores (6.1-6.3 s at 0.22 s a step, measured
-# 2026-12-02; both scale with the host's speed); at 30 apart the next fault found it still
-# warming and the kill's recovery took 1.1-1.3 s longer waiting for it.
+# warm one, as between real failures. A new worker process warms up in about 28 steps' time on
+# a 2-core host (README "Measured": recovery time); at 30 apart the next fault found it still
+# warming and waited for it.
 FAULT_SPACING = 60
 
 

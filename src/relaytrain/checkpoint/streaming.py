@@ -197,11 +197,9 @@ class RangedReader:
 
     Every response in flight costs the client a buffer and CPU to receive it (one event loop
     receives them all), and a server a cost per request (moto's S3 emulator copies the whole
-    object for each: 8 MiB ranges made a restore 4x slower than one GET there). Measured on a
-    2-core host against the local emulators (restoring the `small` state in place, medians of
-    5-7 interleaved rounds): 2 ranges of 32 MiB in flight took 0.56 s on GCS's and 2.1 s on
-    S3's, 4 of them 0.66 s and 1.9 s, 8 ranges sized to fill the requests in flight (29 MiB
-    here) 0.66 s and 2.6 s, 2 of 16 MiB 0.50 s and 3.4 s. Hence one request per core, 2 to 8."""
+    object for each, so small ranges are slow there). One request per core (2 to 8) of 32 MiB
+    was the fastest measured against both local emulators (README "Measured": checkpoint save
+    / restore on the local S3 and GCS emulators)."""
 
     def __init__(self, fs: Any, path: str, size: int):
         self._fs, self._path, self._size = fs, path, size

@@ -109,7 +109,7 @@ def shard_pieces(tensors: dict[str, torch.Tensor], first: bool
 
 def as_like(values: torch.Tensor, like: torch.Tensor, local: bool = False,
             copy: bool = True) -> torch.Tensor:
-    """A new tensor holding `values` (the whole tensor, or with `local` this rank's rows of it:
+    """A tensor holding `values` (the whole tensor, or with `local` this rank's rows of it:
     `own_rows`) laid out as `like` (sharded if `like` is); with `copy=False`, `values`' own
     memory where it is exactly this rank's part (tensors a checkpoint read made for it; a view
     into more is copied, so that it does not keep the rest alive)."""
