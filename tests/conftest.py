@@ -1,6 +1,6 @@
 """Fixtures shared across the suite: a private cache directory (XDG_CACHE_HOME: the measured
-`model.matmul` choice is not read from or written to the user's) and real object-storage
-servers on 127.0.0.1.
+`model.matmul` choice is not read from or written to the user's; the fused CPU kernels' build
+is the host's) and real object-storage servers on 127.0.0.1.
 
 Each test gets its own freshly started server process with one empty bucket, and the
 environment (`AWS_ENDPOINT_URL_S3` + test keys, or `STORAGE_EMULATOR_HOST`) pointing
@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from relaytrain.model import cpu_kernels
 from tests.storage.servers import GCSServer, LocalServer, S3Server
 
 
@@ -35,6 +36,9 @@ def _serve(cls: type[LocalServer], monkeypatch: pytest.MonkeyPatch) -> Iterator[
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
+        # The fused CPU kernels' build stays the host's: built once, by whichever process asks
+        # first (the suite or a user), and never a measured choice.
+        mp.setenv("TORCH_EXTENSIONS_DIR", str(cpu_kernels.build_dir().parent))
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
         yield
 

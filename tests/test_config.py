@@ -142,6 +142,13 @@ def test_execution_keys_default_to_auto_and_reject_what_cannot_run():
         load_config(None, ["model.attention=flex", "train.device=cpu"])
     assert load_config(None, ["model.attention=flex", "train.device=cuda"]).model.attention \
         == "flex"
+    assert load_config(None, []).model.kernels == "auto"
+    for key, cpu_only in (("matmul", "onednn"), ("kernels", "fused")):
+        with pytest.raises(ConfigError, match=f"'model.{key}': got '{cpu_only}' with "
+                                              "train.device=cuda"):
+            load_config(None, [f"model.{key}={cpu_only}", "train.device=cuda"])
+    with pytest.raises(ConfigError, match="'model.kernels': got 'triton', expected 'auto'"):
+        load_config(None, ["model.kernels=triton"])
 
 
 def test_a_runs_checkpoints_go_to_checkpoint_url_else_run_dir_checkpoints():

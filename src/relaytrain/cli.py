@@ -127,7 +127,11 @@ def _add_parity(sub: Any) -> None:
     phf.add_argument("--seq-len", type=int, default=None)
     phf.add_argument("--matmul", choices=["aten", "onednn", "auto"], default="aten",
                      help="our model's GEMMs (model.matmul): aten, HF's own, compares bit for "
-                          "bit; onednn is what CPU training runs (default: aten)")
+                          "bit; onednn is what CPU training runs where it measures faster "
+                          "(default: aten)")
+    phf.add_argument("--kernels", choices=["torch", "fused", "auto"], default="torch",
+                     help="our model's RMSNorm, SwiGLU and RoPE (model.kernels): torch, HF's "
+                          "ops; fused, what CPU training runs by default (default: torch)")
     phf.add_argument("--json", action="store_true")
     phf.set_defaults(handler="parity.hf")
 

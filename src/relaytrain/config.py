@@ -38,6 +38,8 @@ class ModelSection:
     compile: Literal["auto", "blocks", "none"] = "auto"  # auto: blocks on CUDA, none on CPU
     # GEMMs of the linear layers and LM head: auto = the faster measured on this CPU, else aten
     matmul: Literal["auto", "aten", "onednn"] = "auto"
+    # RMSNorm, SwiGLU, RoPE: auto = fused CPU kernels where they build (model.cpu_kernels)
+    kernels: Literal["auto", "torch", "fused"] = "auto"
 
 
 @dataclass
@@ -457,9 +459,10 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.model.attention != "flex" or cfg.train.device != "cpu",
          "config key 'model.attention': got 'flex' with train.device=cpu, but FlexAttention "
          "has no CPU backward; expected auto or sdpa on the CPU (flex needs CUDA)")
-    need(cfg.model.matmul != "onednn" or cfg.train.device != "cuda",
-         "config key 'model.matmul': got 'onednn' with train.device=cuda, but oneDNN's GEMMs "
-         "are the CPU's; expected auto or aten on a GPU")
+    for key, cpu_only, other in (("matmul", "onednn", "aten"), ("kernels", "fused", "torch")):
+        need(getattr(cfg.model, key) != cpu_only or cfg.train.device != "cuda",
+             f"config key 'model.{key}': got '{cpu_only}' with train.device=cuda, but that is a "
+             f"CPU path; expected auto or {other} on a GPU")
     if cfg.model.matmul == "onednn":
         from relaytrain.model.matmul import onednn_available  # imports torch: only when asked
 

@@ -8,6 +8,7 @@ import torch
 
 import relaytrain.model.olmo3 as olmo3
 from relaytrain.cli import main
+from relaytrain.model import cpu_kernels
 from relaytrain.model.config import FULL, PRESETS, SLIDING
 from relaytrain.model.init import init_weights
 from relaytrain.model.matmul import onednn_available
@@ -17,13 +18,18 @@ from relaytrain.parity.hf import hf_twin, run_parity
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("matmul", [
-    "aten", pytest.param("onednn", marks=pytest.mark.skipif(not onednn_available(),
-                                                            reason="torch without oneDNN"))])
-def test_tiny_matches_hf_through_twenty_training_steps(matmul):
-    """With HF's own GEMMs, and with the oneDNN ones CPU training runs (`model.matmul`)."""
-    r = run_parity("tiny", steps=20, matmul=matmul)
-    assert r["matmul"] == matmul
+@pytest.mark.parametrize("matmul,kernels", [
+    ("aten", "torch"),
+    pytest.param("onednn", "torch", marks=pytest.mark.skipif(not onednn_available(),
+                                                             reason="torch without oneDNN")),
+    pytest.param("aten", "fused", marks=pytest.mark.skipif(
+        cpu_kernels.unavailable() is not None, reason="no fused CPU kernels here"))])
+def test_tiny_matches_hf_through_twenty_training_steps(matmul, kernels):
+    """With HF's own GEMMs and ops, with the oneDNN GEMMs CPU training may run
+    (`model.matmul`), and with the fused elementwise kernels it runs by default
+    (`model.kernels`)."""
+    r = run_parity("tiny", steps=20, matmul=matmul, kernels=kernels)
+    assert r["matmul"] == matmul and r["kernels"] == kernels
     # The comparison covers both layer types, a sequence longer than the window and a padded
     # vocabulary, or it would prove less than it claims.
     assert set(r["layer_types"]) == {SLIDING, FULL}

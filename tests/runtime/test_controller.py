@@ -1,5 +1,6 @@
 """What a resumed run may change: how the model executes, never what defines its curve; the
-GEMM backend `model.matmul: auto` measured is decided once per run and may differ on resume."""
+GEMM backend `model.matmul: auto` measured, and the kernels `model.kernels: auto` resolves to,
+are decided once per run and may differ on resume."""
 
 import pytest
 import yaml
@@ -8,6 +9,7 @@ import relaytrain.model.matmul_choice as matmul_choice
 from relaytrain.cli import main
 from relaytrain.config import load_config
 from relaytrain.errors import ConfigError
+from relaytrain.model import cpu_kernels
 from relaytrain.model.matmul import onednn_available
 from relaytrain.runtime.controller import Controller, check_resume_compatible
 from tests.runtime.conftest import step_records, tiny_config
@@ -20,8 +22,9 @@ def saved_config(*overrides: str) -> dict:
 
 
 def test_execution_keys_may_change_on_resume():
-    saved = saved_config("model.matmul=aten", "model.checkpointing=full")
-    check_resume_compatible(saved, load_config(None, ["run_dir=x", "model.matmul=onednn"]))
+    saved = saved_config("model.matmul=aten", "model.checkpointing=full", "model.kernels=fused")
+    check_resume_compatible(saved, load_config(None, ["run_dir=x", "model.matmul=onednn",
+                                                      "model.kernels=torch"]))
 
 
 def test_a_checkpoint_from_before_model_matmul_existed_resumes():
@@ -35,6 +38,23 @@ def test_a_change_to_the_model_is_refused_in_one_line():
         check_resume_compatible(saved_config(), load_config(None, ["run_dir=x",
                                                                    "model.n_layers=3"]))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(180)
+def test_the_controller_resolves_the_kernels_once_and_records_them(tmp_path, corpus_data,
+                                                                   monkeypatch):
+    run = tmp_path / "run"
+    Controller(tiny_config(run, corpus_data, "train.max_steps=1")).run()
+    fused = cpu_kernels.unavailable() is None
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["kernels"] == \
+        ("fused" if fused else "torch")
+    monkeypatch.setattr(cpu_kernels, "unavailable", lambda: "CalledProcessError: no c++")
+    with pytest.warns(UserWarning, match="running torch's ops"):
+        cfg = Controller(tiny_config(tmp_path / "b", corpus_data)).cfg
+    assert cfg.model.kernels == "torch"
+    with pytest.raises(ConfigError, match=r"'model.kernels': kernels='fused', but the fused CPU "
+                                          r"kernels cannot be built here \(CalledProcessError"):
+        Controller(tiny_config(tmp_path / "c", corpus_data, "model.kernels=fused"))
 
 
 @pytest.fixture

@@ -24,9 +24,11 @@ def _run(run_dir, data, dp: int, *extra: str) -> dict:
 
 
 def run_exact_reference(run_dir, data) -> None:
-    """The recorded reference: dp 1, exact mode, torch's own GEMMs (a backend choice made by
-    measurement must not move the recorded bits)."""
-    _run(run_dir, data, 1, "determinism=exact", "train.max_steps=6", "model.matmul=aten")
+    """The recorded reference: dp 1, exact mode, torch's own GEMMs and elementwise ops (a
+    backend choice made by measurement, or kernels added since, must not move the recorded
+    bits)."""
+    _run(run_dir, data, 1, "determinism=exact", "train.max_steps=6", "model.matmul=aten",
+         "model.kernels=torch")
 
 
 def host_key() -> str:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from relaytrain.config import ModelSection
+from relaytrain.model import cpu_kernels
 from relaytrain.model.config import PRESETS
 from relaytrain.model.init import init_weights
 from relaytrain.model.matmul_choice import choose_matmul
@@ -36,7 +37,9 @@ def test_prepare_model_configures_without_renaming_or_changing_the_output():
     assert prepared.attention == "auto"
     assert prepared.matmul == choose_matmul("auto", cfg, CPU, torch.get_num_threads()).backend
     assert getattr(prepared.layers["0"], "_compiled_call_impl", None) is None  # eager on CPU
-    plain.configure(matmul=prepared.matmul)  # the GEMM backend rounds its own way
+    assert prepared.fused == cpu_kernels.resolve("auto", CPU)
+    # The GEMM backend and the elementwise kernels round their own way.
+    plain.configure(matmul=prepared.matmul, kernels="fused" if prepared.fused else "torch")
     x = torch.randint(0, 500, (2, 40))
     assert torch.equal(prepared(x), plain(x))
 

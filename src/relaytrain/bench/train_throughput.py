@@ -15,9 +15,12 @@ loss read back as a float.
   (`train.execution.prepare_model`): on the CPU its linear layers and LM head run their GEMMs
   through the backend `model.matmul: auto` picks on this host (`model.matmul_choice`: torch's
   own or oneDNN, whichever measured faster on the model's products; reported with both
-  timings). So that what the GEMMs contribute is not mistaken for the rest, the same step with
-  the other backend is measured beside it wherever oneDNN is available (`ours_aten` and
-  `ratio_aten`, or `ours_onednn` and `ratio_onednn`).
+  timings), and its RMSNorm, SwiGLU and RoPE through the fused CPU kernels
+  (`model.kernels: auto`, `model.cpu_kernels`). So that what each lever contributes is not
+  mistaken for the rest, the same step with the other GEMM backend is measured beside it
+  wherever oneDNN is available (`ours_aten` and `ratio_aten`, or `ours_onednn` and
+  `ratio_onednn`), and with torch's elementwise ops (`ours_torch_kernels`,
+  `ratio_torch_kernels`).
 - HF: `Olmo3ForCausalLM(input_ids, labels=..., shift_labels=...)` with SDPA attention and its
   own `ForCausalLMLoss`, `use_cache=False`, `clip_grad_norm_`, `optimizer.step()`,
   `zero_grad(set_to_none=True)`: the loop a user writes around a HF model.
@@ -233,6 +236,9 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     if not cuda and onednn_available():  # what the choice of GEMMs gives, apart from the rest
         variants[f"ours_{other}"] = our_step_with(
             dataclasses.replace(execution, matmul=other))[2]
+    if ours.fused:  # what the fused elementwise kernels give, apart from the rest
+        variants["ours_torch_kernels"] = our_step_with(
+            dataclasses.replace(execution, kernels="torch"))[2]
     if cuda:
         variants["hf_compiled"] = hf_step_with(torch.compile(hf))
     elif not (quick or compiles(execution.compile, dev)) and _cpp_compiler():
@@ -249,7 +255,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
         saved["hf"] = _saved_bytes(
             lambda: hf(input_ids=b0[:, :-1], labels=labels[0], shift_labels=labels[0],
                        use_cache=False).loss, hf_params)
-        saved["hf_compiled"] = saved[f"ours_{other}"] = None
+        saved["hf_compiled"] = saved[f"ours_{other}"] = saved["ours_torch_kernels"] = None
         ours.zero_grad(set_to_none=True)
         hf.zero_grad(set_to_none=True)
 
@@ -325,6 +331,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
             if seq_len > cfg.sliding_window else "causal (seq_len <= window)",
             "ours_compiled_blocks": compiles(execution.compile, dev),
             "ours_matmul": ours.matmul, "matmul_choice": dataclasses.asdict(choice),
+            "ours_kernels": "fused" if ours.fused else "torch",
             "hf_attn_implementation": "sdpa", "transformers": _transformers_version(),
             "torch": torch.__version__, "warmup_steps": warmup, "rounds": rounds,
             "steps_per_round": steps,
@@ -360,6 +367,8 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
         out["ratio_vs_compiled"] = statistics.median(paired("ours", "hf_compiled"))
     if f"ours_{other}" in variants:
         out[f"ratio_{other}"] = statistics.median(paired(f"ours_{other}", "hf"))
+    if "ours_torch_kernels" in variants:
+        out["ratio_torch_kernels"] = statistics.median(paired("ours_torch_kernels", "hf"))
     if "ours_compiled" in variants:
         out["ratio_compiled"] = statistics.median(paired("ours_compiled", "hf"))
     out["target_ratio"] = TARGET_RATIO if (preset == "small" and not cuda) else None
@@ -393,8 +402,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'':20}{'tokens/s':>10}{'step ms':>10}{'CPU s/step':>12}{'MFU':>8}"
         f"{'memory':>14}{'faulted/step':>14}  first loss",
     ]
-    names = {"ours": f"relaytrain ({s['ours_matmul']})", "ours_aten": "relaytrain (aten)",
-             "ours_onednn": "relaytrain (onednn)", "ours_compiled": "relaytrain compiled",
+    names = {"ours": f"relaytrain ({s['ours_matmul']}, {s['ours_kernels']})",
+             "ours_aten": "relaytrain (aten)", "ours_onednn": "relaytrain (onednn)",
+             "ours_torch_kernels": "relaytrain (torch)", "ours_compiled": "relaytrain compiled",
              "hf": "HF transformers", "hf_compiled": "HF compiled"}
     for key, label in names.items():
         if key not in r:
@@ -427,6 +437,9 @@ def format_report(r: dict[str, Any]) -> str:
         if f"ratio_{other}" in r:
             lines.append(f"ours with the other GEMMs (model.matmul={other}) / HF: "
                          f"{r[f'ratio_{other}']:.2f}x (median of paired rounds)")
+    if "ratio_torch_kernels" in r:
+        lines.append(f"ours with torch's elementwise ops (model.kernels=torch) / HF: "
+                     f"{r['ratio_torch_kernels']:.2f}x (median of paired rounds)")
     if "ratio_compiled" in r:
         lines.append(
             f"ours with compiled blocks (model.compile=blocks) / HF: {r['ratio_compiled']:.2f}x "

@@ -9,7 +9,9 @@ Numerics follow HF exactly: RMSNorm and RoPE are computed in fp32 and cast back 
 dtype, so the model runs under bf16 autocast with fp32 normalisation and rotary math. Both are
 autograd functions whose forward rounds exactly as HF's ops (the logits are bit-identical on the
 CPU) and whose backward is written out in a few fused passes instead of autograd's many small
-ones (gradients agree with HF's to float rounding; `relaytrain parity hf`).
+ones (gradients agree with HF's to float rounding; `relaytrain parity hf`). With
+`model.kernels: fused` (the CPU default), RMSNorm, SwiGLU and RoPE run as one pass each way
+through `model.cpu_kernels`; RMSNorm's then agrees with HF's to float rounding only.
 
 One class serves both the whole model and a pipeline stage: a stage holds a contiguous range of
 layers (keyed by their *global* index, so parameter names are the same in every layout), the
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from relaytrain.model import cpu_kernels
 from relaytrain.model.config import FULL, LAYER_TYPES, SLIDING, Olmo3Config
 from relaytrain.model.loss import lm_head_loss
 from relaytrain.model.matmul import MATMUL_BACKENDS, Linear
@@ -68,14 +71,18 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32, weight applied in fp32, result cast back (as HF `Olmo3RMSNorm`)."""
+    """RMSNorm in fp32, weight applied in fp32, result cast back (as HF `Olmo3RMSNorm`);
+    one fused kernel each way where `self.fused` (set by `Olmo3.configure`) applies."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused and cpu_kernels.applies(x, self.weight):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
@@ -164,8 +171,11 @@ class _RopeFunction(torch.autograd.Function):
         return gx.to(ctx.dtype), None, None
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate [B, H, T, hd] by position, in fp32, cast back to x's dtype."""
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, fused: bool = False) -> Tensor:
+    """Rotate [B, H, T, hd] by position, in fp32, cast back to x's dtype; in one fused pass
+    each way with `fused` where the kernel applies (the same rounding)."""
+    if fused and cpu_kernels.applies(x, cos, sin):
+        return cpu_kernels.rope(x, cos, sin)
     return _RopeFunction.apply(x, cos, sin)
 
 
@@ -258,6 +268,7 @@ class Attention(nn.Module):
         # QK-norm over the whole projection (all heads together), before the head split.
         self.q_norm = RMSNorm(q_dim, cfg.rms_eps)
         self.k_norm = RMSNorm(kv_dim, cfg.rms_eps)
+        self.fused = False  # RoPE's fused kernel (`Olmo3.configure`)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None,
                 ) -> Tensor:
@@ -267,7 +278,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, self.fused), apply_rope(k, cos, sin, self.fused)
         n_rep = self.n_heads // self.n_kv_heads
         scale = self.head_dim**-0.5
         if mask is None:
@@ -285,16 +296,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); `silu(g) * u` in one fused pass each way where
+    `self.fused` (`Olmo3.configure`) applies (the same rounding)."""
 
     def __init__(self, cfg: Olmo3Config) -> None:
         super().__init__()
         self.gate_proj = Linear(cfg.d_model, cfg.mlp_hidden)
         self.up_proj = Linear(cfg.d_model, cfg.mlp_hidden)
         self.down_proj = Linear(cfg.mlp_hidden, cfg.d_model)
+        self.fused = False
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.fused and cpu_kernels.applies(gate, up):
+            return self.down_proj(cpu_kernels.swiglu(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -387,11 +403,12 @@ class Olmo3(nn.Module):
             self.lm_head = Linear(cfg.d_model, cfg.vocab_size)
         self.attention = "auto"
         self.matmul = "aten"
+        self.fused = False
 
     def configure(self, attention: str = "auto", checkpointing: str = "none",
-                  matmul: str = "aten") -> None:
-        """Choose the sliding layers' kernel, which blocks recompute their activations and
-        the dense products' backend.
+                  matmul: str = "aten", kernels: str = "torch") -> None:
+        """Choose the sliding layers' kernel, which blocks recompute their activations, the
+        dense products' backend and the elementwise kernels.
 
         `attention`: `sdpa` gives sliding layers a dense boolean mask (exact against HF on the
         CPU), `flex` a FlexAttention block mask (no T x T mask; CUDA for training, since
@@ -407,6 +424,8 @@ class Olmo3(nn.Module):
         linear layers and the LM head through oneDNN on the CPU; `model.matmul`); `auto` is
         the faster on the device the parameters are on (`model.matmul_choice`: measured once
         per host at this process's thread count).
+        `kernels`: `torch` (torch's ops, as HF), `fused` (RMSNorm, SwiGLU and RoPE through the
+        fused CPU kernels, `model.cpu_kernels`) or `auto` (fused on the CPU where they build).
         """
         if (attention not in ATTENTION_BACKENDS or checkpointing not in CHECKPOINTING
                 or matmul not in MATMUL_BACKENDS):
@@ -414,11 +433,14 @@ class Olmo3(nn.Module):
                              f"matmul={matmul!r}: expected one of {ATTENTION_BACKENDS}, of "
                              f"{CHECKPOINTING} and of {MATMUL_BACKENDS}")
         self.attention = attention
-        self.matmul = choose_matmul(matmul, self.cfg, next(self.parameters()).device,
-                                    torch.get_num_threads()).backend
+        device = next(self.parameters()).device
+        self.matmul = choose_matmul(matmul, self.cfg, device, torch.get_num_threads()).backend
+        self.fused = cpu_kernels.resolve(kernels, device)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.matmul = self.matmul
+            if isinstance(module, RMSNorm | MLP | Attention):
+                module.fused = self.fused
         for i, block in self.layers.items():
             block.checkpoint = checkpointing == "full" or (
                 checkpointing == "selective" and int(i) % 2 == 0)
@@ -428,6 +450,9 @@ class Olmo3(nn.Module):
         compiled graph, the embedding, masks and the fused head + loss stay eager. `backend`:
         the tests trace with `aot_eager` (dynamo and AOTAutograd as on CUDA, no codegen)."""
         for block in self.layers.values():
+            for module in block.modules():  # compiled code fuses these ops itself
+                if isinstance(module, RMSNorm | MLP | Attention):
+                    module.fused = False
             block.compile(dynamic=False, backend=backend)
 
     def sliding_mask(self, seq_len: int, device: torch.device) -> Tensor | BlockMask:

@@ -98,12 +98,13 @@ def _train_curves(ours: Olmo3, hf: torch.nn.Module, pool: list[tuple[Tensor, Ten
 
 
 def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None,
-               seed: int = 0, matmul: str = "aten") -> dict[str, Any]:
+               seed: int = 0, matmul: str = "aten", kernels: str = "torch") -> dict[str, Any]:
     """Compare our model with HF's on `preset`; a dict of differences, bars and verdicts.
 
     `matmul` is our model's GEMM backend (`model.matmul`): `aten`, HF's own, for the
-    bit-for-bit comparison; `onednn` (what CPU training runs under `auto`) differs from it in
-    the products' last bits only, well within the bars."""
+    bit-for-bit comparison; `onednn` differs from it in the products' last bits only, well
+    within the bars. `kernels` its elementwise kernels (`model.kernels`): `torch`, HF's ops,
+    or `fused` (what CPU training runs under `auto`), whose RMSNorm rounds differently."""
     if preset not in PRESETS:
         raise UserError(f"unknown model preset {preset!r}; known: {', '.join(PRESETS)}")
     cfg = PRESETS[preset]
@@ -117,7 +118,7 @@ def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None
     init_weights(ours, seed)
     hf = hf_twin(ours)
     try:
-        ours.configure(matmul=matmul)
+        ours.configure(matmul=matmul, kernels=kernels)
     except ValueError as e:
         raise UserError(f"parity hf: {e}") from e
     ours.train()
@@ -155,7 +156,7 @@ def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None
         "layer_types": list(cfg.layer_types), "sliding_window": cfg.sliding_window,
         "window_exercised": SLIDING in cfg.layer_types and seq_len > cfg.sliding_window,
         "hf_attn_implementation": "sdpa", "dtype": "float32", "device": "cpu",
-        "matmul": ours.matmul,
+        "matmul": ours.matmul, "kernels": "fused" if ours.fused else "torch",
         "logits_max_abs_diff": diffs["logits"],
         "loss_ours": loss_ours.item(), "loss_hf": loss_hf.item(),
         "loss_hf_native": loss_hf_native.item(), "loss_abs_diff": diffs["loss"],
@@ -169,12 +170,14 @@ def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None
 
 def cli_parity_hf(args: argparse.Namespace) -> int:
     """`relaytrain parity hf`: a table, optionally a JSON line; exit 0 within the bars, else 1."""
-    r = run_parity(args.model, steps=args.steps, seq_len=args.seq_len, matmul=args.matmul)
+    r = run_parity(args.model, steps=args.steps, seq_len=args.seq_len, matmul=args.matmul,
+                   kernels=args.kernels)
     yes = {True: "ok", False: "FAIL"}
     print(f"HF parity, preset {r['preset']}: layers {', '.join(r['layer_types'])}, window "
           f"{r['sliding_window']}, seq_len {r['seq_len']}, vocab {r['tokenizer_vocab']} "
           f"(padded {r['vocab_size']}), {r['dtype']} {r['device']}, HF attention "
-          f"{r['hf_attn_implementation']}, our GEMMs {r['matmul']}")
+          f"{r['hf_attn_implementation']}, our GEMMs {r['matmul']}, our elementwise kernels "
+          f"{r['kernels']}")
     rows = [
         ("logits max |diff|", r["logits_max_abs_diff"], BARS["logits"], r["ok"]["logits"]),
         ("loss |diff|", r["loss_abs_diff"], BARS["loss"], r["ok"]["loss"]),

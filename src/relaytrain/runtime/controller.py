@@ -24,6 +24,7 @@ from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
 from relaytrain.errors import ConfigError, UserError
+from relaytrain.model import cpu_kernels
 from relaytrain.model.accounting import flops_per_token
 from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.parallel.pipeline.schedules import asynchronous
@@ -43,7 +44,8 @@ __all__ = ["Controller", "TrainingStopped", "check_resume_compatible", "cli_trai
 RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "train.spike_factor",
                      "parallel.", "runtime.", "elastic.", "faults.", "log.", "checkpoint.",
                      "eval.", "data.prefetch", "data.path", "run_dir", "model.attention",
-                     "model.checkpointing", "model.compile", "model.matmul")
+                     "model.checkpointing", "model.compile", "model.matmul",
+                     "model.kernels")
 
 
 
@@ -84,10 +86,16 @@ class Controller:
         self.model_cfg = cfg.model_config(self.dataset.vocab_size)
         # Decided once here and passed down (and recorded in config.yaml): every worker of the
         # run uses the same GEMMs, which a per-worker measurement would not guarantee.
-        self.matmul = choose_matmul(cfg.model.matmul, self.model_cfg,
-                                    pick_device(cfg.train.device), cfg.runtime.threads_per_worker)
+        # The same for the fused kernels: built (once per host) here, before any worker starts.
+        device = pick_device(cfg.train.device)
+        self.matmul = choose_matmul(cfg.model.matmul, self.model_cfg, device,
+                                    cfg.runtime.threads_per_worker)
+        try:
+            kernels = "fused" if cpu_kernels.resolve(cfg.model.kernels, device) else "torch"
+        except ValueError as e:
+            raise ConfigError(f"config key 'model.kernels': {e}") from None
         self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, matmul=self.matmul.backend))
+            cfg.model, matmul=self.matmul.backend, kernels=kernels))
         n_train = self.dataset.split("train").num_instances(cfg.seq_len)
         if n_train < cfg.train.global_batch:
             raise UserError(f"data.path {cfg.data.path!r} has {n_train} training instances of "

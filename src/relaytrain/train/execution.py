@@ -1,6 +1,6 @@
 """How a training process executes on its device: which device, the model's kernels, activation
 checkpointing and compilation (`model.attention`, `model.checkpointing`, `model.compile`,
-`model.matmul`), and the GPU switches `determinism: exact` needs.
+`model.matmul`, `model.kernels`), and the GPU switches `determinism: exact` needs.
 
 None of it changes parameter names, checkpoints or the math: a checkpoint written under one
 setting (or device) resumes under any other.
@@ -34,15 +34,16 @@ def pick_device(kind: str) -> torch.device:
 
 def compiles(setting: str, device: torch.device) -> bool:
     """Whether blocks are compiled: `auto` compiles on CUDA (fused norms, RoPE and SwiGLU
-    elementwise work; compiled FlexAttention) and not on the CPU, where compiling costs more
-    start-up than it saves on a small model and the eager path is the HF-exact one."""
+    elementwise work; compiled FlexAttention) and not on the CPU, where compiling costs every
+    worker process seconds at start and the fused CPU kernels (`model.kernels`) do most of
+    what it would."""
     return setting == "blocks" or (setting == "auto" and device.type == "cuda")
 
 
 def prepare_model(model: Olmo3, section: ModelSection, device: torch.device) -> Olmo3:
     """`model` on `device`, configured and (per `section.compile`) with compiled blocks."""
     model = model.to(device)
-    model.configure(section.attention, section.checkpointing, section.matmul)
+    model.configure(section.attention, section.checkpointing, section.matmul, section.kernels)
     if compiles(section.compile, device):
         model.compile_blocks()
     return model
