@@ -130,8 +130,9 @@ def _add_parity(sub: Any) -> None:
                           "bit; onednn is what CPU training runs where it measures faster "
                           "(default: aten)")
     phf.add_argument("--kernels", choices=["torch", "fused", "auto"], default="torch",
-                     help="our model's RMSNorm, SwiGLU and RoPE (model.kernels): torch, HF's "
-                          "ops; fused, what CPU training runs by default (default: torch)")
+                     help="our model's RMSNorm, SwiGLU, RoPE and softmax (model.kernels): "
+                          "torch, HF's ops; fused, what CPU training runs by default "
+                          "(default: torch)")
     phf.add_argument("--json", action="store_true")
     phf.set_defaults(handler="parity.hf")
 

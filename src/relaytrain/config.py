@@ -38,7 +38,7 @@ class ModelSection:
     compile: Literal["auto", "blocks", "none"] = "auto"  # auto: blocks on CUDA, none on CPU
     # GEMMs of the linear layers and LM head: auto = the faster measured on this CPU, else aten
     matmul: Literal["auto", "aten", "onednn"] = "auto"
-    # RMSNorm, SwiGLU, RoPE: auto = fused CPU kernels where they build (model.cpu_kernels)
+    # RMSNorm, SwiGLU, RoPE, softmax: auto = fused CPU kernels where built (model.cpu_kernels)
     kernels: Literal["auto", "torch", "fused"] = "auto"
 
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from relaytrain.model import cpu_kernels
 from relaytrain.model.loss import lm_head_loss, lm_loss
 
 
@@ -118,12 +119,17 @@ def rel_diff(a, b):
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("chunk", [4, 5, 18, 64])  # divides 18, does not, one chunk, > N
-def test_fused_head_loss_equals_the_loss_of_the_logits(z_loss, padded, chunk):
+@pytest.mark.parametrize("softmax", ["torch", pytest.param("kernels", marks=pytest.mark.skipif(
+    cpu_kernels.unavailable() is not None, reason="no fused CPU kernels here"))])
+def test_fused_head_loss_equals_the_loss_of_the_logits(z_loss, padded, chunk, softmax):
+    """The softmax through torch's ops or the fused CPU kernels (`model.kernels`), over 37
+    logits a row (two vectors and a ragged tail of floats)."""
     h, w, labels = head_case(v=40 if padded else 37)
     unfused_values, unfused_h, unfused_w = head_and_grads(
         lambda h, w: lm_loss(h @ w[:37].t(), labels, z_loss), h, w)
     values, grad_h, grad_w = head_and_grads(
-        lambda h, w: lm_head_loss(h, w, labels, z_loss, n_logits=37, chunk=chunk), h, w)
+        lambda h, w: lm_head_loss(h, w, labels, z_loss, n_logits=37, chunk=chunk,
+                                  fused=softmax == "kernels"), h, w)
     assert values == pytest.approx(unfused_values, rel=1e-6, abs=1e-9)
     assert (values[2] == 0.0) == (z_loss == 0.0)
     assert grad_h.shape == h.shape and grad_w.shape == w.shape

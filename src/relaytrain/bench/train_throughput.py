@@ -15,7 +15,7 @@ loss read back as a float.
   (`train.execution.prepare_model`): on the CPU its linear layers and LM head run their GEMMs
   through the backend `model.matmul: auto` picks on this host (`model.matmul_choice`: torch's
   own or oneDNN, whichever measured faster on the model's products; reported with both
-  timings), and its RMSNorm, SwiGLU and RoPE through the fused CPU kernels
+  timings), and its RMSNorm, SwiGLU, RoPE and softmax through the fused CPU kernels
   (`model.kernels: auto`, `model.cpu_kernels`). So that what each lever contributes is not
   mistaken for the rest, the same step with the other GEMM backend is measured beside it
   wherever oneDNN is available (`ours_aten` and `ratio_aten`, or `ours_onednn` and

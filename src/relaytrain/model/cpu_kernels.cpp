@@ -222,6 +222,57 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
+// The LM head's softmax, per row of fp32 logits x [rows, V]: `logsumexp` returns each row's
+// max + log(sum(exp(x - max))) (one read); `softmax_scale_` overwrites x with
+// exp(x - lse) * scale (one read, one write): the cross-entropy's logit gradient before its
+// one-hot term, where torch's log_softmax, exp_ and mul_ take three passes that each write.
+at::Tensor logsumexp_rows(const at::Tensor& x) {
+  check(x, "logits");
+  TORCH_CHECK(x.dim() == 2, "relaytrain_cpu: logits must be [rows, V]");
+  const int64_t rows = x.size(0), v = x.size(1);
+  at::Tensor lse = at::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* xr = xp + row * v;
+      const float mx = at::vec::reduce_all<float>(
+          [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, xr, v);
+      const Vec mv(mx);
+      Vec acc(0.f);
+      int64_t i = 0;
+      for (; i + kW <= v; i += kW) acc = acc + (Vec::loadu(xr + i) - mv).exp();
+      float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+      if (i < v) {
+        Vec tail = (Vec::loadu(xr + i, v - i) - mv).exp();
+        float buf[kW];
+        tail.store(buf, v - i);
+        for (int64_t j = 0; j < v - i; ++j) s += buf[j];
+      }
+      lp[row] = mx + std::log(s);
+    }
+  });
+  return lse;
+}
+
+void softmax_scale_(at::Tensor& x, const at::Tensor& lse, const at::Tensor& scale) {
+  check(x, "logits");
+  check(lse, "lse");
+  check(scale, "scale");
+  const int64_t rows = x.size(0), v = x.size(1);
+  float* xp = x.data_ptr<float>();
+  const float *lp = lse.data_ptr<float>(), *sp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      float* xr = xp + row * v;
+      const Vec lv(lp[row]), sv(sp[row]);
+      int64_t i = 0;
+      for (; i + kW <= v; i += kW) ((Vec::loadu(xr + i) - lv).exp() * sv).store(xr + i);
+      if (i < v) ((Vec::loadu(xr + i, v - i) - lv).exp() * sv).store(xr + i, v - i);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(relaytrain_cpu, m) {
@@ -230,6 +281,8 @@ TORCH_LIBRARY(relaytrain_cpu, m) {
   m.def("swiglu_fwd(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_bwd(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");
+  m.def("logsumexp_rows(Tensor logits) -> Tensor");
+  m.def("softmax_scale_(Tensor(a!) logits, Tensor lse, Tensor scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(relaytrain_cpu, CPU, m) {
@@ -238,4 +291,6 @@ TORCH_LIBRARY_IMPL(relaytrain_cpu, CPU, m) {
   m.impl("swiglu_fwd", swiglu_fwd);
   m.impl("swiglu_bwd", swiglu_bwd);
   m.impl("rope", rope);
+  m.impl("logsumexp_rows", logsumexp_rows);
+  m.impl("softmax_scale_", softmax_scale_);
 }

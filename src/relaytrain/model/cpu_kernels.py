@@ -1,9 +1,10 @@
 """Fused CPU kernels for the model's elementwise work: RMSNorm, SwiGLU and RoPE, forward and
-backward (`model.kernels`).
+backward, and the LM head's softmax (`model.kernels`).
 
 Why: on the CPU, a training step's time outside its GEMMs and attention goes to elementwise
 ops, each a separate pass over memory: an RMSNorm took about ten passes forward and backward,
-the SwiGLU five tensors' worth of silu, mul and silu_backward. Compiled blocks fuse them, but
+the SwiGLU five tensors' worth of silu, mul and silu_backward, the head's softmax gradient
+four passes over each chunk of logits (log_softmax, exp_, mul_). Compiled blocks fuse them, but
 compiling costs every worker process seconds at start (README "Measured"), replacements
 included. These kernels (`cpu_kernels.cpp`) read their inputs and write their outputs once,
 and are compiled once per host (where torch keeps extensions it builds: `build_dir`), keyed by
@@ -12,9 +13,10 @@ by every later process.
 
 Numerics: SwiGLU and RoPE round exactly as torch's ops they replace (the same vectorised exp,
 the same products and sums in the same order; `tests/model/test_cpu_kernels.py` checks them
-bit for bit). RMSNorm sums each row's squares in a different order than torch's `mean`, so its
-results differ from HF's in the last bits (float rounding; `relaytrain parity hf` bounds the
-difference). No result depends on the thread count, so runs stay bit-reproducible and exact
+bit for bit). RMSNorm sums each row's squares in a different order than torch's `mean`, and
+the softmax is `exp(x - logsumexp)` rather than the exponential of torch's log-softmax, so
+their results differ from HF's in the last bits (float rounding; `relaytrain parity hf` bounds
+the difference). No result depends on the thread count, so runs stay bit-reproducible and exact
 mode's invariances hold.
 
 `model.kernels`: `torch` runs torch's ops as HF does (the path whose CPU logits are bit-identical
@@ -204,6 +206,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """`silu(gate) * up` (fp32 CPU tensors of one shape)."""
     return _SwiGLU.apply(gate, up)
+
+
+def logsumexp_rows(logits: Tensor) -> Tensor:
+    """Each row's `log(sum(exp(logits)))` [rows] (contiguous fp32 CPU logits [rows, V])."""
+    return torch.ops.relaytrain_cpu.logsumexp_rows(logits)
+
+
+def softmax_scale_(logits: Tensor, lse: Tensor, scale: Tensor) -> Tensor:
+    """`logits` overwritten with `exp(logits - lse) * scale` row by row, and returned: the
+    softmax scaled per row, in one pass (contiguous fp32 CPU tensors [rows, V], [rows])."""
+    torch.ops.relaytrain_cpu.softmax_scale_(logits, lse.contiguous(), scale.contiguous())
+    return logits
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -16,7 +16,10 @@ Two entry points compute the same numbers (to float rounding, `tests/train/test_
   the logit gradient `softmax * (ce_weight + 2 z_loss lse) - ce_weight * onehot(label)`,
   `grad h_c = g_c W` and `grad W += g_c^T h_c`. The backward only scales the two stored
   gradients by the incoming one, and nothing of the weight is saved (an asynchronous pipeline
-  may update it before the backward). What is held from forward to backward is `grad h`
+  may update it before the backward). With `model.kernels: fused` on the CPU, the softmax
+  gradient takes two passes over the chunk (`model.cpu_kernels`: each row's logsumexp, then
+  `exp(logit - lse) * (ce_weight + 2 z_loss lse)` in place). What is held from forward to
+  backward is `grad h`
   [tokens, D] and `grad W` [V, D] instead of [tokens, V] logits: less whenever there are more
   tokens than D. Under autocast the matmuls run in the autocast dtype and `grad W` is summed in
   the weight's dtype (fp32 master weights).
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from relaytrain.model import cpu_kernels
 from relaytrain.model.matmul import add_weight_grad, mm_t
 
 # Logit elements per chunk of `lm_head_loss` when none is given (see the module docstring).
@@ -76,7 +80,8 @@ class _HeadCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: Tensor, weight: Tensor, labels: Tensor, n_logits: int,
                 z_loss: float, ignore_index: int, chunk: int, dtype: torch.dtype,
-                need_h: bool, need_w: bool, matmul: str) -> tuple[Tensor, Tensor, Tensor]:
+                need_h: bool, need_w: bool, matmul: str, fused: bool,
+                ) -> tuple[Tensor, Tensor, Tensor]:
         w = weight[:n_logits].to(dtype)  # the padded rows never enter the logits
         hc = h.to(dtype)
         valid = labels != ignore_index
@@ -94,14 +99,21 @@ class _HeadCrossEntropyZLoss(torch.autograd.Function):
                 logits = mm_t(h_c, w, matmul, scratch=buf[: (e - s) * n_logits].view(e - s, -1))
                 logits = logits.float()
                 picked = logits.gather(1, t).squeeze(1)
-                logp = torch.log_softmax(logits, dim=-1, out=logits)
-                nll = -logp.gather(1, t).squeeze(1)
-                lse = picked + nll
+                in_kernels = fused and cpu_kernels.applies(logits)
+                if in_kernels:
+                    lse = cpu_kernels.logsumexp_rows(logits)
+                    nll = lse - picked
+                else:
+                    logp = torch.log_softmax(logits, dim=-1, out=logits)
+                    nll = -logp.gather(1, t).squeeze(1)
+                    lse = picked + nll
                 sums += torch.stack((nll, lse.square())).where(ok, 0.0).sum(1)
                 if not (need_h or need_w):
                     continue
                 row = ce_weight[s:e] * (1.0 + 2.0 * z_loss * lse)
-                g = logp.exp_().mul_(row[:, None])  # softmax * row, in the logits buffer
+                # softmax * row, in the logits buffer
+                g = (cpu_kernels.softmax_scale_(logits, lse, row) if in_kernels
+                     else logp.exp_().mul_(row[:, None]))
                 g.scatter_add_(1, t, -ce_weight[s:e, None])
                 g = g.to(dtype)
                 if grad_h is not None:
@@ -129,12 +141,13 @@ class _HeadCrossEntropyZLoss(torch.autograd.Function):
             grad_h = grad_h.mul_(grad_total)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_total)
-        return grad_h, grad_w, *([None] * 9)
+        return grad_h, grad_w, *([None] * 10)
 
 
 def lm_head_loss(h: Tensor, weight: Tensor, labels: Tensor, z_loss: float,
                  n_logits: int | None = None, ignore_index: int = -100,
-                 chunk: int | None = None, matmul: str = "aten") -> tuple[Tensor, Tensor, Tensor]:
+                 chunk: int | None = None, matmul: str = "aten", fused: bool = False,
+                 ) -> tuple[Tensor, Tensor, Tensor]:
     """(total, ce, z) of the LM head `h @ weight[:n_logits].T` on hidden states h [..., D] and
     next-token labels [...], without materialising the logits (see the module docstring).
 
@@ -143,7 +156,8 @@ def lm_head_loss(h: Tensor, weight: Tensor, labels: Tensor, z_loss: float,
     past `n_logits`, vocabulary padding, get zeros), `ce` and `z` are detached. `chunk` tokens
     are scored at a time (default: `default_chunk`). Under autocast the logits are computed in
     the autocast dtype, everything after them in fp32. `matmul`: the products' backend
-    (`model.matmul`: `aten` or `onednn`).
+    (`model.matmul`: `aten` or `onednn`); `fused`: the softmax through the fused CPU kernels
+    (`model.kernels`; two passes over each chunk's logits where torch's ops make four).
     """
     v, d = weight.shape
     n_logits = v if n_logits is None else n_logits
@@ -158,7 +172,7 @@ def lm_head_loss(h: Tensor, weight: Tensor, labels: Tensor, z_loss: float,
     grad = torch.is_grad_enabled()
     return _HeadCrossEntropyZLoss.apply(
         h.reshape(-1, d), weight, labels.reshape(-1), n_logits, float(z_loss), ignore_index,
-        chunk, dtype, grad and h.requires_grad, grad and weight.requires_grad, matmul)
+        chunk, dtype, grad and h.requires_grad, grad and weight.requires_grad, matmul, fused)
 
 
 class _CrossEntropyZLoss(torch.autograd.Function):

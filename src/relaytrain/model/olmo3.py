@@ -11,7 +11,8 @@ autograd functions whose forward rounds exactly as HF's ops (the logits are bit-
 CPU) and whose backward is written out in a few fused passes instead of autograd's many small
 ones (gradients agree with HF's to float rounding; `relaytrain parity hf`). With
 `model.kernels: fused` (the CPU default), RMSNorm, SwiGLU and RoPE run as one pass each way
-through `model.cpu_kernels`; RMSNorm's then agrees with HF's to float rounding only.
+through `model.cpu_kernels` (and so does the LM head's softmax); RMSNorm and the softmax then
+agree with HF's to float rounding only.
 
 One class serves both the whole model and a pipeline stage: a stage holds a contiguous range of
 layers (keyed by their *global* index, so parameter names are the same in every layout), the
@@ -424,7 +425,8 @@ class Olmo3(nn.Module):
         linear layers and the LM head through oneDNN on the CPU; `model.matmul`); `auto` is
         the faster on the device the parameters are on (`model.matmul_choice`: measured once
         per host at this process's thread count).
-        `kernels`: `torch` (torch's ops, as HF), `fused` (RMSNorm, SwiGLU and RoPE through the
+        `kernels`: `torch` (torch's ops, as HF), `fused` (RMSNorm, SwiGLU, RoPE and the LM
+        head's softmax through the
         fused CPU kernels, `model.cpu_kernels`) or `auto` (fused on the CPU where they build).
         """
         if (attention not in ATTENTION_BACKENDS or checkpointing not in CHECKPOINTING
@@ -484,4 +486,4 @@ class Olmo3(nn.Module):
         if labels is None:
             return self.lm_head(h)[..., : self.n_logits]
         return lm_head_loss(h, self.lm_head.weight, labels, z_loss, self.n_logits,
-                            matmul=self.matmul)
+                            matmul=self.matmul, fused=self.fused)
