@@ -13,6 +13,7 @@ import fsspec
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 from fsspec.implementations.memory import MemoryFileSystem
 
 from relaytrain.checkpoint.store import CheckpointStore, CheckpointWarning, open_checkpoint
@@ -99,15 +100,15 @@ def test_round_trip_is_bit_exact_for_every_dtype_shape_and_layout(tmp_path):
 
 
 def test_part_is_a_plain_safetensors_file_whose_record_matches_its_bytes(tmp_path):
-    """Hashed in blocks: each block's sha256, and the file's digest the sha256 of theirs."""
+    """Hashed in blocks: each block's XXH3-128, and the file's digest the XXH3-128 of theirs."""
     store = CheckpointStore(str(tmp_path), block_size=64)
     record = store.write_part(3, "model", state(3))
     path = part_path(tmp_path, 3, "model")
     data = open(path, "rb").read()
-    blocks = [hashlib.sha256(data[i:i + 64]).hexdigest() for i in range(0, len(data), 64)]
+    blocks = [xxhash.xxh3_128(data[i:i + 64]).hexdigest() for i in range(0, len(data), 64)]
     assert len(blocks) > 2
     assert record == {"file": "model.safetensors", "size": len(data), "block_size": 64,
-                      "blocks": blocks, "sha256": hashlib.sha256(
+                      "blocks": blocks, "xxh3_128": xxhash.xxh3_128(
                           b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()}
     loaded = safetensors.torch.load_file(path)  # the reference reader accepts it
     assert_state(loaded, 3)
@@ -131,7 +132,7 @@ def test_manifest_is_written_last_and_records_files_and_meta(tmp_path):
     m = store.read_manifest(5)
     assert m["format_version"] == 1 and m["step"] == 5
     assert m["files"] == {"model.safetensors": {k: record[k] for k in
-                                                ("size", "sha256", "block_size", "blocks")}}
+                                                ("size", "xxh3_128", "block_size", "blocks")}}
     assert isinstance(m["committed_at"], float)
     assert m["data"] == {"epoch": 0, "batches": 5}
     assert store.committed_steps() == [5] and store.latest_step() == 5
@@ -253,8 +254,32 @@ def test_flipped_byte_is_skipped_with_a_warning_naming_the_file_and_previous_is_
     assert_state(tensors, 1)
     with pytest.warns(CheckpointWarning, match=bad):
         assert store.read()[0]["step"] == 1
-    with pytest.raises(CheckpointError, match=f"{bad}: sha256"):
+    with pytest.raises(CheckpointError, match=f"{bad}: xxh3_128"):
         store.read(2)
+
+
+def test_a_checkpoint_recorded_with_sha256_blocks_still_verifies(tmp_path):
+    """Checkpoints written before XXH3-128 record sha256 digests: whole reads and rows (their
+    blocks alone) load, and a flipped byte is still caught."""
+    store = CheckpointStore(str(tmp_path), block_size=64)
+    record = store.write_part(1, "model", {"model.w": WHOLE.clone()})
+    store.commit(1, {"model": record}, {})
+    manifest = tmp_path / "step_00000001" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    path = part_path(tmp_path, 1, "model")
+    data = open(path, "rb").read()
+    blocks = [hashlib.sha256(data[i:i + 64]).hexdigest() for i in range(0, len(data), 64)]
+    m["files"]["model.safetensors"] = {
+        "size": len(data), "block_size": 64, "blocks": blocks,
+        "sha256": hashlib.sha256(b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()}
+    manifest.write_text(json.dumps(m))
+    assert torch.equal(store.read(1)[1]["model.w"], WHOLE)
+    assert torch.equal(store.read(1, rows={"model.w": (2, 4)})[1]["model.w"], WHOLE[2:4])
+    flip_byte(path)
+    with pytest.raises(CheckpointError, match=f"{path}: sha256 .* does not match"):
+        store.read(1)
+    with pytest.raises(CheckpointError, match="block .* does not match the manifest's sha256"):
+        store.read(1, rows={"model.w": (WHOLE.shape[0] - 1, WHOLE.shape[0])})
 
 
 def _truncate(path: str) -> None:

@@ -14,19 +14,30 @@ import fsspec
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 
 import relaytrain.checkpoint.streaming as streaming
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.checkpoint.streaming import BackgroundHash, RangedReader, block_root, hash_stream
+from relaytrain.checkpoint.streaming import (
+    DIGEST,
+    BackgroundHash,
+    RangedReader,
+    block_root,
+    hash_stream,
+)
 from relaytrain.errors import CheckpointError
 
 
-def test_background_hash_is_sha256_of_the_chunks_in_order():
+@pytest.mark.parametrize("algorithm,reference", [("xxh3_128", xxhash.xxh3_128),
+                                                 ("sha256", hashlib.sha256)])
+def test_background_hash_is_the_digest_of_the_chunks_in_order(algorithm, reference):
+    """XXH3-128 by default (what new checkpoints record); sha256 for the ones recorded before."""
     chunks = [os.urandom(n) for n in (0, 1, 5000, 3 << 20, 17)]
-    h = BackgroundHash(b"head", backlog=2)
+    h = BackgroundHash(b"head", backlog=2, **({} if algorithm == DIGEST else
+                                              {"algorithm": algorithm}))
     for c in chunks:
         h.update(memoryview(c))
-    assert h.hexdigest() == hashlib.sha256(b"head" + b"".join(chunks)).hexdigest()
+    assert h.hexdigest() == reference(b"head" + b"".join(chunks)).hexdigest()
 
 
 def test_hash_stream_reuses_two_buffers_without_mixing_them(tmp_path, monkeypatch):
@@ -34,7 +45,7 @@ def test_hash_stream_reuses_two_buffers_without_mixing_them(tmp_path, monkeypatc
     data = os.urandom(4096 * 9 + 123)
     (tmp_path / "f").write_bytes(data)
     with open(tmp_path / "f", "rb") as f:
-        assert hash_stream(f) == (len(data), hashlib.sha256(data).hexdigest())
+        assert hash_stream(f) == (len(data), xxhash.xxh3_128(data).hexdigest())
 
 
 @pytest.mark.parametrize("read_size", [1, 999, 1000, 4096, 1 << 20])
@@ -123,9 +134,9 @@ def test_a_header_whose_offsets_do_not_tile_the_data_is_refused(tmp_path):
     m = json.loads(manifest.read_text())
     entry = m["files"]["model.safetensors"]  # vouch for the forged bytes
     size = entry["block_size"]
-    entry["blocks"] = [hashlib.sha256(forged[i:i + size]).hexdigest()
+    entry["blocks"] = [xxhash.xxh3_128(forged[i:i + size]).hexdigest()
                        for i in range(0, len(forged), size)]
-    entry["sha256"] = block_root(entry["blocks"])
+    entry["xxh3_128"] = block_root(entry["blocks"], "xxh3_128")
     manifest.write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match="not a valid safetensors file.*model.w"):
         store.read(1)
@@ -144,8 +155,9 @@ def test_blocks_hashed_in_parallel_give_the_sequential_digests(block, monkeypatc
     for buf in bufs:
         one.update(buf)
         many.update(buf)
-    blocks = [hashlib.sha256(data[i:i + block]).hexdigest() for i in range(0, len(data), block)]
-    assert many.hexdigest() == one.hexdigest() == block_root(blocks)
+    blocks = [xxhash.xxh3_128(data[i:i + block]).hexdigest()
+              for i in range(0, len(data), block)]
+    assert many.hexdigest() == one.hexdigest() == block_root(blocks, "xxh3_128")
     assert many.blocks == one.blocks == blocks
 
 

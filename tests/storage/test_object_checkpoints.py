@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 import torch
+import xxhash
 
 from relaytrain.checkpoint.store import CheckpointStore, CheckpointWarning, open_checkpoint
 from relaytrain.checkpoint.streaming import block_root
@@ -60,9 +60,10 @@ def test_checkpoint_round_trip_with_concurrent_multipart_parts(object_server) ->
     for name, info in manifest["files"].items():  # the stored bytes are what the manifest says
         data = store.fs.cat_file(f"{store.root}/step_00000007/{name}")
         size = info["block_size"]
-        blocks = [hashlib.sha256(data[i:i + size]).hexdigest() for i in range(0, len(data), size)]
-        assert (len(data), blocks, block_root(blocks)) == \
-            (info["size"], info["blocks"], info["sha256"])
+        blocks = [xxhash.xxh3_128(data[i:i + size]).hexdigest()
+                  for i in range(0, len(data), size)]
+        assert (len(data), blocks, block_root(blocks, "xxh3_128")) == \
+            (info["size"], info["blocks"], info["xxh3_128"])
     manifest, tensors = open_checkpoint(url)  # a fresh reader, configured by the environment
     assert manifest["step"] == 7 and manifest["data"] == {"batch": 7}
     assert_same(tensors, state)
@@ -86,9 +87,9 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(object_server)
     save(store, 2, training_state(2))
     path = f"{store.root}/step_00000002/optim.safetensors"
     data = bytearray(store.fs.cat_file(path))
-    data[-1] ^= 0xFF  # same size, one flipped byte: only the sha256 can tell
+    data[-1] ^= 0xFF  # same size, one flipped byte: only the digest can tell
     store.fs.pipe_file(path, bytes(data))
-    with pytest.warns(CheckpointWarning, match="step 2: .*optim.safetensors: sha256"):
+    with pytest.warns(CheckpointWarning, match="step 2: .*optim.safetensors: xxh3_128"):
         manifest, tensors = store.load_latest_good()
     assert manifest["step"] == 1
     assert_same(tensors, training_state(1))

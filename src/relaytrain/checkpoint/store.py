@@ -2,7 +2,7 @@
 
 Layout (docs/CONTRACTS.md "Checkpoints"): `ROOT/step_00000042/{PART}.safetensors`, then
 `ROOT/step_00000042/manifest.json`, the commit marker, written only after every part is
-confirmed. A step without a manifest, or whose files do not match the sizes and sha256 the
+confirmed. A step without a manifest, or whose files do not match the sizes and digests the
 manifest records, is skipped with a `CheckpointWarning` naming the file, and the previous one
 is used.
 
@@ -17,7 +17,7 @@ them (`"shards": {key: {"shape", "rows"}}`), a commit checks that every sharded 
 tile its rows exactly, and a reader gets whole tensors, however many parts they were written in.
 
 Loading is safe: headers and manifests are JSON (validated as the safetensors format
-requires), tensors are returned only after the file's size and sha256 match the manifest, and
+requires), tensors are returned only after the file's size and digest match the manifest, and
 nothing from storage is ever unpickled. Reading is one pass straight into the tensors, hashed
 on a second thread as it goes; object stores are read as parallel ranged requests; writing
 hashes on a second thread too (`checkpoint.streaming`).
@@ -47,13 +47,16 @@ from relaytrain.checkpoint.pieces import Piece, Rows, assemble, cut, rows_to_tak
 from relaytrain.checkpoint.streaming import (
     BLOCK,
     CHUNK,
+    DIGEST,
+    DIGESTS,
     HASH_THREADS,
     BackgroundHash,
     EarlyWriteback,
     RangedReader,
     block_root,
+    digest_hex,
+    digest_of,
     hash_stream,
-    sha256_hex,
 )
 from relaytrain.errors import CheckpointError
 
@@ -64,7 +67,8 @@ RECORD_SUFFIX = ".record.json"  # a part's record, beside it (write_part)
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 _RESERVED = ("format_version", "step", "files", "committed_at")
-FILE_FIELDS = ("size", "sha256", "block_size", "blocks", "shards")  # of a file's manifest entry
+# A file's manifest entry: its digest under the algorithm's name (streaming.DIGESTS)
+FILE_FIELDS = ("size", *DIGESTS, "block_size", "blocks", "shards")
 
 # torch dtype -> safetensors dtype name (the format's spec; safetensors.torch._TYPES inverted)
 _DTYPES: dict[torch.dtype, str] = {
@@ -117,7 +121,7 @@ class CheckpointStore:
         CPU are copied one at a time as they are written, so at most one such copy exists.
         `shards` names the tensors that are pieces of larger ones: key -> {"shape": the whole
         shape, "rows": [start, stop)} (see the module docstring). Returns the
-        `{"file", "size", "sha256", "block_size", "blocks"[, "shards"][, "attempt"]}` record
+        `{"file", "size", DIGEST, "block_size", "blocks"[, "shards"][, "attempt"]}` record
         that `commit` expects; `attempt` names this save of the step (a caller tells its
         records from those of an earlier save of the same step by it: `part_record`).
         """
@@ -139,12 +143,12 @@ class CheckpointStore:
             size = self._write(f"{d}/{name}", lambda f: _write_safetensors(
                 f, tensors, self.block_size, hashing))
             # The hashing still running overlapped the file's flush and fsync (or upload).
-            sha, blocks = hashing[0].hexdigest(), hashing[0].blocks
+            digest, blocks = hashing[0].hexdigest(), hashing[0].blocks
         except BaseException:
             for h in hashing:
                 h.close()
             raise
-        record = {"file": name, "size": size, "sha256": sha, "block_size": self.block_size,
+        record = {"file": name, "size": size, DIGEST: digest, "block_size": self.block_size,
                   "blocks": blocks, **({"shards": shards} if shards else {}),
                   **({"attempt": attempt} if attempt else {})}
         # The record beside the part, written once the part is whole: a checkpoint whose
@@ -220,7 +224,7 @@ class CheckpointStore:
     def latest_step(self) -> int | None:
         """The newest committed step whose manifest parses and whose files have the right sizes.
 
-        Cheap (no hashing; `read`/`load_latest_good` still verify sha256 of what they load), and
+        Cheap (no hashing; `read`/`load_latest_good` verify the digests of what they load), and
         its cost does not grow with the number of checkpoints (see `_newest_committed`).
         """
         for step, sizes in self._newest_committed():
@@ -518,12 +522,12 @@ def _read_manifest(fs: fsspec.AbstractFileSystem, d: str, step: int | None = Non
     if not isinstance(files, dict) or not all(
             isinstance(n, str) and n == posixpath.basename(n) and n.endswith(SUFFIX)
             and isinstance(i, dict) and isinstance(i.get("size"), int)
-            and isinstance(i.get("sha256"), str) for n, i in files.items()):
+            and digest_of(i) is not None for n, i in files.items()):
         raise CheckpointError(f"{path}: 'files' must map plain *{SUFFIX} names to "
-                              "{size, sha256}")
+                              f"{{size, and a digest: one of {', '.join(DIGESTS)}}}")
     if not all(_valid_blocks(i) for i in files.values()):
-        raise CheckpointError(f"{path}: a file's 'blocks' must list the sha256 of each of its "
-                              "'block_size' bytes, and 'sha256' be their digest")
+        raise CheckpointError(f"{path}: a file's 'blocks' must list the digest of each of its "
+                              "'block_size' bytes, and the file's digest be theirs")
     if not all(_valid_shards(i.get("shards", {})) for i in files.values()):
         raise CheckpointError(f"{path}: a file's 'shards' must map tensor names to "
                               "{shape: [int, ...], rows: [start, stop]}")
@@ -535,14 +539,17 @@ def _read_manifest(fs: fsspec.AbstractFileSystem, d: str, step: int | None = Non
 
 def _valid_blocks(info: dict) -> bool:
     """A file hashed in blocks (its entry names `block_size`) lists one digest per block, and
-    its `sha256` is theirs; an older entry (whole-file sha256 only) is valid as it is."""
+    its digest is theirs; an older entry (whole-file digest only) is valid as it is."""
     if "block_size" not in info and "blocks" not in info:
         return True
     size, blocks = info.get("block_size"), info.get("blocks")
+    algorithm, digest = digest_of(info) or ("", "")
+    hex_digits = DIGESTS[algorithm][1] if algorithm else 0
     return (isinstance(size, int) and size > 0 and isinstance(blocks, list)
             and len(blocks) == -(-info["size"] // size)
-            and all(isinstance(b, str) and re.fullmatch(r"[0-9a-f]{64}", b) for b in blocks)
-            and block_root(blocks) == info["sha256"])
+            and all(isinstance(b, str) and re.fullmatch(f"[0-9a-f]{{{hex_digits}}}", b)
+                    for b in blocks)
+            and block_root(blocks, algorithm) == digest)
 
 
 def _valid_shards(shards: Any) -> bool:
@@ -649,7 +656,8 @@ class _Blocks:
                                                                     (b - 1) // self.block + 1)}
                       - set(self.got))
         checks: list[tuple[int, memoryview, Future]] = []
-        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="relaytrain-sha256") as pool:
+        algorithm = digest_of(self.info)[0]
+        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="relaytrain-hash") as pool:
             while need:
                 run = 1
                 while run < len(need) and need[run] == need[0] + run:
@@ -662,12 +670,12 @@ class _Blocks:
                                           "(truncated)")
                 for i in range(first, first + run):
                     block = data[(i - first) * self.block:(i - first + 1) * self.block]
-                    checks.append((i, block, pool.submit(sha256_hex, block)))
+                    checks.append((i, block, pool.submit(digest_hex, algorithm, block)))
         for i, block, digest in checks:
             if digest.result() != self.info["blocks"][i]:
                 raise CheckpointError(
                     f"{_shown(self.fs, self.path)}: block {i} (bytes {i * self.block}-"
-                    f"{i * self.block + len(block)}) does not match the manifest's sha256 "
+                    f"{i * self.block + len(block)}) does not match the manifest's {algorithm} "
                     "(corrupt)")
         self.got.update((i, block) for i, block, _ in checks)
 
@@ -755,7 +763,8 @@ def _source(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> Iterator[An
 
 def _verify_file(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> None:
     with _source(fs, path, info) as src:
-        _check_digest(_shown(fs, path), *hash_stream(src, info.get("block_size")), info)
+        _check_digest(_shown(fs, path), *hash_stream(src, info.get("block_size"),
+                                                     digest_of(info)[0]), info)
 
 
 def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
@@ -763,12 +772,13 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
                    ) -> dict[str, torch.Tensor]:
     """The tensors (those `keys` selects) of the safetensors file at `path`, read in one pass
     into their own memory (or `into` the caller's: `_destination`) while a second thread hashes
-    what arrived; returned only once the size and sha256 match `info`."""
+    what arrived; returned only once the size and digest match `info`."""
     shown = _shown(fs, path)
     tensors: dict[str, torch.Tensor] = {}
     with _source(fs, path, info) as src:
         # read into buffers kept until the digest (the header's, the tensors' own memory)
-        h = BackgroundHash(block_size=info.get("block_size"), stable=True)
+        h = BackgroundHash(block_size=info.get("block_size"), stable=True,
+                           algorithm=digest_of(info)[0])
         try:
             prefix = _read_exact(src, 8, shown)
             h.update(prefix)
@@ -792,11 +802,11 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
                     tensors[key] = t
                 else:  # not wanted: free it once hashed, not at the end of the file
                     h.wait()
-            sha = h.hexdigest()
+            digest = h.hexdigest()
         except BaseException:
             h.close()
             raise
-    _check_digest(shown, info["size"], sha, info)
+    _check_digest(shown, info["size"], digest, info)
     return tensors
 
 
@@ -861,13 +871,14 @@ def _shown(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
 
 
-def _check_digest(path: str, size: int, sha: str, info: dict) -> None:
+def _check_digest(path: str, size: int, digest: str, info: dict) -> None:
     if size != info["size"]:
         raise CheckpointError(f"{path}: {size} bytes, the manifest says {info['size']} "
                               "(truncated or incomplete)")
-    if sha != info["sha256"]:
-        raise CheckpointError(f"{path}: sha256 {sha[:16]}… does not match the manifest's "
-                              f"{info['sha256'][:16]}… (corrupt)")
+    algorithm, recorded = digest_of(info)
+    if digest != recorded:
+        raise CheckpointError(f"{path}: {algorithm} {digest[:16]}… does not match the "
+                              f"manifest's {recorded[:16]}… (corrupt)")
 
 
 def _configured_url(fs: fsspec.AbstractFileSystem, config_path: str) -> str | None:

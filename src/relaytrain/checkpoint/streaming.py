@@ -1,14 +1,21 @@
-"""Checkpoint bytes moved at the speed of the disk or network: sha256 on threads of its own
+"""Checkpoint bytes moved at the speed of the disk or network: digests on threads of their own
 beside the reads and writes, and object-store reads as parallel ranged requests.
 
-Why: one file's sha256 is a sequential computation (~1-2 GB/s on one core), and computing it
-between reads or writes made the transfer wait for it: a local restore ran at 0.46x the raw
-disk read. hashlib releases the GIL for buffers over 2 KiB, so hashing threads run on other
-cores while the I/O thread waits on the kernel or the network; a file hashed in blocks (16 MiB,
-each verifiable alone) is hashed on several cores at once. A single streaming GET from an
-object store is one TCP connection's bandwidth; several ranged GETs in flight fill the link.
-A local file's pages go to the disk as it is written (`EarlyWriteback`), not all at the final
-fsync, which otherwise waited for the whole file after it had been copied to the page cache.
+Why: a file's digest is a sequential computation, and computing it between reads or writes
+made the transfer wait for it: a local restore ran at 0.46x the raw disk read. hashlib and
+xxhash release the GIL, so hashing threads run on other cores while the I/O thread waits on the
+kernel or the network; a file hashed in blocks (16 MiB, each verifiable alone) is hashed on
+several cores at once. A single streaming GET from an object store is one TCP connection's
+bandwidth; several ranged GETs in flight fill the link. A local file's pages go to the disk as
+it is written (`EarlyWriteback`), not all at the final fsync, which otherwise waited for the
+whole file after it had been copied to the page cache.
+
+The digest detects corruption (a flipped bit, a truncated or swapped file); it is no defence
+against someone who can write the checkpoint, who could rewrite its manifest too. So new files
+record XXH3-128 (`DIGEST`), which hashes at memory speed where sha256 runs at about a GB/s a
+core even with SHA-NI: on a 2-core host, sha256 alone cost a restore from GCS more CPU time
+than the transfer (README "Measured"). Files recorded with sha256 (checkpoints written before)
+verify as they were.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import xxhash
 
 CHUNK = 16 << 20  # bytes per read/write/hash call: large enough to release the GIL usefully
 RANGE = 32 << 20  # bytes per ranged GET (see RangedReader)
@@ -35,17 +44,43 @@ _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 
 BLOCK = 16 << 20  # bytes per verified block of a part file (a ranged restore's granularity)
 
+# A manifest entry's digest is under the name of its algorithm; hex digits per digest.
+DIGESTS: dict[str, tuple[Callable[[], Any], int]] = {
+    "xxh3_128": (xxhash.xxh3_128, 32), "sha256": (hashlib.sha256, 64)}
+DIGEST = "xxh3_128"  # what new files record
+
+
+def digest_of(info: dict) -> tuple[str, str] | None:
+    """(algorithm, hex digest) recorded in a manifest's file entry, None if it has none."""
+    for name in DIGESTS:
+        if isinstance(info.get(name), str):
+            return name, info[name]
+    return None
+
+
+def digest_hex(algorithm: str, *parts: Any) -> str:
+    """The digest of `parts` in order (buffers), as hex; releases the GIL while hashing."""
+    h = DIGESTS[algorithm][0]()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
+
+
+def block_root(blocks: list[str], algorithm: str) -> str:
+    """The digest of a file hashed in blocks, from its blocks' digests."""
+    return digest_hex(algorithm, b"".join(bytes.fromhex(b) for b in blocks))
+
 
 class BackgroundHash:
     """The digest of the buffers given to `update`, in order, computed on threads of its own.
 
-    With `block_size`, the digest is sha256 over the sha256 of each `block_size` bytes (the last
-    block may be shorter) and `blocks` lists those: a reader can verify any block alone, so a
-    restore that needs only some rows of a file reads and checks only the blocks holding them,
-    for the same single pass of hashing (docs/CONTRACTS.md "Checkpoints"); and blocks are
-    independent, so with `stable` buffers they are hashed on HASH_THREADS threads at once (one
-    core's sha256, ~1.3 GB/s here, is slower than the disk). Without, it is the sha256 of the
-    bytes, on one thread.
+    `algorithm`: one of DIGESTS. With `block_size`, the digest is that of the digests of each
+    `block_size` bytes (the last block may be shorter) and `blocks` lists those: a reader can
+    verify any block alone, so a restore that needs only some rows of a file reads and checks
+    only the blocks holding them, for the same single pass of hashing (docs/CONTRACTS.md
+    "Checkpoints"); and blocks are independent, so with `stable` buffers they are hashed on
+    HASH_THREADS threads at once.
+    Without, it is the digest of the bytes, on one thread.
 
     `stable`: the caller keeps every buffer unchanged until `hexdigest` (the tensors it writes
     or reads into). Otherwise `update` returns once at most `backlog` chunks are waiting, so a
@@ -53,17 +88,19 @@ class BackgroundHash:
     that hashes temporary copies holds at most `backlog` alive."""
 
     def __init__(self, data: bytes = b"", backlog: int = HASH_BACKLOG,
-                 block_size: int | None = None, stable: bool = False):
-        self._h = hashlib.sha256()
+                 block_size: int | None = None, stable: bool = False,
+                 algorithm: str = DIGEST):
+        self.algorithm, self._new = algorithm, DIGESTS[algorithm][0]
+        self._h = self._new()
         self._block_size = block_size
         self._parallel = block_size is not None and stable and HASH_THREADS > 1
         self._filled = 0  # bytes in the current block
-        self._block = hashlib.sha256()  # the current block's (sequential)
+        self._block = self._new()  # the current block's (sequential)
         self._parts: list[Any] = []  # the current block's buffers (parallel)
         self._futures: list[Future] = []  # each block's digest, in order (parallel)
         self.blocks: list[str] = []
         self._pool = ThreadPoolExecutor(HASH_THREADS if self._parallel else 1,
-                                        thread_name_prefix="relaytrain-sha256")
+                                        thread_name_prefix="relaytrain-hash")
         self._pending: collections.deque[Future] = collections.deque()
         self._backlog = backlog
         self._digest: str | None = None
@@ -92,10 +129,10 @@ class BackgroundHash:
     def _end_block(self) -> None:
         self.blocks.append(self._block.hexdigest())
         self._h.update(bytes.fromhex(self.blocks[-1]))
-        self._block, self._filled = hashlib.sha256(), 0
+        self._block, self._filled = self._new(), 0
 
     def _submit_block(self) -> None:
-        self._futures.append(self._pool.submit(sha256_hex, *self._parts))
+        self._futures.append(self._pool.submit(digest_hex, self.algorithm, *self._parts))
         self._parts, self._filled = [], 0
 
     def update(self, buf: Any) -> None:
@@ -120,7 +157,7 @@ class BackgroundHash:
             self._pool.shutdown()
             if self._parallel:
                 self.blocks = [f.result() for f in self._futures]
-                self._digest = block_root(self.blocks)
+                self._digest = block_root(self.blocks, self.algorithm)
                 return self._digest
             if self._filled:
                 self._end_block()
@@ -134,25 +171,13 @@ class BackgroundHash:
         self._pool.shutdown(wait=True)
 
 
-def sha256_hex(*parts: Any) -> str:
-    """The sha256 of `parts` in order (buffers), as hex; releases the GIL while hashing."""
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part)
-    return h.hexdigest()
-
-
-def block_root(blocks: list[str]) -> str:
-    """The digest of a file hashed in blocks, from its blocks' digests."""
-    return hashlib.sha256(b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()
-
-
-def hash_stream(src: Any, block_size: int | None = None) -> tuple[int, str]:
+def hash_stream(src: Any, block_size: int | None = None, algorithm: str = DIGEST,
+                ) -> tuple[int, str]:
     """(size, digest) of a readable binary file (see `BackgroundHash`), reading one buffer
     while hashing the other."""
     bufs = [memoryview(bytearray(CHUNK)) for _ in range(2)]
     # one chunk being hashed while the other is read into
-    h = BackgroundHash(backlog=1, block_size=block_size)
+    h = BackgroundHash(backlog=1, block_size=block_size, algorithm=algorithm)
     size, i = 0, 0
     try:
         while n := src.readinto(bufs[i]):
