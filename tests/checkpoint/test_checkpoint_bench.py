@@ -50,12 +50,12 @@ def test_an_object_store_is_measured_against_raw_put_and_get_then_emptied(object
                                                                           capsys):
     url = object_server.url("bench")
     r = bench_checkpoint_remote(url, "tiny", 1)
-    for key in ("save_GBps", "restore_GBps", "raw_put_GBps", "raw_get_GBps", "save_vs_raw",
-                "restore_vs_raw", "restore_in_place_vs_raw"):
+    for key in ("save_GBps", "restore_GBps", "raw_put_GBps", "raw_get_GBps", "raw_get_new_GBps",
+                "save_vs_raw", "restore_vs_raw", "restore_vs_raw_new", "restore_in_place_vs_raw"):
         assert r[key] > 0, key
     assert "repetition 1/1" in capsys.readouterr().err  # progress on stderr
     text = format_report({"repeats": 1, "local": {}, "remote": {f"{url} tiny": r}})
-    assert f"{url} tiny" in text and "x raw get" in text
+    assert f"{url} tiny" in text and "x raw get" in text and "raw get into new memory" in text
     fs, path = filesystem(url)
     assert not fs.exists(path) or fs.ls(path) == []
 
