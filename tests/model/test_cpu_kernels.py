@@ -151,7 +151,9 @@ def test_torch_is_never_fused_and_fused_is_refused_off_the_cpu():
 
 def test_where_the_kernels_cannot_be_built_auto_falls_back_and_fused_says_why(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "unavailable", lambda: "CalledProcessError: no c++")
-    assert not cpu_kernels.resolve("auto", CPU)
+    with pytest.warns(UserWarning, match=r"auto: .*\(CalledProcessError: no c\+\+\); running "
+                                         "torch's ops"):
+        assert not cpu_kernels.resolve("auto", CPU)
     with pytest.raises(ValueError, match=r"cannot be built here \(CalledProcessError: no c\+\+\)"):
         cpu_kernels.resolve("fused", CPU)
 
