@@ -32,8 +32,8 @@ class ModelSection:
     # Any Olmo3Config field may be overridden, e.g. model.n_layers=3.
     overrides: dict[str, Any] = field(default_factory=dict)
     # How the model executes (never its math or names; `Olmo3.configure`, `train.execution`):
-    # sliding layers' kernel: flex (FlexAttention block mask) on CUDA under auto, sdpa on CPU
-    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    # sliding layers' kernel: flex (FlexAttention block mask) on CUDA under auto, chunks on CPU
+    attention: Literal["auto", "sdpa", "chunks", "flex"] = "auto"
     checkpointing: Literal["none", "selective", "full"] = "none"  # activation recompute
     compile: Literal["auto", "blocks", "none"] = "auto"  # auto: blocks on CUDA, none on CPU
     # GEMMs of the linear layers and LM head: auto = the faster measured on this CPU, else aten

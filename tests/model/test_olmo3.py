@@ -17,6 +17,7 @@ from relaytrain.model.olmo3 import (
     rope_cos_sin,
     sliding_window_mask,
 )
+from relaytrain.model.sliding_chunks import Window
 
 torch.set_num_threads(1)
 TINY = PRESETS["tiny"].with_vocab(500)  # 2 layers: sliding (window 16), full; vocab 500 -> 512
@@ -349,10 +350,12 @@ def test_flex_attention_agrees_with_the_dense_mask_path(t, window):
     torch.testing.assert_close(outs["flex"], outs["sdpa"], rtol=1e-5, atol=1e-5)
 
 
-def test_auto_attention_is_the_exact_dense_path_on_the_cpu():
+def test_auto_attention_is_chunks_on_the_cpu_and_sdpa_the_dense_mask():
     from torch.nn.attention.flex_attention import BlockMask
 
     m = model_of(TINY)
+    assert m.sliding_mask(40, torch.device("cpu")) == Window(TINY.sliding_window)
+    m.configure(attention="sdpa")
     assert isinstance(m.sliding_mask(40, torch.device("cpu")), torch.Tensor)
     m.configure(attention="flex")
     assert isinstance(m.sliding_mask(40, torch.device("cpu")), BlockMask)

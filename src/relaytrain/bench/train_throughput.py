@@ -327,7 +327,8 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
                           "embeddings_decayed": optim_cfg.decay_embeddings,
                           "impl": "fused"},
             "clip": train_cfg.clip, "z_loss_ours": train_cfg.z_loss,
-            "ours_sliding_attention": ("flex" if cuda else "sdpa mask")
+            "ours_sliding_attention": {"BlockMask": "flex", "Window": "chunks"}.get(
+                type(ours.sliding_mask(seq_len, dev)).__name__, "sdpa mask")
             if seq_len > cfg.sliding_window else "causal (seq_len <= window)",
             "ours_compiled_blocks": compiles(execution.compile, dev),
             "ours_matmul": ours.matmul, "matmul_choice": dataclasses.asdict(choice),

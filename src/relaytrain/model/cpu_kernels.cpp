@@ -12,9 +12,9 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
-#include <vector>
 
 namespace {
 

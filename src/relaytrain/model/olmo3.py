@@ -36,6 +36,8 @@ from relaytrain.model.config import FULL, LAYER_TYPES, SLIDING, Olmo3Config
 from relaytrain.model.loss import lm_head_loss
 from relaytrain.model.matmul import MATMUL_BACKENDS, Linear
 from relaytrain.model.matmul_choice import choose_matmul
+from relaytrain.model.sliding_chunks import Window, sliding_attention
+from relaytrain.model.sliding_chunks import applies as chunks_apply
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -184,7 +186,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, fused: bool = False) -> Tens
 # Attention masks
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+ATTENTION_BACKENDS = ("auto", "sdpa", "chunks", "flex")
 CHECKPOINTING = ("none", "selective", "full")
 FLEX_BLOCK = 128  # FlexAttention's tile (its default): block masks are per 128 x 128 tile
 
@@ -271,10 +273,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(kv_dim, cfg.rms_eps)
         self.fused = False  # RoPE's fused kernel (`Olmo3.configure`)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None,
-                ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                mask: Tensor | BlockMask | Window | None) -> Tensor:
         """Causal attention when `mask` is None, else attention restricted to `mask`: a dense
-        boolean mask through SDPA, or a block mask through FlexAttention (GQA native)."""
+        boolean mask through SDPA, a block mask through FlexAttention (GQA native), or a
+        `Window` attended chunk by chunk (`model.sliding_chunks`)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -289,7 +292,11 @@ class Attention(nn.Module):
         elif isinstance(mask, BlockMask):
             flex = _compiled_flex_attention() if q.is_cuda else flex_attention
             y = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=n_rep > 1)
+        elif isinstance(mask, Window) and chunks_apply(q, k, v):
+            y = sliding_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask.size, scale)
         else:
+            if isinstance(mask, Window):  # what the chunks do not take (bf16): the dense mask
+                mask = sliding_window_mask(q.shape[2], mask.size, q.device)
             # With a mask, CUDA kernels would fall back to the math path for GQA: expand kv.
             y = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
                                                attn_mask=mask, scale=scale)
@@ -333,14 +340,14 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.checkpoint = False
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None,
-                ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                mask: Tensor | BlockMask | Window | None) -> Tensor:
         if self.checkpoint and torch.is_grad_enabled():
             return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
         return self._forward(x, cos, sin, mask)
 
-    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None,
-                 ) -> Tensor:
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                 mask: Tensor | BlockMask | Window | None) -> Tensor:
         h = x + self.attn_norm(self.attn(x, cos, sin, mask))
         return h + self.mlp_norm(self.mlp(h))
 
@@ -412,9 +419,10 @@ class Olmo3(nn.Module):
         dense products' backend and the elementwise kernels.
 
         `attention`: `sdpa` gives sliding layers a dense boolean mask (exact against HF on the
-        CPU), `flex` a FlexAttention block mask (no T x T mask; CUDA for training, since
-        FlexAttention has no CPU backward), `auto` flex on CUDA and sdpa elsewhere. Full
-        layers always take SDPA `is_causal` (flash kernels).
+        CPU), `chunks` their queries a chunk at a time over only the keys in reach (CPU, fp32:
+        `model.sliding_chunks`), `flex` a FlexAttention block mask (no T x T mask; CUDA for
+        training, since FlexAttention has no CPU backward), `auto` flex on CUDA and chunks on
+        the CPU. Full layers always take SDPA `is_causal` (flash kernels).
         `checkpointing`: `full` checkpoints every block (keeps only block inputs: the least
         memory, the forward computed twice, ~+33% step FLOPs); `selective` every other block
         (even global index): half the blocks' activations for ~+17%. Recomputing only the
@@ -426,8 +434,8 @@ class Olmo3(nn.Module):
         the faster on the device the parameters are on (`model.matmul_choice`: measured once
         per host at this process's thread count).
         `kernels`: `torch` (torch's ops, as HF), `fused` (RMSNorm, SwiGLU, RoPE and the LM
-        head's softmax through the
-        fused CPU kernels, `model.cpu_kernels`) or `auto` (fused on the CPU where they build).
+        head's softmax through the fused CPU kernels, `model.cpu_kernels`) or `auto` (fused on
+        the CPU where they build).
         """
         if (attention not in ATTENTION_BACKENDS or checkpointing not in CHECKPOINTING
                 or matmul not in MATMUL_BACKENDS):
@@ -457,11 +465,14 @@ class Olmo3(nn.Module):
                     module.fused = False
             block.compile(dynamic=False, backend=backend)
 
-    def sliding_mask(self, seq_len: int, device: torch.device) -> Tensor | BlockMask:
+    def sliding_mask(self, seq_len: int, device: torch.device) -> Tensor | BlockMask | Window:
         """The sliding layers' mask for this forward, in the configured backend's form."""
         window = self.cfg.sliding_window
-        if self.attention == "flex" or (self.attention == "auto" and device.type == "cuda"):
+        auto = self.attention == "auto"
+        if self.attention == "flex" or (auto and device.type == "cuda"):
             return sliding_block_mask(seq_len, window, device)
+        if self.attention == "chunks" or (auto and device.type == "cpu"):
+            return Window(window)
         return sliding_window_mask(seq_len, window, device)
 
     def forward(self, x: Tensor, labels: Tensor | None = None, z_loss: float = 0.0,

@@ -103,8 +103,10 @@ def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None
 
     `matmul` is our model's GEMM backend (`model.matmul`): `aten`, HF's own, for the
     bit-for-bit comparison; `onednn` differs from it in the products' last bits only, well
-    within the bars. `kernels` its elementwise kernels (`model.kernels`): `torch`, HF's ops,
-    or `fused` (what CPU training runs under `auto`), whose RMSNorm rounds differently."""
+    within the bars. `kernels`: `torch`, HF's own ops and its dense-mask SDPA for the sliding
+    layers; `fused`, what CPU training runs under `auto`: the fused kernels (`model.kernels`)
+    and sliding layers attended in chunks (`model.attention: chunks`), which round
+    differently."""
     if preset not in PRESETS:
         raise UserError(f"unknown model preset {preset!r}; known: {', '.join(PRESETS)}")
     cfg = PRESETS[preset]
@@ -118,7 +120,8 @@ def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None
     init_weights(ours, seed)
     hf = hf_twin(ours)
     try:
-        ours.configure(matmul=matmul, kernels=kernels)
+        ours.configure(attention="sdpa" if kernels == "torch" else "auto", matmul=matmul,
+                       kernels=kernels)
     except ValueError as e:
         raise UserError(f"parity hf: {e}") from e
     ours.train()
@@ -157,6 +160,7 @@ def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None
         "window_exercised": SLIDING in cfg.layer_types and seq_len > cfg.sliding_window,
         "hf_attn_implementation": "sdpa", "dtype": "float32", "device": "cpu",
         "matmul": ours.matmul, "kernels": "fused" if ours.fused else "torch",
+        "attention": ours.attention,
         "logits_max_abs_diff": diffs["logits"],
         "loss_ours": loss_ours.item(), "loss_hf": loss_hf.item(),
         "loss_hf_native": loss_hf_native.item(), "loss_abs_diff": diffs["loss"],
@@ -177,7 +181,7 @@ def cli_parity_hf(args: argparse.Namespace) -> int:
           f"{r['sliding_window']}, seq_len {r['seq_len']}, vocab {r['tokenizer_vocab']} "
           f"(padded {r['vocab_size']}), {r['dtype']} {r['device']}, HF attention "
           f"{r['hf_attn_implementation']}, our GEMMs {r['matmul']}, our elementwise kernels "
-          f"{r['kernels']}")
+          f"{r['kernels']}, our attention {r['attention']}")
     rows = [
         ("logits max |diff|", r["logits_max_abs_diff"], BARS["logits"], r["ok"]["logits"]),
         ("loss |diff|", r["loss_abs_diff"], BARS["loss"], r["ok"]["loss"]),
