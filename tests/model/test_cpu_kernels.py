@@ -14,6 +14,7 @@ from relaytrain.model import cpu_kernels
 from relaytrain.model.config import PRESETS
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import MLP, Attention, Olmo3, RMSNorm, _RMSNormFunction, apply_rope
+from relaytrain.model.sliding_chunks import Window
 
 torch.set_num_threads(2)
 CPU = torch.device("cpu")
@@ -128,12 +129,15 @@ def test_a_fused_model_trains_as_the_torch_one_to_float_rounding():
 
 @built
 def test_auto_is_fused_on_the_cpu_and_never_inside_compiled_blocks_or_autocast():
+    """Nor are sliding layers attended in chunks in compiled blocks."""
     model = Olmo3(PRESETS["tiny"].with_vocab(300))
     model.configure(kernels="auto")
     assert model.fused
+    assert isinstance(model.sliding_mask(40, CPU), Window)
     model.compile_blocks(backend="eager")
     assert not any(m.fused for m in model.layers.modules()
                    if isinstance(m, RMSNorm | MLP | Attention))
+    assert isinstance(model.sliding_mask(40, CPU), torch.Tensor)  # the dense mask to trace
     x = torch.randn(2, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not cpu_kernels.applies(x)

@@ -412,6 +412,7 @@ class Olmo3(nn.Module):
         self.attention = "auto"
         self.matmul = "aten"
         self.fused = False
+        self.compiled = False
 
     def configure(self, attention: str = "auto", checkpointing: str = "none",
                   matmul: str = "aten", kernels: str = "torch") -> None:
@@ -422,7 +423,8 @@ class Olmo3(nn.Module):
         CPU), `chunks` their queries a chunk at a time over only the keys in reach (CPU, fp32:
         `model.sliding_chunks`), `flex` a FlexAttention block mask (no T x T mask; CUDA for
         training, since FlexAttention has no CPU backward), `auto` flex on CUDA and chunks on
-        the CPU. Full layers always take SDPA `is_causal` (flash kernels).
+        the CPU (the dense mask in compiled blocks). Full layers always take SDPA `is_causal`
+        (flash kernels).
         `checkpointing`: `full` checkpoints every block (keeps only block inputs: the least
         memory, the forward computed twice, ~+33% step FLOPs); `selective` every other block
         (even global index): half the blocks' activations for ~+17%. Recomputing only the
@@ -459,6 +461,7 @@ class Olmo3(nn.Module):
         """`torch.compile` each block in place (names unchanged); identical blocks share one
         compiled graph, the embedding, masks and the fused head + loss stay eager. `backend`:
         the tests trace with `aot_eager` (dynamo and AOTAutograd as on CUDA, no codegen)."""
+        self.compiled = True  # `auto` then gives sliding layers the dense mask to trace
         for block in self.layers.values():
             for module in block.modules():  # compiled code fuses these ops itself
                 if isinstance(module, RMSNorm | MLP | Attention):
@@ -471,7 +474,7 @@ class Olmo3(nn.Module):
         auto = self.attention == "auto"
         if self.attention == "flex" or (auto and device.type == "cuda"):
             return sliding_block_mask(seq_len, window, device)
-        if self.attention == "chunks" or (auto and device.type == "cpu"):
+        if self.attention == "chunks" or (auto and device.type == "cpu" and not self.compiled):
             return Window(window)
         return sliding_window_mask(seq_len, window, device)
 
