@@ -458,7 +458,7 @@ def validate(cfg: RunConfig) -> None:
          "'sliding_attention' | 'full_attention'")
     need(cfg.model.attention != "flex" or cfg.train.device != "cpu",
          "config key 'model.attention': got 'flex' with train.device=cpu, but FlexAttention "
-         "has no CPU backward; expected auto or sdpa on the CPU (flex needs CUDA)")
+         "has no CPU backward; expected auto, sdpa or chunks on the CPU (flex needs CUDA)")
     for key, cpu_only, other in (("matmul", "onednn", "aten"), ("kernels", "fused", "torch")):
         need(getattr(cfg.model, key) != cpu_only or cfg.train.device != "cuda",
              f"config key 'model.{key}': got '{cpu_only}' with train.device=cuda, but that is a "

@@ -19,10 +19,9 @@ Two entry points compute the same numbers (to float rounding, `tests/train/test_
   may update it before the backward). With `model.kernels: fused` on the CPU, the softmax
   gradient takes two passes over the chunk (`model.cpu_kernels`: each row's logsumexp, then
   `exp(logit - lse) * (ce_weight + 2 z_loss lse)` in place). What is held from forward to
-  backward is `grad h`
-  [tokens, D] and `grad W` [V, D] instead of [tokens, V] logits: less whenever there are more
-  tokens than D. Under autocast the matmuls run in the autocast dtype and `grad W` is summed in
-  the weight's dtype (fp32 master weights).
+  backward is `grad h` [tokens, D] and `grad W` [V, D] instead of [tokens, V] logits: less
+  whenever there are more tokens than D. Under autocast the matmuls run in the autocast dtype
+  and `grad W` is summed in the weight's dtype (fp32 master weights).
   Chunk size: on a GPU it bounds the memory (`GPU_CHUNK_ELEMENTS`). On the CPU the head is
   matmul-bound, so the chunk is as small as keeps the matmuls efficient (`CPU_CHUNK_ELEMENTS`):
   512 tokens of the `small` preset's 8,192 logits, as fast as scoring the whole batch at once
