@@ -405,7 +405,7 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     names = {"ours": f"relaytrain ({s['ours_matmul']}, {s['ours_kernels']})",
              "ours_aten": "relaytrain (aten)", "ours_onednn": "relaytrain (onednn)",
-             "ours_torch_kernels": "relaytrain (torch)", "ours_compiled": "relaytrain compiled",
+             "ours_torch_kernels": "relaytrain (torch ops)", "ours_compiled": "relaytrain compiled",
              "hf": "HF transformers", "hf_compiled": "HF compiled"}
     for key, label in names.items():
         if key not in r:
