@@ -194,10 +194,10 @@ FLEX_BLOCK = 128  # FlexAttention's tile (its default): block masks are per 128 
 def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> Tensor:
     """Boolean [T, T] mask, True where query q may see key k: q - window < k <= q.
 
-    The `sdpa` backend's mask (and the CPU's under `auto`, where it is exact against HF):
-    built once per forward and shared by every sliding layer of the module, T^2 bytes (64 MiB
-    at T = 8192), never an fp32 mask per layer. Full layers, and sliding ones when T <= window,
-    take no mask at all (`is_causal`, flash kernels).
+    The `sdpa` backend's mask (exact against HF on the CPU; also what compiled blocks and bf16
+    take where `chunks` would run): built once per forward and shared by every sliding layer of
+    the module, T^2 bytes (64 MiB at T = 8192), never an fp32 mask per layer. Full layers, and
+    sliding ones when T <= window, take no mask at all (`is_causal`, flash kernels).
     """
     q = torch.arange(seq_len, device=device)[:, None]
     k = torch.arange(seq_len, device=device)[None, :]
