@@ -140,8 +140,8 @@ def test_auto_is_fused_on_the_cpu_and_never_inside_compiled_blocks_or_autocast()
     assert isinstance(model.sliding_mask(40, CPU), torch.Tensor)  # the dense mask to trace
     x = torch.randn(2, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not cpu_kernels.applies(x)
-    assert cpu_kernels.applies(x) and not cpu_kernels.applies(x.double())
+        assert not cpu_kernels.cpu_fp32(x)
+    assert cpu_kernels.cpu_fp32(x) and not cpu_kernels.cpu_fp32(x.double())
 
 
 def test_torch_is_never_fused_and_fused_is_refused_off_the_cpu():

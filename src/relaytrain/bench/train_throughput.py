@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from relaytrain.bench import progress
 from relaytrain.config import ModelSection, OptimSection, TrainSection
@@ -79,6 +80,7 @@ from relaytrain.model.matmul import onednn_available
 from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
+from relaytrain.model.sliding_chunks import Window
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.execution import compiles, prepare_model, retain_freed_memory
 from relaytrain.train.metrics import peak_flops
@@ -327,8 +329,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
                           "embeddings_decayed": optim_cfg.decay_embeddings,
                           "impl": "fused"},
             "clip": train_cfg.clip, "z_loss_ours": train_cfg.z_loss,
-            "ours_sliding_attention": {"BlockMask": "flex", "Window": "chunks"}.get(
-                type(ours.sliding_mask(seq_len, dev)).__name__, "sdpa mask")
+            "ours_sliding_attention": _sliding_kind(ours.sliding_mask(seq_len, dev))
             if seq_len > cfg.sliding_window else "causal (seq_len <= window)",
             "ours_compiled_blocks": compiles(execution.compile, dev),
             "ours_matmul": ours.matmul, "matmul_choice": dataclasses.asdict(choice),
@@ -374,6 +375,13 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
         out["ratio_compiled"] = statistics.median(paired("ours_compiled", "hf"))
     out["target_ratio"] = TARGET_RATIO if (preset == "small" and not cuda) else None
     return out
+
+
+def _sliding_kind(mask: object) -> str:
+    """How our sliding layers attend, from the mask the model hands them."""
+    if isinstance(mask, BlockMask):
+        return "flex"
+    return "chunks" if isinstance(mask, Window) else "sdpa mask"
 
 
 def _cpp_compiler() -> str | None:

@@ -539,12 +539,13 @@ def _read_manifest(fs: fsspec.AbstractFileSystem, d: str, step: int | None = Non
 
 def _valid_blocks(info: dict) -> bool:
     """A file hashed in blocks (its entry names `block_size`) lists one digest per block, and
-    its digest is theirs; an older entry (whole-file digest only) is valid as it is."""
+    its digest is theirs; an older entry (whole-file digest only) is valid as it is. The entry
+    has a digest (`_read_manifest` checks that first)."""
     if "block_size" not in info and "blocks" not in info:
         return True
     size, blocks = info.get("block_size"), info.get("blocks")
-    algorithm, digest = digest_of(info) or ("", "")
-    hex_digits = DIGESTS[algorithm][1] if algorithm else 0
+    algorithm, digest = digest_of(info)
+    hex_digits = DIGESTS[algorithm][1]
     return (isinstance(size, int) and size > 0 and isinstance(blocks, list)
             and len(blocks) == -(-info["size"] // size)
             and all(isinstance(b, str) and re.fullmatch(f"[0-9a-f]{{{hex_digits}}}", b)

@@ -79,8 +79,7 @@ class BackgroundHash:
     verify any block alone, so a restore that needs only some rows of a file reads and checks
     only the blocks holding them, for the same single pass of hashing (docs/CONTRACTS.md
     "Checkpoints"); and blocks are independent, so with `stable` buffers they are hashed on
-    HASH_THREADS threads at once.
-    Without, it is the digest of the bytes, on one thread.
+    HASH_THREADS threads at once. Without, it is the digest of the bytes, on one thread.
 
     `stable`: the caller keeps every buffer unchanged until `hexdigest` (the tensors it writes
     or reads into). Otherwise `update` returns once at most `backlog` chunks are waiting, so a

@@ -89,10 +89,11 @@ def _find_ninja() -> None:
 
 
 @functools.cache
-def _load() -> str | None:
-    """Load this host's build of the kernels, compiling it first when there is none (about
-    20 s on 2 cores). Processes starting together wait for one build (an OS file lock, which
-    a builder that dies releases); None when loaded, else why the kernels cannot be."""
+def unavailable() -> str | None:
+    """None once this host's build of the kernels is loaded in this process, else why they
+    cannot be. The build is compiled first when there is none (about 20 s on 2 cores);
+    processes starting together wait for one build (an OS file lock, which a builder that dies
+    releases)."""
     directory = build_dir()
     library = directory / f"{directory.name}.so"
     built = directory / "built"  # written once a build is complete
@@ -120,12 +121,6 @@ def _load() -> str | None:
         return f"{type(e).__name__}: {lines[-1] if lines else e!r}"
 
 
-def unavailable() -> str | None:
-    """None when the fused kernels are loaded in this process (built if need be), else why
-    not."""
-    return _load()
-
-
 def resolve(setting: str, device: torch.device) -> bool:
     """Whether `model.kernels: setting` runs the fused kernels on `device`."""
     if setting not in KERNEL_SETTINGS:
@@ -145,8 +140,9 @@ def resolve(setting: str, device: torch.device) -> bool:
     return why is None
 
 
-def applies(*tensors: Tensor) -> bool:
-    """Whether a kernel takes these tensors: fp32 on the CPU, outside autocast."""
+def cpu_fp32(*tensors: Tensor) -> bool:
+    """Whether the CPU's fp32 fast paths take these tensors (these kernels, the chunked
+    sliding attention, oneDNN's GEMMs): fp32 on the CPU, outside autocast."""
     return not torch.is_autocast_enabled("cpu") and all(
         t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
@@ -194,7 +190,8 @@ class _Rope(torch.autograd.Function):
 
 
 def _dense_rows(x: Tensor) -> Tensor:
-    """x itself when its last dimension is dense (any other layout is taken as it is)."""
+    """x itself when its last dimension is dense (the kernel takes any other strides), else a
+    contiguous copy."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
 

@@ -98,7 +98,7 @@ class _HeadCrossEntropyZLoss(torch.autograd.Function):
                 logits = mm_t(h_c, w, matmul, scratch=buf[: (e - s) * n_logits].view(e - s, -1))
                 logits = logits.float()
                 picked = logits.gather(1, t).squeeze(1)
-                in_kernels = fused and cpu_kernels.applies(logits)
+                in_kernels = fused and cpu_kernels.cpu_fp32(logits)
                 if in_kernels:
                     lse = cpu_kernels.logsumexp_rows(logits)
                     nll = lse - picked

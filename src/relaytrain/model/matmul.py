@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from relaytrain.model.cpu_kernels import cpu_fp32
+
 MATMUL_BACKENDS = ("auto", "aten", "onednn")
 
 
@@ -35,8 +37,7 @@ def onednn_available() -> bool:
 
 
 def _onednn_applies(backend: str, *tensors: Tensor) -> bool:
-    return backend == "onednn" and not torch.is_autocast_enabled("cpu") and all(
-        t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return backend == "onednn" and cpu_fp32(*tensors)
 
 
 @torch.library.custom_op("relaytrain::onednn_mm_t", mutates_args=())

@@ -37,7 +37,6 @@ from relaytrain.model.loss import lm_head_loss
 from relaytrain.model.matmul import MATMUL_BACKENDS, Linear
 from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.model.sliding_chunks import Window, sliding_attention
-from relaytrain.model.sliding_chunks import applies as chunks_apply
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -84,7 +83,7 @@ class RMSNorm(nn.Module):
         self.fused = False
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused and cpu_kernels.applies(x, self.weight):
+        if self.fused and cpu_kernels.cpu_fp32(x, self.weight):
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
@@ -177,7 +176,7 @@ class _RopeFunction(torch.autograd.Function):
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, fused: bool = False) -> Tensor:
     """Rotate [B, H, T, hd] by position, in fp32, cast back to x's dtype; in one fused pass
     each way with `fused` where the kernel applies (the same rounding)."""
-    if fused and cpu_kernels.applies(x, cos, sin):
+    if fused and cpu_kernels.cpu_fp32(x, cos, sin):
         return cpu_kernels.rope(x, cos, sin)
     return _RopeFunction.apply(x, cos, sin)
 
@@ -292,7 +291,7 @@ class Attention(nn.Module):
         elif isinstance(mask, BlockMask):
             flex = _compiled_flex_attention() if q.is_cuda else flex_attention
             y = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=n_rep > 1)
-        elif isinstance(mask, Window) and chunks_apply(q, k, v):
+        elif isinstance(mask, Window) and cpu_kernels.cpu_fp32(q, k, v):
             y = sliding_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask.size, scale)
         else:
             if isinstance(mask, Window):  # what the chunks do not take (bf16): the dense mask
@@ -316,7 +315,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.fused and cpu_kernels.applies(gate, up):
+        if self.fused and cpu_kernels.cpu_fp32(gate, up):
             return self.down_proj(cpu_kernels.swiglu(gate, up))
         return self.down_proj(F.silu(gate) * up)
 

@@ -80,13 +80,6 @@ class _SlidingChunks(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def applies(*tensors: Tensor) -> bool:
-    """Whether the chunks run these tensors: fp32 on the CPU, outside autocast (anything else
-    takes the dense mask)."""
-    return not torch.is_autocast_enabled("cpu") and all(
-        t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-
-
 def sliding_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
     """Attention of q [B, H, T, hd] over k, v [B, H, T, hd] (as many heads: GQA expanded)
     restricted to q - window < k <= q, scores scaled by `scale`."""
