@@ -24,6 +24,7 @@ from relaytrain.checkpoint.streaming import (
     RangedReader,
     block_root,
     hash_stream,
+    range_size,
 )
 from relaytrain.errors import CheckpointError
 
@@ -50,7 +51,7 @@ def test_hash_stream_reuses_two_buffers_without_mixing_them(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("read_size", [1, 999, 1000, 4096, 1 << 20])
 def test_ranged_reader_delivers_the_file_in_order(tmp_path, monkeypatch, read_size):
-    monkeypatch.setattr(streaming, "RANGE", 1000)  # 11 ranges, RANGES_IN_FLIGHT at once
+    monkeypatch.setattr(streaming, "MIN_RANGE", 1000)  # 11 ranges, RANGES_IN_FLIGHT at once
     data = os.urandom(10_500)
     path = str(tmp_path / "f")
     (tmp_path / "f").write_bytes(data)
@@ -68,9 +69,19 @@ def test_ranged_reader_delivers_the_file_in_order(tmp_path, monkeypatch, read_si
     assert sorted(calls) == list(range(0, len(data), 1000))
 
 
+def test_ranges_are_the_clients_block_size_and_at_least_min_range():
+    """s3fs reads 50 MiB blocks (fewer requests); gcsfs's 5 MiB is raised to 16 MiB; a client
+    without a block size of its own gets MIN_RANGE."""
+    s3fs = pytest.importorskip("s3fs")
+    gcsfs = pytest.importorskip("gcsfs")
+    assert range_size(s3fs.S3FileSystem(anon=True, skip_instance_cache=True)) == 50 << 20
+    assert range_size(gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True)) == 16 << 20
+    assert range_size(fsspec.filesystem("memory")) == streaming.MIN_RANGE == 16 << 20
+
+
 def test_no_more_than_ranges_in_flight_are_requested_at_once(tmp_path, monkeypatch):
-    """Memory in flight is bounded: RANGES_IN_FLIGHT requests of RANGE bytes."""
-    monkeypatch.setattr(streaming, "RANGE", 100)
+    """Memory in flight is bounded: RANGES_IN_FLIGHT requests of range_size bytes."""
+    monkeypatch.setattr(streaming, "MIN_RANGE", 100)
     (tmp_path / "f").write_bytes(os.urandom(2_000))
     fs = fsspec.filesystem("file")
     lock, running, most = threading.Lock(), [0], [0]
