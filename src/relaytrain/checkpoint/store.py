@@ -54,6 +54,7 @@ from relaytrain.checkpoint.streaming import (
     EarlyWriteback,
     RangedReader,
     block_root,
+    copy_bytes,
     digest_hex,
     digest_of,
     hash_stream,
@@ -688,7 +689,7 @@ class _Blocks:
         """Bytes [a, a + len(out)) of the file (fetched already) into `out`, block by block."""
         at = 0
         for piece in self._slices(a, a + len(out)):
-            out[at:at + len(piece)] = piece
+            copy_bytes(out[at:at + len(piece)], piece)
             at += len(piece)
 
     def _slices(self, a: int, b: int) -> Iterator[memoryview]:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import xxhash
 
 CHUNK = 16 << 20  # bytes per read/write/hash call: large enough to release the GIL usefully
@@ -69,6 +70,16 @@ def digest_hex(algorithm: str, *parts: Any) -> str:
 def block_root(blocks: list[str], algorithm: str) -> str:
     """The digest of a file hashed in blocks, from its blocks' digests."""
     return digest_hex(algorithm, b"".join(bytes.fromhex(b) for b in blocks))
+
+
+def copy_bytes(dst: Any, src: Any) -> None:
+    """`dst[:] = src` (equal-length byte buffers) with the GIL released, as numpy's copy does.
+
+    Why: a slice assignment between memoryviews holds the GIL for the whole copy, and a copy
+    into new tensors also page-faults them in; meanwhile the object-store client's event loop,
+    receiving the next responses, waits for the GIL. Restoring from GCS's emulator into new
+    tensors took 0.69 s this way against 0.56 s (README "Measured")."""
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
 class BackgroundHash:
@@ -266,7 +277,7 @@ class RangedReader:
                 if not len(self._current):
                     break
             n = min(len(out) - filled, len(self._current) - self._pos)
-            out[filled:filled + n] = self._current[self._pos:self._pos + n]
+            copy_bytes(out[filled:filled + n], self._current[self._pos:self._pos + n])
             filled += n
             self._pos += n
         return filled
