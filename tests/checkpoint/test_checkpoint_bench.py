@@ -8,11 +8,13 @@ import math
 import pytest
 
 from relaytrain.bench.checkpoint import (
+    REMOTE_READS,
     bench_checkpoint_local,
     bench_checkpoint_remote,
     format_report,
     param_shapes,
 )
+from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.cli import main
 from relaytrain.errors import UserError
 from relaytrain.model.accounting import param_count
@@ -47,9 +49,14 @@ def test_quick_bench_reports_bandwidth_next_to_the_raw_disk(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_an_object_store_is_measured_against_raw_put_and_get_then_emptied(object_server,
-                                                                          capsys):
+                                                                          capsys, monkeypatch):
     url = object_server.url("bench")
+    restores = []
+    read = CheckpointStore.read
+    monkeypatch.setattr(CheckpointStore, "read", lambda self, step, **kw: restores.append(
+        step) or read(self, step, **kw))
     r = bench_checkpoint_remote(url, "tiny", 1)
+    assert restores == [1] * 2 * REMOTE_READS  # new tensors and in place, REMOTE_READS times
     for key in ("save_GBps", "restore_GBps", "raw_put_GBps", "raw_get_GBps", "raw_get_new_GBps",
                 "save_vs_raw", "restore_vs_raw", "restore_vs_raw_new", "restore_in_place_vs_raw"):
         assert r[key] > 0, key

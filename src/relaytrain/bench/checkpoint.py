@@ -15,17 +15,17 @@ tensors also faults that memory in (README "Measured": checkpoint save / restore
 raw read of the whole file into new memory it is set beside. On an object store the baseline
 puts and gets one object per checkpoint part through the same fsspec client (endpoints and
 credentials from the environment, as for training runs), and restores are measured both ways
-too. The benchmark measures stores it is pointed at and starts none:
-`scripts/bench_object_storage.py` starts the test suite's local S3 and GCS servers and runs it
-against them.
+too; the emulators take 10-30 s to write the state and under 3 s to read it, so each repetition
+reads back `REMOTE_READS` times, raw and checkpoint reads taking turns. The benchmark
+measures stores it is pointed at and starts none: `scripts/bench_object_storage.py` starts the
+test suite's local S3 and GCS servers and runs it against them.
 
 Repetitions alternate baseline and checkpoint (neither inherits the other's wake); figures are
 medians. Default: the `small` preset's state (350 MB with a 50k vocabulary), 7 repetitions
 (the host's disk and CPU swing from run to run): about 30 s on the disk of a 2-core host;
 `--quick`: 1 repetition. Other states are opt-in (`--only small,olmo3-190m`: the 190M-class
 state is 2.3 GB, 1-2 minutes per repetition there), as are object stores, 3 repetitions each (on
-the local emulators, which run on the same 2 cores, about 2 minutes per repetition of `small`
-on moto's S3).
+the local emulators, which run on the same 2 cores, 30-45 s per repetition of `small`).
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def training_state(cfg: Olmo3Config, seed: int = 0) -> dict[str, dict[str, torch
 
 PRESETS_DEFAULT, REPEATS = ("small",), 7
 REMOTE_REPEATS = 3  # an object store's repetition takes minutes on the local emulators
+REMOTE_READS = 2  # reads of each kind per object-store repetition (its writes take far longer)
 
 
 def bench_checkpoint(quick: bool = False, urls: Sequence[str] = (),
@@ -119,7 +120,8 @@ def bench_checkpoint_local(sizes: Sequence[str] = ("small",), repeats: int = REP
 
 def format_report(result: dict[str, Any]) -> str:
     """One human-readable line per preset on the disk and per object store."""
-    remote = (f" ({result['remote_repeats']} on object stores)"
+    remote = (f" ({result['remote_repeats']} on object stores, each reading back "
+              f"{REMOTE_READS} times)"
               if result["remote"] and "remote_repeats" in result else "")
     lines = [f"checkpoint save/restore against raw I/O of the same bytes, median of "
              f"{result['repeats']} repetition(s){remote}:"]
@@ -172,13 +174,8 @@ def bench_checkpoint_remote(url: str, name: str = "small", repeats: int = REMOTE
     try:
         for step in range(1, repeats + 1):
             progress.report(f"{redact(url)} {name}", step, repeats)
-            rounds = [lambda: _raw_object_round(fs, objects),
-                      lambda step=step: _remote_checkpoint_round(store, step, state, live)]
-            if step % 2 == 0:
-                rounds.reverse()
-            for run in rounds:
-                for key, seconds in run().items():
-                    times[key].append(seconds)
+            for key, seconds in _remote_round(fs, objects, store, step, state, live):
+                times[key].append(seconds)
     finally:
         fs.rm(filesystem(root)[1], recursive=True)
     s = {k: statistics.median(v) for k, v in times.items()}
@@ -196,22 +193,25 @@ def bench_checkpoint_remote(url: str, name: str = "small", repeats: int = REMOTE
             "restore_in_place_vs_raw": gbps["restore_in_place"] / gbps["raw_get"]}
 
 
-def _raw_object_round(fs: Any, objects: dict[str, list[torch.Tensor]]) -> dict[str, float]:
-    put_s = _timed(_raw_put, fs, objects)
-    get_s = _timed(_raw_get, fs, objects)
-    get_new_s = _timed(_raw_get, fs, objects, True)
+def _remote_round(fs: Any, objects: dict[str, list[torch.Tensor]], store: CheckpointStore,
+                  step: int, state: dict[str, dict[str, torch.Tensor]],
+                  live: dict[str, torch.Tensor]) -> list[tuple[str, float]]:
+    """One repetition on an object store: the raw objects and checkpoint `step` written (which
+    first alternates between repetitions), then each read back `REMOTE_READS` times, raw and
+    checkpoint reads taking turns, so that reads are compared across seconds, not across the
+    emulators' minutes of writes; the raw objects are removed after (the checkpoints by the
+    store's retention)."""
+    writes = [lambda: [("raw_put", _timed(_raw_put, fs, objects))],
+              lambda: [("save", _timed(_save, store, step, state))]]
+    reads = [lambda: [("raw_get", _timed(_raw_get, fs, objects)),
+                      ("raw_get_new", _timed(_raw_get, fs, objects, True))],
+             lambda: list(_restores(store, step, state, live, lambda: None).items())]
+    out = []
+    for turn, runs in enumerate([writes] + [reads] * REMOTE_READS):
+        for run in runs[::-1] if (step + turn) % 2 else runs:
+            out += run()
     fs.rm(list(objects))
-    return {"raw_put": put_s, "raw_get": get_s, "raw_get_new": get_new_s}
-
-
-def _remote_checkpoint_round(store: CheckpointStore, step: int,
-                             state: dict[str, dict[str, torch.Tensor]],
-                             live: dict[str, torch.Tensor]) -> dict[str, float]:
-    t0 = time.perf_counter()
-    parts = {p: store.write_part(step, p, t) for p, t in state.items()}
-    store.commit(step, parts, {"bench": True})
-    save_s = time.perf_counter() - t0
-    return {"save": save_s, **_restores(store, step, state, live, lambda: None)}
+    return out
 
 
 def _raw_put(fs: Any, objects: dict[str, list[torch.Tensor]]) -> None:
@@ -306,13 +306,19 @@ def _checkpoint_round(store: CheckpointStore, step: int,
     """Save (parts and commit) and restore (verified) one checkpoint, into new tensors and in
     place into `live`; deleting it is untimed, as for the raw file."""
     t0 = time.perf_counter()
-    parts = {p: store.write_part(step, p, t) for p, t in state.items()}
-    url = store.commit(step, parts, {"bench": True})
+    url = _save(store, step, state)
     save_s = time.perf_counter() - t0
     out = {"save": save_s, **_restores(store, step, state, live, lambda: [
-        _evict(os.path.join(url, info["file"])) for info in parts.values()])}
+        _evict(os.path.join(url, file)) for file in os.listdir(url)])}
     shutil.rmtree(url)
     return out
+
+
+def _save(store: CheckpointStore, step: int, state: dict[str, dict[str, torch.Tensor]]
+          ) -> str:
+    """Checkpoint `step` of `state` written and committed, as a run saves; its URL."""
+    return store.commit(step, {p: store.write_part(step, p, t) for p, t in state.items()},
+                        {"bench": True})
 
 
 def _restores(store: CheckpointStore, step: int, state: dict[str, dict[str, torch.Tensor]],
