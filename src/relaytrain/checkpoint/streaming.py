@@ -77,8 +77,8 @@ def copy_bytes(dst: Any, src: Any) -> None:
 
     Why: a slice assignment between memoryviews holds the GIL for the whole copy, and a copy
     into new tensors also page-faults them in; meanwhile the object-store client's event loop,
-    receiving the next responses, waits for the GIL. Restoring from GCS's emulator into new
-    tensors took 0.69 s this way against 0.56 s (README "Measured")."""
+    receiving the next responses, waits for the GIL (README "Measured": checkpoint save /
+    restore on the local S3 and GCS emulators)."""
     np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
@@ -230,13 +230,12 @@ def range_size(fs: Any) -> int:
     """Bytes per ranged GET from `fs`: the client's own read block size, at least `MIN_RANGE`.
 
     Why: a request costs the server something whatever its size (moto's S3 emulator copies the
-    whole object for each, so s3fs's 50 MiB blocks restore in 1.4 s where 16 MiB ranges take
-    3.4 s), while each response arrives as one new buffer on the client's event-loop thread,
-    whose allocator (glibc's, outside the main arena) maps anything larger than about 16 MiB
-    afresh and unmaps it when freed: 32 MiB ranges restored from GCS's emulator at 0.56x the
-    raw GET, paying a page fault every 4 KiB, and 16 MiB ones at 0.93x (README "Measured").
-    So the range is what the client's authors chose for their service (s3fs 50 MiB; gcsfs
-    5 MiB, raised to 16 MiB for fewer requests)."""
+    whole object for each, so small ranges are slow there), while each response arrives as one
+    new buffer on the client's event-loop thread, and glibc maps a buffer larger than its
+    largest dynamic threshold (32 MiB) afresh each time and unmaps it when freed: 32 MiB ranges
+    page-faulted every 4 KiB of a restore in (README "Measured": checkpoint save / restore on
+    the local S3 and GCS emulators). So the range is what the client's authors chose for their
+    service (s3fs 50 MiB; gcsfs 5 MiB, raised to 16 MiB for fewer requests)."""
     return max(MIN_RANGE, int(getattr(fs, "default_block_size", 0) or 0))
 
 
