@@ -50,6 +50,7 @@ from relaytrain.checkpoint.streaming import (
     DIGEST,
     DIGESTS,
     HASH_THREADS,
+    RANGES_IN_FLIGHT,
     BackgroundHash,
     EarlyWriteback,
     RangedReader,
@@ -58,6 +59,7 @@ from relaytrain.checkpoint.streaming import (
     digest_hex,
     digest_of,
     hash_stream,
+    range_size,
 )
 from relaytrain.errors import CheckpointError
 
@@ -645,8 +647,9 @@ def _span(key: str, shape: list[int], info: dict, path: str) -> tuple[int, int] 
 
 class _Blocks:
     """Verified byte ranges of one file hashed in blocks: only the blocks holding the ranges
-    asked for are read (contiguous ones in one request), each checked against its digest on
-    HASH_THREADS threads while the next request is read."""
+    asked for are read, as parallel ranged requests (`RANGES_IN_FLIGHT` at once) of contiguous
+    blocks, at most `range_size` bytes each, every block checked against its digest on
+    HASH_THREADS threads as its response arrives."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str, info: dict):
         self.fs, self.path, self.info = fs, path, info
@@ -657,22 +660,34 @@ class _Blocks:
         need = sorted({i for a, b in spans if b > a for i in range(a // self.block,
                                                                     (b - 1) // self.block + 1)}
                       - set(self.got))
+        per = max(1, range_size(self.fs) // self.block)  # blocks per ranged request
+        requests = []  # (first block, blocks)
+        while need:
+            run = 1
+            while run < min(len(need), per) and need[run] == need[0] + run:
+                run += 1
+            requests.append((need[0], run))
+            need = need[run:]
         checks: list[tuple[int, memoryview, Future]] = []
         algorithm = digest_of(self.info)[0]
-        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="relaytrain-hash") as pool:
-            while need:
-                run = 1
-                while run < len(need) and need[run] == need[0] + run:
-                    run += 1
-                first, need = need[0], need[run:]
-                start, end = first * self.block, min((first + run) * self.block, self.size)
-                data = memoryview(self.fs.cat_file(self.path, start=start, end=end))
-                if len(data) != end - start:
-                    raise CheckpointError(f"{_shown(self.fs, self.path)}: ended early "
-                                          "(truncated)")
-                for i in range(first, first + run):
-                    block = data[(i - first) * self.block:(i - first + 1) * self.block]
-                    checks.append((i, block, pool.submit(digest_hex, algorithm, block)))
+        with ThreadPoolExecutor(RANGES_IN_FLIGHT, thread_name_prefix="relaytrain-get") as gets, \
+                ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="relaytrain-hash") as pool:
+            responses = [(first, run, gets.submit(
+                self.fs.cat_file, self.path, start=first * self.block,
+                end=min((first + run) * self.block, self.size))) for first, run in requests]
+            try:
+                for first, run, response in responses:
+                    data = memoryview(response.result())
+                    if len(data) != min((first + run) * self.block, self.size) - first * self.block:
+                        raise CheckpointError(f"{_shown(self.fs, self.path)}: ended early "
+                                              "(truncated)")
+                    for i in range(first, first + run):
+                        block = data[(i - first) * self.block:(i - first + 1) * self.block]
+                        checks.append((i, block, pool.submit(digest_hex, algorithm, block)))
+            except BaseException:
+                for *_, response in responses:
+                    response.cancel()
+                raise
         for i, block, digest in checks:
             if digest.result() != self.info["blocks"][i]:
                 raise CheckpointError(
