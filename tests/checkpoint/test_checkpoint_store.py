@@ -6,8 +6,6 @@ import hashlib
 import json
 import os
 import pickle
-import threading
-import time
 import uuid
 import warnings
 
@@ -507,32 +505,19 @@ def test_rows_are_read_from_only_the_blocks_holding_them(tmp_path, cuts):
         store.read(1)
 
 
-def test_rows_are_fetched_as_parallel_ranged_requests_of_whole_blocks(tmp_path, monkeypatch):
+def test_rows_are_fetched_as_parallel_ranged_requests_of_whole_blocks(tmp_path, monkeypatch,
+                                                                      slow_ranges):
     """Contiguous blocks come in requests of at most `range_size` bytes, RANGES_IN_FLIGHT of
     them at once, each holding whole blocks; the rows are the same."""
     monkeypatch.setattr(streaming, "MIN_RANGE", 64)  # two 32-byte blocks a request
     store = CheckpointStore(str(tmp_path), block_size=32)
     store.commit(1, save_sharded(store, 1, [(0, 10)]), {})
-    lock, running, most, calls = threading.Lock(), [0], [0], []
-    cat_file = store.fs.cat_file
-
-    def slow_cat_file(path, start=None, end=None):
-        if start is None:  # the manifest, read whole
-            return cat_file(path)
-        with lock:
-            calls.append((start, end))
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        time.sleep(0.02)
-        with lock:
-            running[0] -= 1
-        return cat_file(path, start=start, end=end)
-    monkeypatch.setattr(store.fs, "cat_file", slow_cat_file)
+    requests = slow_ranges(store.fs)
     _, got = store.read(1, rows={"model.w": (1, 9)})
     assert torch.equal(got["model.w"], WHOLE[1:9])
-    assert len(calls) > streaming.RANGES_IN_FLIGHT
-    assert all(start % 32 == 0 and end - start <= 64 for start, end in calls)
-    assert most[0] == streaming.RANGES_IN_FLIGHT
+    assert len(requests.calls) > streaming.RANGES_IN_FLIGHT
+    assert all(start % 32 == 0 and end - start <= 64 for start, end in requests.calls)
+    assert requests.most == streaming.RANGES_IN_FLIGHT
 
 
 def test_pieces_are_never_read_into_the_callers_tensor_of_their_shape(tmp_path):

@@ -7,8 +7,6 @@ import hashlib
 import json
 import os
 import random
-import threading
-import time
 
 import fsspec
 import pytest
@@ -50,23 +48,20 @@ def test_hash_stream_reuses_two_buffers_without_mixing_them(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("read_size", [1, 999, 1000, 4096, 1 << 20])
-def test_ranged_reader_delivers_the_file_in_order(tmp_path, monkeypatch, read_size):
+def test_ranged_reader_delivers_the_file_in_order(tmp_path, monkeypatch, slow_ranges, read_size):
     monkeypatch.setattr(streaming, "MIN_RANGE", 1000)  # 11 ranges, RANGES_IN_FLIGHT at once
     data = os.urandom(10_500)
     path = str(tmp_path / "f")
     (tmp_path / "f").write_bytes(data)
     fs = fsspec.filesystem("file")
-    calls = []
-    cat_file = fs.cat_file
-    monkeypatch.setattr(fs, "cat_file", lambda p, start, end: calls.append(start)
-                        or cat_file(p, start=start, end=end))
+    requests = slow_ranges(fs, delay=0)
     got = bytearray()
     with RangedReader(fs, path, len(data)) as src:
         buf = bytearray(read_size)
         while n := src.readinto(buf):
             got += buf[:n]
     assert bytes(got) == data
-    assert sorted(calls) == list(range(0, len(data), 1000))
+    assert sorted(start for start, _ in requests.calls) == list(range(0, len(data), 1000))
 
 
 def test_ranges_are_the_clients_block_size_and_at_least_min_range():
@@ -79,26 +74,16 @@ def test_ranges_are_the_clients_block_size_and_at_least_min_range():
     assert range_size(fsspec.filesystem("memory")) == streaming.MIN_RANGE == 16 << 20
 
 
-def test_no_more_than_ranges_in_flight_are_requested_at_once(tmp_path, monkeypatch):
+def test_no_more_than_ranges_in_flight_are_requested_at_once(tmp_path, monkeypatch,
+                                                            slow_ranges):
     """Memory in flight is bounded: RANGES_IN_FLIGHT requests of range_size bytes."""
     monkeypatch.setattr(streaming, "MIN_RANGE", 100)
     (tmp_path / "f").write_bytes(os.urandom(2_000))
     fs = fsspec.filesystem("file")
-    lock, running, most = threading.Lock(), [0], [0]
-    cat_file = fs.cat_file
-
-    def slow_cat_file(path, start, end):
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        time.sleep(0.02)
-        with lock:
-            running[0] -= 1
-        return cat_file(path, start=start, end=end)
-    monkeypatch.setattr(fs, "cat_file", slow_cat_file)
+    requests = slow_ranges(fs)
     with RangedReader(fs, str(tmp_path / "f"), 2_000) as src:
         assert src.readinto(bytearray(2_000)) == 2_000
-    assert most[0] == streaming.RANGES_IN_FLIGHT
+    assert requests.most == streaming.RANGES_IN_FLIGHT
 
 
 def state() -> dict[str, torch.Tensor]:

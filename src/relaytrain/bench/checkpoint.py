@@ -88,7 +88,7 @@ def training_state(cfg: Olmo3Config, seed: int = 0) -> dict[str, dict[str, torch
 
 
 PRESETS_DEFAULT, REPEATS = ("small",), 7
-REMOTE_REPEATS = 3  # an object store's repetition takes minutes on the local emulators
+REMOTE_REPEATS = 3  # an object store's repetition takes 30-45 s on the local emulators
 REMOTE_READS = 2  # reads of each kind per object-store repetition (its writes take far longer)
 
 
@@ -199,8 +199,8 @@ def _remote_round(fs: Any, objects: dict[str, list[torch.Tensor]], store: Checkp
     """One repetition on an object store: the raw objects and checkpoint `step` written (which
     first alternates between repetitions), then each read back `REMOTE_READS` times, raw and
     checkpoint reads taking turns, so that reads are compared across seconds, not across the
-    emulators' minutes of writes; the raw objects are removed after (the checkpoints by the
-    store's retention)."""
+    emulators' long writes; the raw objects are removed after (the checkpoints by the store's
+    retention)."""
     writes = [lambda: [("raw_put", _timed(_raw_put, fs, objects))],
               lambda: [("save", _timed(_save, store, step, state))]]
     reads = [lambda: [("raw_get", _timed(_raw_get, fs, objects)),
