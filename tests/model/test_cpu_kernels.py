@@ -1,7 +1,9 @@
 """The fused CPU kernels (`model.kernels`): SwiGLU and RoPE round exactly as torch's ops they
-replace, RMSNorm agrees to float rounding, no result depends on the thread count, the build is
-the host's, and `auto` falls back to torch's ops where the kernels cannot be built."""
+replace, RMSNorm and the sliding-window attention agree to float rounding, no result depends on
+the thread count, the build is the host's, and `auto` falls back to torch's ops where the
+kernels cannot be built."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -76,18 +78,82 @@ def test_rms_norm_agrees_with_torch_to_float_rounding():
     torch.testing.assert_close(dw, rw, rtol=1e-5, atol=1e-4)
 
 
+def window_reference(q, k, v, window, scale):
+    """Dense-masked attention in float64, kv heads repeated for their query heads."""
+    rep = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    i, j = torch.arange(q.shape[2])[:, None], torch.arange(q.shape[2])[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - window),
+                                          scale=scale)
+
+
+@built
+@pytest.mark.parametrize(("t", "window", "heads", "kv_heads"), [
+    (70, 5, 2, 2), (70, 40, 4, 2), (33, 100, 2, 1), (64, 1, 2, 2), (257, 64, 2, 2)])
+@pytest.mark.parametrize("layout", ["heads first", "tokens first"])
+def test_window_attention_equals_the_dense_mask_forward_and_backward(t, window, heads,
+                                                                     kv_heads, layout):
+    """Windows shorter and longer than the sequence (causal), of one key, query heads sharing
+    kv heads, a length that is no multiple of the kernel's chunk or tile; the projections'
+    layout ("tokens first") or contiguous heads. Gradients flow to the kv heads shared."""
+    gen = torch.Generator().manual_seed(t + window)
+
+    def make(h):
+        if layout == "tokens first":
+            return torch.randn(2, t, h, 64, generator=gen).transpose(1, 2)
+        return torch.randn(2, h, t, 64, generator=gen)
+    q, k, v, g = make(heads), make(kv_heads), make(kv_heads), make(heads)
+    out, grads = grads_of(lambda a, b, c: cpu_kernels.window_attention(a, b, c, window, 0.125),
+                          q, k, v, grad=g)
+    ref, ref_grads = grads_of(lambda a, b, c: window_reference(a, b, c, window, 0.125),
+                              q, k, v, grad=g.double())
+    for a, b in ((out, ref), *zip(grads, ref_grads, strict=True)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+
+
+@built
+def test_a_fused_sliding_layer_runs_the_window_kernel_and_trains_as_the_chunks(monkeypatch):
+    """Head dims of 64 (the kernel's multiple), two query heads on one kv head, a window
+    shorter than the sequence; the chunks (torch's ops) give the same losses and gradients."""
+    cfg = dataclasses.replace(PRESETS["tiny"].with_vocab(300), d_model=128, n_heads=2,
+                              n_kv_heads=1, head_dim=64)
+    calls = []
+    kernel = cpu_kernels.window_attention
+    monkeypatch.setattr(cpu_kernels, "window_attention", lambda *a: calls.append(a[3])
+                        or kernel(*a))
+    x = torch.randint(0, 300, (2, 50), generator=torch.Generator().manual_seed(5))
+    loss, grads = {}, {}
+    for kernels in ("torch", "fused"):
+        model = Olmo3(cfg)
+        init_weights(model, 0)
+        model.configure(attention="chunks", kernels=kernels)
+        loss[kernels] = model(x[:, :-1], labels=x[:, 1:])[0]
+        loss[kernels].backward()
+        grads[kernels] = {n: p.grad for n, p in model.named_parameters()}
+    assert calls == [cfg.sliding_window]  # the one sliding layer, fused only
+    assert cfg.sliding_window < x.shape[1] - 1
+    torch.testing.assert_close(loss["fused"], loss["torch"], rtol=1e-6, atol=1e-6)
+    for name, g in grads["torch"].items():
+        torch.testing.assert_close(grads["fused"][name], g, rtol=1e-4, atol=1e-6)
+
+
 @built
 def test_no_result_depends_on_the_thread_count():
     """RMSNorm's weight gradient sums 200 rows: fixed blocks of rows, then the blocks in order,
-    whichever thread ran each."""
+    whichever thread ran each; attention's key gradients sum over queries and query heads
+    within one (batch, kv head)."""
     gen = torch.Generator().manual_seed(3)
     x, g = torch.randn(200, 64, generator=gen), torch.randn(200, 64, generator=gen)
     w = torch.rand(64, generator=gen)
     gate, up, q = (torch.randn(40, 1000, generator=gen) for _ in range(3))
+    aq, ak, av, ag = (torch.randn(2, h, 100, 64, generator=gen) for h in (4, 2, 2, 4))
 
     def run():
         return [*grads_of(lambda a, b: cpu_kernels.rms_norm(a, b, 1e-6), x, w, grad=g)[1],
-                *grads_of(cpu_kernels.swiglu, gate, up, grad=q)[1]]
+                *grads_of(cpu_kernels.swiglu, gate, up, grad=q)[1],
+                *grads_of(lambda a, b, c: cpu_kernels.window_attention(a, b, c, 30, 0.125),
+                          aq, ak, av, grad=ag)[1]]
 
     try:
         torch.set_num_threads(1)

@@ -1,10 +1,12 @@
-// Fused CPU kernels for the model's elementwise work (relaytrain/model/cpu_kernels.py says why).
+// Fused CPU kernels for the model's elementwise work and its sliding-window attention
+// (relaytrain/model/cpu_kernels.py says why).
 //
-// Every kernel reads its inputs once and writes its outputs once, vectorised with ATen's own
-// Vectorized<float> (the same exp torch's kernels use), and splits its work over torch's
-// intra-op threads. Results never depend on the thread count: each row (or element) is
-// computed by one thread in a fixed order, and the one sum over rows (RMSNorm's weight
-// gradient) adds fixed blocks of rows, then the blocks in order.
+// Every elementwise kernel reads its inputs once and writes its outputs once, vectorised with
+// ATen's own Vectorized<float> (the same exp torch's kernels use), and splits its work over
+// torch's intra-op threads. Results never depend on the thread count: each row (or element) is
+// computed by one thread in a fixed order, the one sum over rows (RMSNorm's weight gradient)
+// adds fixed blocks of rows, then the blocks in order, and attention's sums over keys and
+// queries are each one (batch, kv head) task's, in order.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,7 +16,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -273,6 +277,231 @@ void softmax_scale_(at::Tensor& x, const at::Tensor& lse, const at::Tensor& scal
   });
 }
 
+// Sliding-window attention: each query against only the keys in its window.
+
+constexpr int64_t kQueries = 32;  // queries per chunk of the backward's key-gradient pass
+constexpr int64_t kG = 4;         // vectors accumulated side by side: independent FMA chains
+
+struct Strided {  // a [B, H, T, D] fp32 tensor's data and strides (D dense)
+  float* p;
+  int64_t sb, sh, st;
+  explicit Strided(const at::Tensor& t)
+      : p(t.data_ptr<float>()), sb(t.stride(0)), sh(t.stride(1)), st(t.stride(2)) {}
+  float* row(int64_t b, int64_t h, int64_t t) const { return p + b * sb + h * sh + t * st; }
+};
+
+void check_attention(const at::Tensor& t, const char* name, int64_t d) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 4 &&
+                  t.stride(3) == 1 && t.size(3) == d,
+              "relaytrain_cpu: attention's ", name,
+              " must be a fp32 CPU tensor [B, H, T, hd], last dim dense");
+}
+
+// [B, H, T, D] with the memory of [B, T, H, D]: the layout attention's input projections give
+// and its output projection takes without a copy.
+at::Tensor empty_bthd(int64_t b, int64_t h, int64_t t, int64_t d, const at::Tensor& like) {
+  return at::empty({b, t, h, d}, like.options()).permute({0, 2, 1, 3});
+}
+
+// One head's T rows of x, transposed into xt [D][ld] (ld >= T + kG kW, zero past T: a score
+// pass reads whole vectors).
+void transpose_head(const Strided& x, int64_t b, int64_t h, int64_t nt, int64_t d, float* xt,
+                    int64_t ld) {
+  for (int64_t t = 0; t < nt; t += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, nt - t));
+    for (int64_t c = 0; c < d; c += 16) {
+      if (m == 16)
+        at::vec::transpose_mxn<float, 16, 16>(x.row(b, h, t) + c, x.st, xt + c * ld + t, ld);
+      else
+        at::vec::transpose_mxn<float>(x.row(b, h, t) + c, x.st, xt + c * ld + t, ld, m, 16);
+    }
+  }
+  for (int64_t c = 0; c < d; ++c) std::fill(xt + c * ld + nt, xt + (c + 1) * ld, 0.f);
+}
+
+// s[j] = scale (x . row j0 + j) for j < n, from the transposed rows xt; s[j] = -inf for
+// n <= j < n rounded up to whole vectors.
+void scores(const float* x, const float* xt, int64_t ld, int64_t j0, int64_t n, int64_t d,
+            float scale, float* s) {
+  for (int64_t j = 0; j < n; j += kG * kW) {
+    Vec acc[2][kG];  // even and odd columns of x apart: twice the chains
+    for (int64_t g = 0; g < kG; ++g) acc[0][g] = acc[1][g] = Vec(0.f);
+    const float* col = xt + j0 + j;
+    for (int64_t c = 0; c < d; c += 2) {
+      for (int64_t h = 0; h < 2; ++h) {
+        const Vec xc(x[c + h]);
+        const float* r = col + (c + h) * ld;
+        for (int64_t g = 0; g < kG; ++g)
+          acc[h][g] = at::vec::fmadd(xc, Vec::loadu(r + g * kW), acc[h][g]);
+      }
+    }
+    for (int64_t g = 0; g < kG && j + g * kW < n; ++g)
+      ((acc[0][g] + acc[1][g]) * Vec(scale)).store(s + j + g * kW);
+  }
+  std::fill(s + n, s + (n + kW - 1) / kW * kW, -std::numeric_limits<float>::infinity());
+}
+
+// out[0..d) = scale sum_{j < n} w[j] row(j), rows of stride st from base.
+void weighted_rows(const float* w, int64_t n, const float* base, int64_t st, int64_t d,
+                   float scale, float* out) {
+  for (int64_t c = 0; c < d; c += kG * kW) {
+    Vec acc[2][kG];  // even and odd rows apart: twice the chains
+    for (int64_t g = 0; g < kG; ++g) acc[0][g] = acc[1][g] = Vec(0.f);
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      for (int64_t h = 0; h < 2; ++h) {
+        const Vec wj(w[j + h]);
+        const float* r = base + (j + h) * st + c;
+        for (int64_t g = 0; g < kG; ++g)
+          acc[h][g] = at::vec::fmadd(wj, Vec::loadu(r + g * kW), acc[h][g]);
+      }
+    }
+    if (j < n) {
+      const Vec wj(w[j]);
+      const float* r = base + j * st + c;
+      for (int64_t g = 0; g < kG; ++g)
+        acc[0][g] = at::vec::fmadd(wj, Vec::loadu(r + g * kW), acc[0][g]);
+    }
+    for (int64_t g = 0; g < kG; ++g)
+      ((acc[0][g] + acc[1][g]) * Vec(scale)).store(out + c + g * kW);
+  }
+}
+
+float reduce_sum(Vec v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// Causal attention of q [B, H, T, D] over k, v [B, Hkv, T, D] (each kv head serving H / Hkv
+// query heads) restricted to q - window < k <= q, scores scaled by `scale`. Returns the
+// output [B, H, T, D] (memory [B, T, H, D]) and each row's log-sum-exp [B, H, T]. A task is
+// one (batch, kv head): no result depends on the thread count.
+std::tuple<at::Tensor, at::Tensor> window_attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, int64_t window,
+                                                        double scale) {
+  const int64_t nb = q.size(0), nh = q.size(1), nt = q.size(2), d = q.size(3), nkv = k.size(1);
+  check_attention(q, "q", d);
+  check_attention(k, "k", d);
+  check_attention(v, "v", d);
+  // whole groups of kG vectors (kW <= 16 floats) and 16 x 16 transposes per head row
+  TORCH_CHECK(d % 64 == 0 && nh % nkv == 0 && k.size(2) == nt && v.sizes() == k.sizes() &&
+                  window > 0,
+              "relaytrain_cpu: window attention takes q [B, H, T, hd], k and v [B, Hkv, T, hd] "
+              "with H a multiple of Hkv, hd a multiple of 64 and a positive window");
+  at::Tensor out = empty_bthd(nb, nh, nt, d, q), lse = at::empty({nb, nh, nt}, q.options());
+  const Strided Q(q), K(k), V(v), O(out);
+  float* lp = lse.data_ptr<float>();
+  const int64_t rep = nh / nkv, ld = nt + kG * kW;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, nb * nkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(d * ld), s(ld);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / nkv, hk = task % nkv;
+      transpose_head(K, b, hk, nt, d, kt.data(), ld);
+      for (int64_t h = hk * rep; h < (hk + 1) * rep; ++h) {
+        for (int64_t i = 0; i < nt; ++i) {
+          const int64_t j0 = std::max<int64_t>(0, i - window + 1), n = i + 1 - j0;
+          scores(Q.row(b, h, i), kt.data(), ld, j0, n, d, fscale, s.data());
+          Vec mv(-std::numeric_limits<float>::infinity());
+          for (int64_t j = 0; j < n; j += kW)
+            mv = at::vec::maximum(mv, Vec::loadu(s.data() + j));
+          const float m = at::vec::vec_reduce_all<float>(
+              [](Vec& a, Vec& x) { return at::vec::maximum(a, x); }, mv);
+          Vec sv(0.f);
+          for (int64_t j = 0; j < n; j += kW) {
+            Vec e = (Vec::loadu(s.data() + j) - Vec(m)).exp();
+            e.store(s.data() + j);
+            sv = sv + e;
+          }
+          const float sum = reduce_sum(sv);
+          weighted_rows(s.data(), n, V.row(b, hk, j0), V.st, d, 1.f / sum, O.row(b, h, i));
+          lp[(b * nh + h) * nt + i] = m + std::log(sum);
+        }
+      }
+    }
+  });
+  return {out, lse};
+}
+
+// The backward of window_attention_fwd: dq [B, H, T, D] and dk, dv [B, Hkv, T, D] (memory
+// [B, T, heads, D]). With p = exp(s - lse) the forward's softmax, dp = dO . v and
+// ds = scale p (dp - dO . o): dq = sum_j ds k, dk = sum_i ds q, dv = sum_i p dO, each summed
+// in a fixed order by the task of its (batch, kv head).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> window_attention_bwd(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, int64_t window, double scale) {
+  const int64_t nb = q.size(0), nh = q.size(1), nt = q.size(2), d = q.size(3), nkv = k.size(1);
+  check_attention(grad, "grad", d);
+  check_attention(q, "q", d);
+  check_attention(k, "k", d);
+  check_attention(v, "v", d);
+  check_attention(out, "out", d);
+  TORCH_CHECK(lse.is_contiguous() && lse.numel() == nb * nh * nt, "relaytrain_cpu: lse");
+  at::Tensor dq = empty_bthd(nb, nh, nt, d, q);
+  at::Tensor dk = empty_bthd(nb, nkv, nt, d, k).zero_();
+  at::Tensor dv = empty_bthd(nb, nkv, nt, d, v).zero_();
+  const Strided G(grad), Q(q), K(k), V(v), O(out), DQ(dq), DK(dk), DV(dv);
+  const float* lp = lse.data_ptr<float>();
+  const int64_t rep = nh / nkv, ld = nt + kG * kW;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, nb * nkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(d * ld), vt(d * ld), p(kQueries * ld), ds(kQueries * ld), dp(ld);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / nkv, hk = task % nkv;
+      transpose_head(K, b, hk, nt, d, kt.data(), ld);
+      transpose_head(V, b, hk, nt, d, vt.data(), ld);
+      for (int64_t h = hk * rep; h < (hk + 1) * rep; ++h) {
+        for (int64_t s0 = 0; s0 < nt; s0 += kQueries) {
+          const int64_t e = std::min(nt, s0 + kQueries);
+          const int64_t f = std::max<int64_t>(0, s0 - window + 1);  // the chunk's first key
+          for (int64_t i = s0; i < e; ++i) {  // row i - s0 of p and ds, column j - f for key j
+            const int64_t j0 = std::max<int64_t>(0, i - window + 1), n = i + 1 - j0;
+            float* pr = p.data() + (i - s0) * ld + (j0 - f);
+            float* dsr = ds.data() + (i - s0) * ld + (j0 - f);
+            const float *gi = G.row(b, h, i), *oi = O.row(b, h, i);
+            scores(Q.row(b, h, i), kt.data(), ld, j0, n, d, fscale, dp.data());
+            const Vec l(lp[(b * nh + h) * nt + i]);
+            for (int64_t j = 0; j < n; j += kW)
+              (Vec::loadu(dp.data() + j) - l).exp().store(pr + j);
+            scores(gi, vt.data(), ld, j0, n, d, 1.f, dp.data());
+            Vec dot(0.f);
+            for (int64_t c = 0; c < d; c += kW)
+              dot = at::vec::fmadd(Vec::loadu(gi + c), Vec::loadu(oi + c), dot);
+            const Vec di(reduce_sum(dot));
+            for (int64_t j = 0; j < n; j += kW)
+              (Vec::loadu(pr + j) * (Vec::loadu(dp.data() + j) - di) * Vec(fscale))
+                  .store(dsr + j);
+            weighted_rows(dsr, n, K.row(b, hk, j0), K.st, d, 1.f, DQ.row(b, h, i));
+          }
+          for (int64_t j = f; j < e; ++j) {  // keys the chunk's queries see
+            float *dkj = DK.row(b, hk, j), *dvj = DV.row(b, hk, j);
+            const int64_t i0 = std::max(s0, j), i1 = std::min(e, j + window);
+            for (int64_t c = 0; c < d; c += kG * kW) {
+              Vec ak[kG], av[kG];
+              for (int64_t g = 0; g < kG; ++g) {
+                ak[g] = Vec::loadu(dkj + c + g * kW);
+                av[g] = Vec::loadu(dvj + c + g * kW);
+              }
+              for (int64_t i = i0; i < i1; ++i) {
+                const Vec dsij(ds[(i - s0) * ld + (j - f)]), pij(p[(i - s0) * ld + (j - f)]);
+                const float *qi = Q.row(b, h, i) + c, *gi = G.row(b, h, i) + c;
+                for (int64_t g = 0; g < kG; ++g) {
+                  ak[g] = at::vec::fmadd(dsij, Vec::loadu(qi + g * kW), ak[g]);
+                  av[g] = at::vec::fmadd(pij, Vec::loadu(gi + g * kW), av[g]);
+                }
+              }
+              for (int64_t g = 0; g < kG; ++g) {
+                ak[g].store(dkj + c + g * kW);
+                av[g].store(dvj + c + g * kW);
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(relaytrain_cpu, m) {
@@ -283,6 +512,10 @@ TORCH_LIBRARY(relaytrain_cpu, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");
   m.def("logsumexp_rows(Tensor logits) -> Tensor");
   m.def("softmax_scale_(Tensor(a!) logits, Tensor lse, Tensor scale) -> ()");
+  m.def("window_attention_fwd(Tensor q, Tensor k, Tensor v, int window, float scale) "
+        "-> (Tensor, Tensor)");
+  m.def("window_attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, int window, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(relaytrain_cpu, CPU, m) {
@@ -293,4 +526,6 @@ TORCH_LIBRARY_IMPL(relaytrain_cpu, CPU, m) {
   m.impl("rope", rope);
   m.impl("logsumexp_rows", logsumexp_rows);
   m.impl("softmax_scale_", softmax_scale_);
+  m.impl("window_attention_fwd", window_attention_fwd);
+  m.impl("window_attention_bwd", window_attention_bwd);
 }

@@ -1,5 +1,5 @@
 """Fused CPU kernels for the model's elementwise work: RMSNorm, SwiGLU and RoPE, forward and
-backward, and the LM head's softmax (`model.kernels`).
+backward, and the LM head's softmax; and for the sliding layers' attention (`model.kernels`).
 
 Why: on the CPU, a training step's time outside its GEMMs and attention goes to elementwise
 ops, each a separate pass over memory: an RMSNorm took about ten passes forward and backward,
@@ -9,15 +9,19 @@ compiling costs every worker process seconds at start (README "Measured"), repla
 included. These kernels (`cpu_kernels.cpp`) read their inputs and write their outputs once,
 and are compiled once per host (where torch keeps extensions it builds: `build_dir`), keyed by
 the source, the CPU's vector ISA and the torch version, and loaded from there in a millisecond
-by every later process.
+by every later process. A sliding layer through torch's flash kernels (`model.sliding_chunks`)
+scores chunks of 32 queries against every key any of them reaches and copies and adds each
+chunk's results; `window_attention` scores each query against its own window's keys, takes
+grouped kv heads as they are, and returns its output in the layout the output projection
+reads: a sliding layer's forward and backward in 0.6x the time (README "Measured").
 
 Numerics: SwiGLU and RoPE round exactly as torch's ops they replace (the same vectorised exp,
 the same products and sums in the same order; `tests/model/test_cpu_kernels.py` checks them
 bit for bit). RMSNorm sums each row's squares in a different order than torch's `mean`, and
-the softmax is `exp(x - logsumexp)` rather than the exponential of torch's log-softmax, so
-their results differ from HF's in the last bits (float rounding; `relaytrain parity hf` bounds
-the difference). No result depends on the thread count, so runs stay bit-reproducible and exact
-mode's invariances hold.
+the softmax is `exp(x - logsumexp)` rather than the exponential of torch's log-softmax, and
+the window attention sums in its own order, so their results differ from HF's in the last
+bits (float rounding; `relaytrain parity hf` bounds the difference). No result depends on the
+thread count, so runs stay bit-reproducible and exact mode's invariances hold.
 
 `model.kernels`: `torch` runs torch's ops as HF does (the path whose CPU logits are bit-identical
 with HF's under `model.matmul: aten`), `fused` these kernels (an error where they cannot be
@@ -189,6 +193,23 @@ class _Rope(torch.autograd.Function):
         return torch.ops.relaytrain_cpu.rope(_dense_rows(grad), cos, sin, True), None, None
 
 
+class _WindowAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
+        q, k, v = _dense_rows(q), _dense_rows(k), _dense_rows(v)
+        out, lse = torch.ops.relaytrain_cpu.window_attention_fwd(q, k, v, window, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.window, ctx.scale = window, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.relaytrain_cpu.window_attention_bwd(
+            _dense_rows(grad), q, k, v, out, lse, ctx.window, ctx.scale)
+        return dq, dk, dv, None, None
+
+
 def _dense_rows(x: Tensor) -> Tensor:
     """x itself when its last dimension is dense (the kernel takes any other strides), else a
     contiguous copy."""
@@ -215,6 +236,18 @@ def softmax_scale_(logits: Tensor, lse: Tensor, scale: Tensor) -> Tensor:
     softmax scaled per row, in one pass (contiguous fp32 CPU tensors [rows, V], [rows])."""
     torch.ops.relaytrain_cpu.softmax_scale_(logits, lse.contiguous(), scale.contiguous())
     return logits
+
+
+WINDOW_HEAD_DIMS = 64  # window_attention takes head dims that are multiples of this
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
+    """Attention of q [B, H, T, hd] over k, v [B, Hkv, T, hd] (fp32 CPU tensors; each kv head
+    serves H / Hkv query heads, hd a multiple of `WINDOW_HEAD_DIMS`) restricted to
+    q - window < k <= q, scores scaled by `scale`: every query scored against the keys in its
+    window alone. The output [B, H, T, hd] has the memory of [B, T, H, hd], the layout the
+    output projection takes without a copy."""
+    return _WindowAttention.apply(q, k, v, window, scale)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -270,13 +270,14 @@ class Attention(nn.Module):
         # QK-norm over the whole projection (all heads together), before the head split.
         self.q_norm = RMSNorm(q_dim, cfg.rms_eps)
         self.k_norm = RMSNorm(kv_dim, cfg.rms_eps)
-        self.fused = False  # RoPE's fused kernel (`Olmo3.configure`)
+        self.fused = False  # RoPE's and sliding attention's fused kernels (`Olmo3.configure`)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 mask: Tensor | BlockMask | Window | None) -> Tensor:
         """Causal attention when `mask` is None, else attention restricted to `mask`: a dense
         boolean mask through SDPA, a block mask through FlexAttention (GQA native), or a
-        `Window` attended chunk by chunk (`model.sliding_chunks`)."""
+        `Window`: the fused window kernel (`cpu_kernels.window_attention`), else chunk by chunk
+        (`model.sliding_chunks`)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -292,7 +293,11 @@ class Attention(nn.Module):
             flex = _compiled_flex_attention() if q.is_cuda else flex_attention
             y = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=n_rep > 1)
         elif isinstance(mask, Window) and cpu_kernels.cpu_fp32(q, k, v):
-            y = sliding_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask.size, scale)
+            if self.fused and self.head_dim % cpu_kernels.WINDOW_HEAD_DIMS == 0:
+                y = cpu_kernels.window_attention(q, k, v, mask.size, scale)  # GQA native
+            else:
+                y = sliding_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask.size,
+                                      scale)
         else:
             if isinstance(mask, Window):  # what the chunks do not take (bf16): the dense mask
                 mask = sliding_window_mask(q.shape[2], mask.size, q.device)
