@@ -128,6 +128,8 @@ def test_a_fused_sliding_layer_runs_the_window_kernel_and_trains_as_the_chunks(m
         model = Olmo3(cfg)
         init_weights(model, 0)
         model.configure(attention="chunks", kernels=kernels)
+        assert all(m.window_kernel == (kernels == "fused") for m in model.modules()
+                   if isinstance(m, Attention))
         loss[kernels] = model(x[:, :-1], labels=x[:, 1:])[0]
         loss[kernels].backward()
         grads[kernels] = {n: p.grad for n, p in model.named_parameters()}

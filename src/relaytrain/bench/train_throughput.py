@@ -79,7 +79,7 @@ from relaytrain.model.init import init_weights
 from relaytrain.model.matmul import onednn_available
 from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.model.memory import SavedBytes
-from relaytrain.model.olmo3 import Olmo3
+from relaytrain.model.olmo3 import Attention, Olmo3
 from relaytrain.model.sliding_chunks import Window
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.execution import compiles, prepare_model, retain_freed_memory
@@ -329,7 +329,7 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
                           "embeddings_decayed": optim_cfg.decay_embeddings,
                           "impl": "fused"},
             "clip": train_cfg.clip, "z_loss_ours": train_cfg.z_loss,
-            "ours_sliding_attention": _sliding_kind(ours.sliding_mask(seq_len, dev))
+            "ours_sliding_attention": _sliding_kind(ours, seq_len, dev)
             if seq_len > cfg.sliding_window else "causal (seq_len <= window)",
             "ours_compiled_blocks": compiles(execution.compile, dev),
             "ours_matmul": ours.matmul, "matmul_choice": dataclasses.asdict(choice),
@@ -377,11 +377,16 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     return out
 
 
-def _sliding_kind(mask: object) -> str:
-    """How our sliding layers attend, from the mask the model hands them."""
+def _sliding_kind(model: Olmo3, seq_len: int, dev: torch.device) -> str:
+    """How our sliding layers attend, from the mask the model hands them (and, for a window,
+    whether its layers' fused window kernel takes it)."""
+    mask = model.sliding_mask(seq_len, dev)
     if isinstance(mask, BlockMask):
         return "flex"
-    return "chunks" if isinstance(mask, Window) else "sdpa mask"
+    if isinstance(mask, Window):
+        attention = next(m for m in model.modules() if isinstance(m, Attention))
+        return "window kernel" if attention.window_kernel else "chunks"
+    return "sdpa mask"
 
 
 def _cpp_compiler() -> str | None:

@@ -272,6 +272,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(kv_dim, cfg.rms_eps)
         self.fused = False  # RoPE's and sliding attention's fused kernels (`Olmo3.configure`)
 
+    @property
+    def window_kernel(self) -> bool:
+        """Whether a `Window` goes through the fused window kernel (for fp32 CPU tensors): the
+        fused kernels are on and take this head dim."""
+        return self.fused and self.head_dim % cpu_kernels.WINDOW_HEAD_DIMS == 0
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 mask: Tensor | BlockMask | Window | None) -> Tensor:
         """Causal attention when `mask` is None, else attention restricted to `mask`: a dense
@@ -293,7 +299,7 @@ class Attention(nn.Module):
             flex = _compiled_flex_attention() if q.is_cuda else flex_attention
             y = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=n_rep > 1)
         elif isinstance(mask, Window) and cpu_kernels.cpu_fp32(q, k, v):
-            if self.fused and self.head_dim % cpu_kernels.WINDOW_HEAD_DIMS == 0:
+            if self.window_kernel:
                 y = cpu_kernels.window_attention(q, k, v, mask.size, scale)  # GQA native
             else:
                 y = sliding_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask.size,
@@ -424,10 +430,11 @@ class Olmo3(nn.Module):
         dense products' backend and the elementwise kernels.
 
         `attention`: `sdpa` gives sliding layers a dense boolean mask (exact against HF on the
-        CPU), `chunks` their queries a chunk at a time over only the keys in reach (CPU, fp32:
-        `model.sliding_chunks`), `flex` a FlexAttention block mask (no T x T mask; CUDA for
-        training, since FlexAttention has no CPU backward), `auto` flex on CUDA and chunks on
-        the CPU (the dense mask in compiled blocks). Full layers always take SDPA `is_causal`
+        CPU), `chunks` each query over only the keys in its window (CPU, fp32: the fused window
+        kernel, else a chunk of queries at a time, `model.sliding_chunks`), `flex` a
+        FlexAttention block mask (no T x T mask; CUDA for training, since FlexAttention has no
+        CPU backward), `auto` flex on CUDA and chunks on the CPU (the dense mask in compiled
+        blocks). Full layers always take SDPA `is_causal`
         (flash kernels).
         `checkpointing`: `full` checkpoints every block (keeps only block inputs: the least
         memory, the forward computed twice, ~+33% step FLOPs); `selective` every other block
@@ -439,9 +446,9 @@ class Olmo3(nn.Module):
         linear layers and the LM head through oneDNN on the CPU; `model.matmul`); `auto` is
         the faster on the device the parameters are on (`model.matmul_choice`: measured once
         per host at this process's thread count).
-        `kernels`: `torch` (torch's ops, as HF), `fused` (RMSNorm, SwiGLU, RoPE and the LM
-        head's softmax through the fused CPU kernels, `model.cpu_kernels`) or `auto` (fused on
-        the CPU where they build).
+        `kernels`: `torch` (torch's ops, as HF), `fused` (RMSNorm, SwiGLU, RoPE, the LM head's
+        softmax and the `chunks` sliding attention through the fused CPU kernels,
+        `model.cpu_kernels`) or `auto` (fused on the CPU where they build).
         """
         if (attention not in ATTENTION_BACKENDS or checkpointing not in CHECKPOINTING
                 or matmul not in MATMUL_BACKENDS):

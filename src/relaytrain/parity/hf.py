@@ -105,8 +105,8 @@ def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None
     bit-for-bit comparison; `onednn` differs from it in the products' last bits only, well
     within the bars. `kernels`: `torch`, HF's own ops and its dense-mask SDPA for the sliding
     layers; `fused`, what CPU training runs under `auto`: the fused kernels (`model.kernels`)
-    and sliding layers attended in chunks (`model.attention: chunks`), which round
-    differently."""
+    and sliding layers through `model.attention: chunks` (the fused window kernel where it
+    takes the head dim), which round differently."""
     if preset not in PRESETS:
         raise UserError(f"unknown model preset {preset!r}; known: {', '.join(PRESETS)}")
     cfg = PRESETS[preset]
