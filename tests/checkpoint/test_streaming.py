@@ -187,3 +187,79 @@ def test_a_local_part_goes_to_disk_while_it_is_written(tmp_path, monkeypatch):
     assert 0 <= record["size"] - starts[-1] < 1 << 20  # all but the tail, before the fsync
     loaded = safetensors.torch.load_file(tmp_path / "step_00000001" / "model.safetensors")
     assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
+
+
+def _resident_pages(address: int, nbytes: int) -> int:
+    """Pages of [address, address + nbytes) in memory now (mincore)."""
+    import ctypes
+    import mmap
+
+    pages = nbytes // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    assert streaming._libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+def _populate_supported() -> bool:
+    import ctypes
+    import mmap
+
+    if streaming._libc is None:
+        return False
+    m = mmap.mmap(-1, mmap.PAGESIZE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    ok = streaming._libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(mmap.PAGESIZE),
+                                 streaming._MADV_POPULATE_WRITE) == 0
+    del address
+    m.close()
+    return ok
+
+
+@pytest.mark.skipif(not _populate_supported(), reason="MADV_POPULATE_WRITE: Linux 5.14+")
+def test_prefault_brings_fresh_memory_in_without_the_reader_touching_it():
+    """The pages of every span become resident on Prefault's thread, the reader untouched;
+    leaving the context stops and joins it."""
+    import ctypes
+    import mmap
+    import time
+
+    size = 3 * streaming.CHUNK + 5 * mmap.PAGESIZE  # several madvise calls and a tail
+    maps = [mmap.mmap(-1, size), mmap.mmap(-1, 2 * mmap.PAGESIZE)]
+    spans = [(ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m)) for m in maps]
+    assert all(_resident_pages(*s) == 0 for s in spans)  # fresh: nothing faulted in yet
+    with streaming.Prefault(spans) as p:
+        deadline = time.monotonic() + 30
+        while (any(_resident_pages(a, n) < n // mmap.PAGESIZE for a, n in spans)
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+    assert [_resident_pages(*s) for s in spans] == [n // mmap.PAGESIZE for _, n in spans]
+    assert not p._thread.is_alive()
+    assert all(not any(m[:]) for m in maps)  # faulted in as zeroes, not written
+
+
+def test_a_restore_prefaults_only_the_memory_it_allocates(tmp_path, monkeypatch):
+    """Tensors read in place (`into`) are the caller's and already in memory; only those the
+    restore allocates are handed to Prefault, in file order, and the bytes read are the same."""
+    import relaytrain.checkpoint.store as store_module
+
+    spans_seen = []
+
+    class Recorded(streaming.Prefault):
+        def __init__(self, spans):
+            spans_seen.append(list(spans))
+            super().__init__(spans)
+
+    monkeypatch.setattr(store_module, "Prefault", Recorded)
+    state = {"a": torch.randn(1000), "b": torch.randn(50, 40), "c": torch.randn(3)}
+    store = CheckpointStore(str(tmp_path))
+    store.commit(1, {"model": store.write_part(1, "model", state)}, {})
+    live = {"b": torch.zeros(50, 40)}
+    _, restored = store.read(1, into=live)
+    assert restored["b"] is live["b"]
+    assert all(torch.equal(restored[k], t) for k, t in state.items())
+    assert spans_seen == [[(restored[k].data_ptr(), restored[k].nbytes) for k in ("a", "c")]]
+    spans_seen.clear()  # rows: the same for the pieces a sharded restore reads
+    mine = torch.zeros(4, 40)
+    _, rows = store.read(1, rows={"b": (2, 6)}, into={"b": mine})
+    assert rows["b"] is mine and torch.equal(mine, state["b"][2:6])
+    assert spans_seen == [[(rows[k].data_ptr(), rows[k].nbytes) for k in ("a", "c")]]

@@ -53,6 +53,7 @@ from relaytrain.checkpoint.streaming import (
     RANGES_IN_FLIGHT,
     BackgroundHash,
     EarlyWriteback,
+    Prefault,
     RangedReader,
     block_root,
     copy_bytes,
@@ -738,16 +739,19 @@ def _read_rows(fs: fsspec.AbstractFileSystem, path: str, info: dict, keys: KeyFi
                 wanted.append((key, dtype, [j - i, *shape[1:]], first, offset + i * row,
                                offset + j * row))
         offset += nbytes
-    blocks.fetch([(a, b) for *_, a, b in wanted])
-    out: dict[str, Piece] = {}
-    for key, dtype, shape, first, a, _ in wanted:
+    dest: dict[str, torch.Tensor] = {}
+    for key, dtype, shape, first, *_ in wanted:
         asked = rows.get(key)
         exact = first is None or (asked is not None and first == asked[0]
                                   and shape[0] == asked[1] - asked[0])
-        t = _destination(dtype, shape, into.get(key) if into is not None and exact else None)
-        blocks.copy_to(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()), a)
-        out[key] = (first, t)
-    return out
+        dest[key] = _destination(dtype, shape,
+                                 into.get(key) if into is not None and exact else None)
+    with Prefault(_fresh(dest, into)):
+        blocks.fetch([(a, b) for *_, a, b in wanted])
+        for key, *_, a, _ in wanted:
+            blocks.copy_to(memoryview(dest[key].detach().reshape(-1).view(torch.uint8).numpy()),
+                           a)
+    return {key: (first, dest[key]) for key, _, _, first, *_ in wanted}
 
 
 def _header_keys(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> list[str]:
@@ -805,20 +809,23 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
                                       f"{n} exceeds the file)")
             raw = _read_exact(src, n, shown)
             h.update(raw)
-            for key, dtype, shape in _parse_header(raw, info["size"] - 8 - n, shown):
-                wanted = keys is None or keys(key)
-                whole = wanted and into is not None and key not in info.get("shards", {})
-                t = _destination(dtype, shape, into.get(key) if whole else None)
-                data = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
-                for i in range(0, len(data), CHUNK):
-                    got = src.readinto(data[i:i + CHUNK])
-                    if got != len(data[i:i + CHUNK]):
-                        raise CheckpointError(f"{shown}: ended early (truncated)")
-                    h.update(data[i:i + got])
-                if wanted:
-                    tensors[key] = t
-                else:  # not wanted: free it once hashed, not at the end of the file
-                    h.wait()
+            entries = _parse_header(raw, info["size"] - 8 - n, shown)
+            for key, dtype, shape in entries:  # a piece of a tensor is never read over it
+                if keys is None or keys(key):
+                    whole = into is not None and key not in info.get("shards", {})
+                    tensors[key] = _destination(dtype, shape, into.get(key) if whole else None)
+            with Prefault(_fresh(tensors, into)):
+                for key, dtype, shape in entries:
+                    t = tensors.get(key)
+                    t = torch.empty(shape, dtype=dtype) if t is None else t
+                    data = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+                    for i in range(0, len(data), CHUNK):
+                        got = src.readinto(data[i:i + CHUNK])
+                        if got != len(data[i:i + CHUNK]):
+                            raise CheckpointError(f"{shown}: ended early (truncated)")
+                        h.update(data[i:i + got])
+                    if key not in tensors:  # not wanted: free it once hashed, not at the end
+                        h.wait()
             digest = h.hexdigest()
         except BaseException:
             h.close()
@@ -836,6 +843,13 @@ def _destination(dtype: torch.dtype, shape: list[int], live: torch.Tensor | None
             and live.device.type == "cpu" and live.is_contiguous()):
         return live
     return torch.empty(shape, dtype=dtype)
+
+
+def _fresh(tensors: Mapping[str, torch.Tensor], into: Into | None) -> list[tuple[int, int]]:
+    """(address, bytes) of the tensors not the caller's own (`into`): the memory a read
+    faults in (`Prefault`), in order."""
+    return [(t.data_ptr(), t.nbytes) for key, t in tensors.items()
+            if into is None or t is not into.get(key)]
 
 
 def _read_exact(src: Any, n: int, shown: str) -> bytearray:

@@ -23,9 +23,11 @@ from __future__ import annotations
 import collections
 import ctypes
 import hashlib
+import mmap
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -40,6 +42,7 @@ HASH_THREADS = min(4, os.cpu_count() or 1)  # blocks hashed at once (stable buff
 WRITEBACK = 32 << 20  # bytes written before the kernel is asked to start putting them on disk
 
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait for it
+_MADV_POPULATE_WRITE = 23  # linux/mman.h (Linux 5.14+): fault a range in, writable, now
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -198,6 +201,46 @@ def hash_stream(src: Any, block_size: int | None = None, algorithm: str = DIGEST
     except BaseException:
         h.close()
         raise
+
+
+class Prefault:
+    """The pages of fresh memory (`spans`: address, bytes) faulted in on a thread of its own, in
+    order, while the reads that fill it run on another; a context manager that stops the thread
+    and waits for it on exit.
+
+    Why: a restore into new tensors pays one page fault per 4 KiB of them (the kernel zeroes
+    the page; in a virtual machine the host may fault too). On the reading thread the faults
+    add to the transfer: 0.26 s against 0.16 s for 350 MB read from disk into new against
+    reused memory on a 2-core AMD EPYC VM, 0.19 s with this thread beside the read (README
+    "Measured": checkpoint save / restore). A page the reader reaches first it faults itself,
+    and the thread's request for it finds it present: the bytes never depend on who won.
+    Without MADV_POPULATE_WRITE (not Linux, or a kernel before 5.14) it does nothing."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]]):
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if _libc is not None and spans:
+            self._thread = threading.Thread(target=self._fault, args=(list(spans),),
+                                            name="relaytrain-prefault", daemon=True)
+            self._thread.start()
+
+    def _fault(self, spans: list[tuple[int, int]]) -> None:
+        page = mmap.PAGESIZE
+        for address, nbytes in spans:
+            lo, hi = -(-address // page) * page, (address + nbytes) // page * page
+            for a in range(lo, hi, CHUNK):
+                if self._stop.is_set() or _libc.madvise(
+                        ctypes.c_void_p(a), ctypes.c_size_t(min(CHUNK, hi - a)),
+                        _MADV_POPULATE_WRITE):
+                    return  # stopped, or the kernel has no such advice: the reader faults
+
+    def __enter__(self) -> Prefault:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class EarlyWriteback:
