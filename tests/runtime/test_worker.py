@@ -69,3 +69,30 @@ def test_a_restore_from_storage_lands_in_the_live_state_and_equals_the_checkpoin
         optim_key(n, m) for n in names for m in ("exp_avg", "exp_avg_sq", "step")}
     for k, t in state.items():
         assert torch.equal(t, saved[k]), k
+
+
+def test_a_warmed_up_worker_ran_its_kernels_at_the_runs_shape_and_kept_nothing_of_it(
+        tmp_path, corpus_data, monkeypatch):
+    """A spare or the standby builds its model and runs one forward and backward of a
+    micro-batch of the run's shape (a process's first products build their kernels), leaving
+    the seed's weights as they were and no gradients."""
+    from relaytrain.model.init import init_weights
+    from relaytrain.model.olmo3 import Olmo3
+
+    cfg = tiny_config(tmp_path, corpus_data, "runtime.engine=inline", "train.micro_batch=3",
+                      "train.global_batch=6", "data.seq_len=24")
+    shapes, forward = [], Olmo3.forward
+
+    def spy(self, tokens, *args, **kwargs):
+        shapes.append(tuple(tokens.shape))
+        return forward(self, tokens, *args, **kwargs)
+    monkeypatch.setattr(Olmo3, "forward", spy)
+    w = Worker(cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    w.warm_up()
+    assert shapes == [(3, 24)]
+    seeded = Olmo3(w.model_cfg)
+    init_weights(seeded, cfg.seed)
+    expected = dict(seeded.named_parameters())
+    for name, p in w.model.named_parameters():
+        assert p.grad is None, name
+        assert torch.equal(p.detach(), expected[name].detach()), name

@@ -65,7 +65,7 @@ from relaytrain.train.optim import (
     optimizer_state_tensors,
     set_lr,
 )
-from relaytrain.train.step import StepOutcome, train_step
+from relaytrain.train.step import StepOutcome, train_step, warm_kernels
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -255,11 +255,14 @@ class Worker:
 
     def warm_up(self) -> None:
         """For a spare or the standby: build the model now (for an unpipelined layout) and
-        import FSDP2 if the run shards (parallel/shards.py), so a promotion only loads state."""
+        run its kernels once (`warm_kernels`), and import FSDP2 if the run shards
+        (parallel/shards.py), so a promotion only loads state."""
         if self.cfg.parallel.fsdp > 1:
             import relaytrain.parallel.fsdp  # noqa: F401
         if self.cfg.parallel.pp == 1:
             self._fresh(Olmo3(self.model_cfg), (0, 1, 1))
+            warm_kernels(self.model, self.cfg.train.micro_batch, self.cfg.data.seq_len,
+                         self.cfg.train.z_loss, self.device)
 
     def _fresh(self, model: Olmo3, layout: tuple[int, int, int]) -> None:
         """`model` with the seed's weights, prepared for this device, and a new optimizer."""
