@@ -9,7 +9,15 @@ import torch
 import relaytrain.model.matmul_choice as choice_module
 from relaytrain.model.config import PRESETS
 from relaytrain.model.matmul import onednn_available
-from relaytrain.model.matmul_choice import MARGIN, cache_path, choose_matmul, measure, products
+from relaytrain.model.matmul_choice import (
+    MARGIN,
+    MatmulChoice,
+    cache_path,
+    choose_matmul,
+    keep_on_resume,
+    measure,
+    products,
+)
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -45,18 +53,49 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, timings):
     assert "cpu A" in next(iter(json.loads(cache.read_text())))
 
 
-def test_a_measurement_on_a_loaded_host_is_used_but_not_cached(tmp_path, timings, monkeypatch):
+def test_a_measurement_on_a_loaded_host_is_kept_for_an_hour_then_measured_again(
+        tmp_path, timings, monkeypatch):
     """Measured while other work competes for the cores, a choice says more about the load
-    than the backends: it serves the run, and the next run measures again."""
+    than the backends, so it is not kept for good; but until it expires every run on the host
+    uses it, loaded or quiet, so two runs of one config do not differ by when they started."""
     fake, calls = timings
     cache = tmp_path / "matmul.json"
+    clock = [1000.0]
+    monkeypatch.setattr(choice_module.time, "time", lambda: clock[0])
     monkeypatch.setattr(choice_module, "loaded", lambda: True)
     busy = choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache)
-    assert (busy.backend, busy.source) == ("onednn", "measured on a loaded host, not cached")
-    assert not cache.exists()
+    assert (busy.backend, busy.source) == ("onednn", "measured on a loaded host")
+    fake.ratio = 2.0  # a quiet host would now pick aten
     monkeypatch.setattr(choice_module, "loaded", lambda: False)
-    assert choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache).source == "measured"
-    assert len(calls) == 2 and cache.exists()
+    clock[0] += choice_module.PROVISIONAL_S - 1
+    kept = choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache)
+    assert (kept.backend, kept.source) == ("onednn", "cached on a loaded host")
+    assert len(calls) == 1
+    clock[0] += 1
+    quiet = choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache)
+    assert (quiet.backend, quiet.source) == ("aten", "measured")
+    clock[0] += 100 * choice_module.PROVISIONAL_S  # a quiet measurement is kept for good
+    assert choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache).source == "cached"
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("recorded,expected", [
+    ({"backend": "onednn", "key": "cpu A"}, ("onednn", "resumed")),  # same host: the run's own
+    ({"backend": "onednn", "key": "cpu B"}, ("aten", "measured")),  # another host measures
+    ({"backend": "aten", "key": "cpu A"}, ("aten", "measured")),  # they agree
+    (None, ("aten", "measured")),  # a checkpoint from before the choice was recorded
+    ({"backend": "cublas", "key": "cpu A"}, ("aten", "measured")),
+])
+def test_a_resumed_run_keeps_the_backend_auto_chose_for_it_on_the_same_host(recorded, expected):
+    now = MatmulChoice("aten", "measured", 0.01, 0.02, "cpu A")
+    kept = keep_on_resume(now, recorded)
+    assert (kept.backend, kept.source) == expected
+    assert kept.key == "cpu A"
+
+
+def test_a_backend_given_by_the_config_is_kept_on_resume():
+    given = MatmulChoice("aten", "setting")
+    assert keep_on_resume(given, {"backend": "onednn", "key": None}) is given
 
 
 def test_the_host_key_names_the_processor_beyond_its_marketing_name():

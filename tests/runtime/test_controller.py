@@ -84,6 +84,27 @@ def test_auto_is_decided_once_by_the_controller_and_recorded_in_the_run(tmp_path
 
 @needs_onednn
 @pytest.mark.timeout(240)
+def test_a_run_resumed_on_its_host_keeps_its_backend_to_the_same_bits(tmp_path, corpus_data,
+                                                                      host):
+    """Checkpointed with oneDNN's GEMMs; by the resume the host's cached choice is gone (a
+    loaded host's measurement expired) and aten now measures faster on the same host: the run
+    continues with oneDNN, bit-identical to the uninterrupted run."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    Controller(tiny_config(whole, corpus_data, "train.max_steps=8", "checkpoint.every=4")).run()
+    Controller(tiny_config(split, corpus_data, "train.max_steps=4", "checkpoint.every=4")).run()
+    matmul_choice.cache_path().unlink()
+    host.onednn_ratio = 2.0
+    summary = Controller(tiny_config(split, corpus_data, "train.max_steps=8",
+                                     "checkpoint.every=4")).run()
+    assert summary["resumed_from"] == 4
+    assert (summary["matmul"]["backend"], summary["matmul"]["source"]) == ("onednn", "resumed")
+    assert yaml.safe_load((split / "config.yaml").read_text())["model"]["matmul"] == "onednn"
+    a, b = step_records(whole), step_records(split)
+    assert [b[s]["loss"] for s in range(1, 9)] == [a[s]["loss"] for s in range(1, 9)]
+
+
+@needs_onednn
+@pytest.mark.timeout(240)
 def test_a_run_resumed_where_auto_chooses_differently_continues(tmp_path, corpus_data, host):
     """Checkpointed with oneDNN's GEMMs on host A, resumed on host B where aten measures
     faster: the run continues from its checkpoint with aten, its losses those of the

@@ -14,8 +14,12 @@ hits both alike), the decision is the median of the per-round ratios, and oneDNN
 (CPU name, family, model and stepping, thread count, torch version) and model dimensions in
 `$XDG_CACHE_HOME/relaytrain/matmul.json` (`~/.cache/relaytrain` without XDG_CACHE_HOME), so
 it is measured once per host; a changed key measures again. A measurement taken while other
-work loads the cores is used for the run but not cached (one taken at load 15-24 had frozen
-oneDNN in the cache of a host where aten's products are 1.2x faster when it is quiet).
+work loads the cores is cached for `PROVISIONAL_S` only, then measured again (one taken at load
+15-24 had frozen oneDNN in the cache of a host where aten's products are 1.2x faster when it is
+quiet); until then every run on the host reads it, since two runs of one config on one host
+must not differ in their bits because the load differed when each started (on an AMD EPYC
+whose oneDNN products are twice as fast when it is quiet, a loaded measurement chose aten, and a
+run resumed under another measurement left the uninterrupted run's bits).
 
 One process decides for a whole run (the controller) and passes the concrete backend to
 every worker, so all workers use the same one even where a first measurement would race.
@@ -24,6 +28,7 @@ every worker, so all workers use the same one even where a first measurement wou
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -43,13 +48,15 @@ ROUNDS = 4  # timed rounds, each both backends in alternating order, after one u
 FLOPS_PER_ROUND = 1e9  # per backend: ~7 ms at 150 GFLOP/s (the small preset gets 2 GFLOP)
 MAX_ROWS, MIN_ROWS = 1024, 128  # tokens per product: scaled down to the budget, not below
 MARGIN = 0.97  # oneDNN is chosen when its median time is below this fraction of aten's
+PROVISIONAL_S = 3600  # how long a measurement taken on a loaded host is kept
 
 
 @dataclass(frozen=True)
 class MatmulChoice:
     """The backend a run uses and why: `source` is `setting` (aten/onednn given), `device`
-    (auto where only aten applies), `measured` or `cached`; the times are one round's
-    products per backend (median over rounds), None unless measured."""
+    (auto where only aten applies), `measured`, `cached`, or either of them "on a loaded host"
+    (kept for `PROVISIONAL_S`); the times are one round's products per backend (median over
+    rounds), None for a setting or a device."""
 
     backend: str
     source: str
@@ -88,8 +95,8 @@ def cpu_model() -> str:
 
 def loaded() -> bool:
     """Whether other work competes for the cores now (one-minute load above the core count):
-    a measurement then says more about the load than about the backends, so it is used for
-    the run but not cached."""
+    a measurement then says more about the load than about the backends, so it is cached for
+    `PROVISIONAL_S` only."""
     try:
         return os.getloadavg()[0] > (os.cpu_count() or 1)
     except OSError:
@@ -190,16 +197,31 @@ def choose_matmul(setting: str, cfg: Olmo3Config, device: torch.device, threads:
     path = cache or cache_path()
     entries = _read_cache(path)
     entry = entries.get(key)
-    if isinstance(entry, dict) and entry.get("backend") in ("aten", "onednn"):
-        return MatmulChoice(entry["backend"], "cached", entry.get("aten_s"),
+    now = time.time()
+    if (isinstance(entry, dict) and entry.get("backend") in ("aten", "onednn")
+            and now < entry.get("expires", math.inf)):
+        return MatmulChoice(entry["backend"], entry.get("source", "cached"), entry.get("aten_s"),
                             entry.get("onednn_s"), key)
     aten_s, onednn_s, ratio = measure(shapes, threads)
     busy = loaded()
-    choice = MatmulChoice("onednn" if ratio < MARGIN else "aten",
-                          "measured on a loaded host, not cached" if busy else "measured",
+    where = " on a loaded host" if busy else ""
+    choice = MatmulChoice("onednn" if ratio < MARGIN else "aten", "measured" + where,
                           aten_s, onednn_s, key)
-    if not busy:
-        entries[key] = {**asdict(choice), "ratio": ratio, "source": "cached",
-                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        _write_cache(path, entries)
+    entries[key] = {**asdict(choice), "ratio": ratio, "source": "cached" + where,
+                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+                    **({"expires": now + PROVISIONAL_S} if busy else {})}
+    _write_cache(path, entries)
+    return choice
+
+
+def keep_on_resume(choice: MatmulChoice, recorded: Any) -> MatmulChoice:
+    """The backend a resumed run continues with: the one its checkpoint records (`recorded`,
+    `{"backend", "key"}`) when `auto` chose it on a host of the same key, whatever `choice`
+    (measured or cached now) says, since a run's bits must not depend on a later measurement;
+    `choice` on another host or for a backend given by the config."""
+    if (choice.key is not None and isinstance(recorded, dict)
+            and recorded.get("key") == choice.key
+            and recorded.get("backend") in ("aten", "onednn")
+            and recorded["backend"] != choice.backend):
+        return MatmulChoice(recorded["backend"], "resumed", key=choice.key)
     return choice

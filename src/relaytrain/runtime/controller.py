@@ -26,7 +26,7 @@ from relaytrain.data.loader import check_order
 from relaytrain.errors import ConfigError, UserError
 from relaytrain.model import cpu_kernels
 from relaytrain.model.accounting import flops_per_token
-from relaytrain.model.matmul_choice import choose_matmul
+from relaytrain.model.matmul_choice import choose_matmul, keep_on_resume
 from relaytrain.parallel.pipeline.schedules import asynchronous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
@@ -117,9 +117,9 @@ class Controller:
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Train to train.max_steps, recovering from worker failures; the run's summary."""
-        cfg = self.cfg
         t_run = time.perf_counter()
         start = self._prepare_run_dir()
+        cfg = self.cfg  # its backend as resumed
         self.reporter.open(start, cfg.data_parallel)
         self.engine = make_engine(cfg)
         try:
@@ -227,6 +227,7 @@ class Controller:
                 raise UserError(f"data.path {self.cfg.data.path!r} is not the data this run was "
                                 f"trained on (fingerprint {self.dataset.fingerprint[:12]} != "
                                 f"{fp[:12]}); point data.path at the original prepared data")
+            self._resume_matmul(manifest.get("matmul"))
             start = int(manifest["step"])
             if start >= self.cfg.train.max_steps:
                 raise UserError(f"run_dir {self.cfg.run_dir!r} already reached step {start}; "
@@ -266,8 +267,16 @@ class Controller:
         else:
             self.catalogue.record(reports)
 
+    def _resume_matmul(self, recorded: Any) -> None:
+        """The GEMM backend the checkpoint's run chose, where `auto` chose it on this host
+        (`matmul_choice.keep_on_resume`), for this run and its config.yaml."""
+        self.matmul = keep_on_resume(self.matmul, recorded)
+        self.cfg = dataclasses.replace(self.cfg, model=dataclasses.replace(
+            self.cfg.model, matmul=self.matmul.backend))
+
     def _manifest_meta(self, step: int) -> dict[str, Any]:
         return {"model": self.model_cfg.to_dict(), "config": self.cfg.to_dict(),
+                "matmul": {"backend": self.matmul.backend, "key": self.matmul.key},
                 "data": {"batch_index": step, "fingerprint": self.dataset.fingerprint,
                          "n_instances": self.n_train, "seq_len": self.cfg.seq_len},
                 # Nothing draws from global RNG state: init, data order and evaluation derive
