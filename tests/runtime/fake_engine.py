@@ -23,14 +23,14 @@ class FakeWorker:
         self.placement: Any = None
         self.writing: list[Callable[[], WriteReport]] = []  # checkpoint parts still being written
 
-    def ping(self) -> int:
-        return 1000 + self.wid
+    def ping(self) -> dict[str, Any]:
+        return {"pid": 1000 + self.wid, "start": 0, "boot": None}
 
     def setup(self, generation: int, placement: Any, store: Any, timeout_s: float
               ) -> dict[str, Any]:
         self.placement = placement
         self.calls.append(f"setup{generation}")
-        return {"pid": self.ping(), "start": 0}
+        return self.ping()
 
     def build(self, step: int, given: Any) -> int:
         self.built = (step, given)

@@ -47,6 +47,7 @@ from relaytrain.runtime.abort import (
 )
 from relaytrain.runtime.faults import RaiseHook
 from relaytrain.runtime.kvstore import Client, StoreAccess
+from relaytrain.runtime.liveness import process_identity
 from relaytrain.runtime.wire import StepResult, WriteReport
 from relaytrain.train.evaluate import heldout_losses
 from relaytrain.train.execution import (
@@ -99,14 +100,6 @@ def state_bytes(model: torch.nn.Module, optimizer: AdamW) -> int:
     return 2 * params + moments
 
 
-def process_identity() -> dict[str, int]:
-    """This process as the OS knows it: its PID and its start time (clock ticks after boot,
-    field 22 of /proc/self/stat). A PID alone can be recycled; the pair names one process."""
-    with open("/proc/self/stat") as f:
-        stat = f.read()
-    return {"pid": os.getpid(), "start": int(stat[stat.rindex(")") + 2:].split()[19])}
-
-
 class Worker:
     """State lives here between the controller's coarse calls (setup, run_step, save, ...)."""
 
@@ -144,8 +137,8 @@ class Worker:
         self._rendezvous: Client | None = None  # the generation's store, while its groups live
 
     # ---- membership ------------------------------------------------------------------------
-    def ping(self) -> int:
-        return os.getpid()
+    def ping(self) -> dict[str, Any]:
+        return process_identity()
 
     def info(self) -> dict[str, Any]:
         return {**process_identity(), "host": socket.gethostname(), "device": str(self.device)}

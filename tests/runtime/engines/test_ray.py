@@ -94,6 +94,28 @@ def test_every_socket_of_a_private_cluster_run_listens_on_loopback_only(tmp_path
     assert [s for s in sockets if not s.loopback] == []
 
 
+def test_an_overdue_worker_whose_cpu_time_grows_is_starved_not_hung(monkeypatch):
+    """Its ping overdue, a worker on this host that is not stopped and keeps using CPU is
+    granted up to STARVED_GRACE more (a busy host, not a hang); one whose CPU time stops growing
+    is hung at the next look, a stopped one (or one elsewhere: no CPU time known) at once."""
+    ticks = {"starved": 10, "deadlocked": 10}  # "stopped": none
+    monkeypatch.setattr(ray_engine, "cpu_ticks", lambda identity: ticks.get(identity))
+    beat = ray_engine._Heartbeat({}, {0: "starved", 1: "deadlocked", 2: "stopped"}, lambda: None)
+    sent, late, look = 100.0, ray_engine.PING_TIMEOUT, ray_engine.HEARTBEAT_S
+    now = sent + late
+    assert beat._running(0, now, sent) and beat._running(1, now, sent)  # the first look
+    assert not beat._running(2, now, sent)
+    assert beat._running(1, now + look / 2, sent)  # looked at too recently to judge
+    now += look
+    ticks["starved"] += 1
+    assert beat._running(0, now, sent) and not beat._running(1, now, sent)
+    while now + look < sent + late + ray_engine.STARVED_GRACE:
+        now += look
+        ticks["starved"] += 1
+        assert beat._running(0, now, sent)
+    assert not beat._running(0, sent + late + ray_engine.STARVED_GRACE, sent)
+
+
 @pytest.mark.soak  # a hang named by the heartbeat mid-step: tests/runtime/test_elastic.py
 def test_a_worker_stopped_during_a_long_call_is_named_hung_by_the_heartbeat(
         tmp_path, corpus_data, ray_cluster, monkeypatch):
@@ -148,7 +170,7 @@ def test_a_replacement_is_the_standby_process_started_ahead_which_reserved_nothi
     [first] = engine.spawn_many(1, args, wait=60)
     try:
         [standby] = set(engine.actors) - {first}
-        standby_pid = ray.get(engine.actors[standby].ping.remote(), timeout=60)  # its own word
+        standby_pid = ray.get(engine.actors[standby].ping.remote(), timeout=60)["pid"]  # its word
         assert standby_pid not in (engine.pid(first), os.getpid())
         free = 4 - cfg.runtime.cpus_per_worker  # the standby reserved none
         assert _available_cpus(ray, free) == free
@@ -160,7 +182,7 @@ def test_a_replacement_is_the_standby_process_started_ahead_which_reserved_nothi
         assert set(engine.actors) == {second}  # the next standby waits for refill()
         engine.refill()
         [new_standby] = set(engine.actors) - {second}
-        assert ray.get(engine.actors[new_standby].ping.remote(), timeout=60) != standby_pid
+        assert ray.get(engine.actors[new_standby].ping.remote(), timeout=60)["pid"] != standby_pid
     finally:
         engine.shutdown()
 

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 class WorkerAPI(Protocol):
     """The methods the controller may call on a worker (runtime/worker.py implements them)."""
 
-    def ping(self) -> int:
-        """The worker process's own PID (answered on a second thread, even mid-step)."""
+    def ping(self) -> dict[str, Any]:
+        """The worker process as the OS knows it (`liveness.process_identity`: PID, start time,
+        host boot), answered on a second thread, even mid-step."""
 
     def setup(self, generation: int, placement: Placement, store: StoreAccess | None,
               timeout_s: float) -> dict[str, Any]:

@@ -26,9 +26,11 @@ from relaytrain.runtime.failures import (
     WorkerHung,
     WorkerRaised,
 )
+from relaytrain.runtime.liveness import cpu_ticks
 from relaytrain.runtime.worker import Worker
 
 PING_TIMEOUT = 2.0  # a worker that leaves a ping unanswered this long is hung
+STARVED_GRACE = 8.0  # ... unless it runs on this host and its CPU time grows: this long more
 HEARTBEAT_S = 0.5  # a call running longer than this pings its workers this often
 LOOPBACK = "127.0.0.1"
 # The calls the heartbeat watches: steps, where a run spends its time. The others end at their
@@ -110,13 +112,17 @@ class _Heartbeat:
     """Pings, every HEARTBEAT_S once a call has run that long, each worker the call still
     waits on. A worker busy in a step or blocked in a collective answers on its second thread;
     one that leaves a ping unanswered for PING_TIMEOUT is hung (stopped, deadlocked or cut
-    off): named within seconds, not at the call's deadline. A ping late by HEARTBEAT_S calls
+    off): named within seconds, not at the call's deadline. A worker on this host that is not
+    stopped and whose CPU time grew over the last HEARTBEAT_S is starved, not hung
+    (`runtime.liveness`): it has STARVED_GRACE more. A ping late by HEARTBEAT_S calls
     `on_late` (once): a replacement can start while the deadline runs."""
 
-    def __init__(self, actors: dict[int, Any], on_late: Callable[[], None]):
-        self.actors = actors
+    def __init__(self, actors: dict[int, Any], identities: dict[int, Any],
+                 on_late: Callable[[], None]):
+        self.actors, self.identities = actors, identities
         self.on_late: Callable[[], None] | None = on_late
         self.pings: dict[int, tuple[Any, float]] = {}  # worker -> (its ping or None, sent at)
+        self.looks: dict[int, tuple[int, float]] = {}  # overdue worker -> (CPU ticks, seen at)
         self.start = time.monotonic()
 
     def check(self, wids: list[int]) -> WorkerFailure | None:
@@ -130,7 +136,7 @@ class _Heartbeat:
                     return _failure(w, e)
                 ref = None
             if ref is not None:
-                if now - sent >= PING_TIMEOUT:
+                if now - sent >= PING_TIMEOUT and not self._running(w, now, sent):
                     return WorkerHung(w, f"no answer to a ping within {PING_TIMEOUT:g}s while "
                                       "its call ran (stopped, deadlocked or cut off)")
                 if now - sent >= HEARTBEAT_S and self.on_late is not None:
@@ -138,9 +144,23 @@ class _Heartbeat:
                     on_late()
             elif now - sent >= HEARTBEAT_S:
                 self.pings[w] = (self.actors[w].ping.remote(), now)
+                self.looks.pop(w, None)
             else:
                 self.pings[w] = (None, sent)
         return None
+
+    def _running(self, w: int, now: float, sent: float) -> bool:
+        """Whether `w`, its ping overdue since `sent`, is starved rather than hung: on this
+        host, not stopped, its CPU time grown since the last look HEARTBEAT_S or more ago
+        (the first look grants that long), for at most STARVED_GRACE past the deadline."""
+        ticks = cpu_ticks(self.identities.get(w))
+        if ticks is None or now - sent >= PING_TIMEOUT + STARVED_GRACE:
+            return False
+        last = self.looks.get(w)
+        if last is None or now - last[1] >= HEARTBEAT_S:
+            self.looks[w] = (ticks, now)
+            return last is None or ticks > last[0]
+        return True
 
 
 class RayEngine(Engine):
@@ -148,7 +168,7 @@ class RayEngine(Engine):
         self.cfg = cfg
         self.actors: dict[int, Any] = {}
         self.groups: dict[int, Any] = {}
-        self._pids: dict[int, int] = {}
+        self._ids: dict[int, dict[str, Any]] = {}  # worker -> its process (ping's answer)
         self._next_id = 0
         self._reserved: Any = None  # a placement group proven placeable by has_capacity()
         self._outstanding: dict[Any, int] = {}
@@ -219,8 +239,8 @@ class RayEngine(Engine):
             raise WorkerDied(-1, f"no capacity to place a worker ({self._bundle()}) within "
                              f"{wait:.0f}s")
         # Construction opens the data: wait, so its errors surface here, naming the worker.
-        self._pids[wid] = int(self.call({wid: lambda w: w.ping()},
-                                       self.cfg.runtime.setup_timeout)[wid])
+        self._ids[wid] = self.call({wid: lambda w: w.ping()},
+                                   self.cfg.runtime.setup_timeout)[wid]
         self._refill()
         return wid
 
@@ -232,7 +252,7 @@ class RayEngine(Engine):
                             timeout=max(deadline - time.monotonic(), 1.0))
         try:
             if len(ready) == 2:
-                self._pids[wid] = int(ray.get(ping))
+                self._ids[wid] = ray.get(ping)
                 ray.get(warm)
                 return True
         except ray.exceptions.RayError:
@@ -285,8 +305,7 @@ class RayEngine(Engine):
                 raise WorkerDied(-1, f"no capacity to place {n} workers ({self._bundle()} each) "
                                  f"within {wait:.0f}s")
             wids.append(wid)
-        pids = self.call_all(wids, lambda w: w.ping(), self.cfg.runtime.setup_timeout)
-        self._pids.update({w: int(p) for w, p in pids.items()})
+        self._ids.update(self.call_all(wids, lambda w: w.ping(), self.cfg.runtime.setup_timeout))
         self.refill()
         return wids
 
@@ -362,7 +381,7 @@ class RayEngine(Engine):
         deadline = time.monotonic() + timeout
         pending = list(refs)
         watch = any(inv.method in WATCHED for inv in invocations.values())
-        heartbeat = _Heartbeat(self.actors, self.prestart) if watch else None
+        heartbeat = _Heartbeat(self.actors, self._ids, self.prestart) if watch else None
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -464,7 +483,7 @@ class RayEngine(Engine):
         return ray.util.get_node_ip_address()
 
     def pid(self, wid: int) -> int:
-        return self._pids[wid]
+        return int(self._ids[wid]["pid"])
 
     def retire(self, wid: int) -> None:
         """Kill the worker. With the standby ready to replace it, its placement group, if still
