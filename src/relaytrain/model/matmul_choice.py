@@ -178,6 +178,16 @@ def _write_cache(path: Path, entries: dict[str, Any]) -> None:
         pass
 
 
+def _valid(entry: Any, now: float) -> bool:
+    """Whether a cache entry is one this module wrote and has not expired (anything else,
+    a hand-edited or truncated entry included, is measured over)."""
+    if not isinstance(entry, dict) or entry.get("backend") not in ("aten", "onednn"):
+        return False
+    expires = entry.get("expires", math.inf)
+    return (isinstance(entry.get("source"), str) and isinstance(expires, (int, float))
+            and now < expires)
+
+
 def choose_matmul(setting: str, cfg: Olmo3Config, device: torch.device, threads: int, *,
                   key: str | None = None, cache: Path | None = None) -> MatmulChoice:
     """The backend for `setting` (`model.matmul`) running `cfg` on `device` with `threads`
@@ -198,9 +208,8 @@ def choose_matmul(setting: str, cfg: Olmo3Config, device: torch.device, threads:
     entries = _read_cache(path)
     entry = entries.get(key)
     now = time.time()
-    if (isinstance(entry, dict) and entry.get("backend") in ("aten", "onednn")
-            and now < entry.get("expires", math.inf)):
-        return MatmulChoice(entry["backend"], entry.get("source", "cached"), entry.get("aten_s"),
+    if _valid(entry, now):
+        return MatmulChoice(entry["backend"], entry["source"], entry.get("aten_s"),
                             entry.get("onednn_s"), key)
     aten_s, onednn_s, ratio = measure(shapes, threads)
     busy = loaded()

@@ -135,13 +135,14 @@ class Worker:
         self._sockets: GroupSockets | None = None  # the current groups' (runtime/abort.py)
         self._abort_lock = threading.Lock()  # abort() runs beside the call it interrupts
         self._rendezvous: Client | None = None  # the generation's store, while its groups live
+        self._identity = process_identity()  # fixed for the process: each ping answers it
 
     # ---- membership ------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
-        return process_identity()
+        return self._identity
 
     def info(self) -> dict[str, Any]:
-        return {**process_identity(), "host": socket.gethostname(), "device": str(self.device)}
+        return {**self._identity, "host": socket.gethostname(), "device": str(self.device)}
 
     def setup(self, generation: int, placement: Placement, store: StoreAccess | None = None,
               timeout_s: float = 30.0) -> dict[str, Any]:
