@@ -64,6 +64,113 @@ def test_ranged_reader_delivers_the_file_in_order(tmp_path, monkeypatch, slow_ra
     assert sorted(start for start, _ in requests.calls) == list(range(0, len(data), 1000))
 
 
+def test_fill_puts_the_bytes_after_the_header_into_the_callers_views_in_order(
+        tmp_path, monkeypatch, slow_ranges):
+    """Views of any length (empty, inside one range, across ranges' ends) get the file's bytes
+    from the position on, and each is given back once filled, in order; a request never spans
+    more than a range, no more than RANGES_IN_FLIGHT are out at once, and a header read first
+    costs no request of its own."""
+    monkeypatch.setattr(streaming, "MIN_RANGE", 1000)
+    data = os.urandom(10_500)
+    (tmp_path / "f").write_bytes(data)
+    fs = fsspec.filesystem("file")
+    requests = slow_ranges(fs, delay=0.005)
+    views = [memoryview(bytearray(n)) for n in (0, 1, 999, 2500, 0, 1000, 3, 5989, 0)]
+    with RangedReader(fs, str(tmp_path / "f"), len(data)) as src:
+        assert src.read(8) == data[:8]
+        given = list(src.fill(iter(views)))
+    assert all(g is v for g, v in zip(given, views, strict=True))
+    assert b"".join(bytes(v) for v in views) == data[8:]
+    # the header came with the first range: one request per range, none more
+    assert sorted(requests.calls) == [(a, min(a + 1000, len(data))) for a in range(0, 10_500, 1000)]
+    assert requests.most <= streaming.RANGES_IN_FLIGHT
+
+
+def test_fill_takes_views_only_as_requests_finish(tmp_path, monkeypatch, slow_ranges):
+    """A caller may allocate its views as they are asked for: no more than RANGES_IN_FLIGHT
+    requests' worth is taken ahead of the one given back."""
+    monkeypatch.setattr(streaming, "MIN_RANGE", 100)
+    (tmp_path / "f").write_bytes(os.urandom(2_000))
+    fs = fsspec.filesystem("file")
+    slow_ranges(fs, delay=0.005)
+    taken = []
+
+    def views():
+        for i in range(20):
+            taken.append(i)
+            yield memoryview(bytearray(100))
+
+    with RangedReader(fs, str(tmp_path / "f"), 2_000) as src:
+        for n, _ in enumerate(src.fill(views())):
+            assert len(taken) <= n + 1 + streaming.RANGES_IN_FLIGHT
+    assert len(taken) == 20
+
+
+def test_fill_past_the_end_of_the_file_is_an_eof_error(tmp_path):
+    (tmp_path / "f").write_bytes(os.urandom(500))
+    with RangedReader(fsspec.filesystem("file"), str(tmp_path / "f"), 500) as src:
+        with pytest.raises(EOFError):
+            list(src.fill([memoryview(bytearray(300)), memoryview(bytearray(300))]))
+
+
+def _gcs_store(server) -> tuple[CheckpointStore, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(300_000, generator=g), "b": torch.randn(0, 3),
+             "c": torch.randn(70_001, generator=g).to(torch.bfloat16)}
+    store = CheckpointStore(server.url("ckpt"))
+    store.commit(1, {"model": store.write_part(1, "model", state)}, {})
+    return store, state
+
+
+def test_a_gcs_restore_streams_each_response_into_the_tensors(gcs_server, monkeypatch,
+                                                              slow_ranges):
+    """No range of a GCS restore goes through `cat_file` (which assembles a response in new
+    bytes before the copy): responses are copied into the tensors as they arrive, over the
+    client's own session; the tensors are the checkpoint's."""
+    monkeypatch.setattr(streaming, "range_size", lambda fs: 256 << 10)  # a few ranges
+    store, state = _gcs_store(gcs_server)
+    streamed = []
+    real = streaming._streamed_get
+
+    async def counted(fs, path, start, views):
+        streamed.append(start)
+        await real(fs, path, start, views)
+
+    monkeypatch.setattr(streaming, "_streamed_get", counted)
+    requests = slow_ranges(store.fs, delay=0)
+    _, got = store.read(1)
+    assert all(torch.equal(got[k], t) for k, t in state.items())
+    assert requests.calls == [] and len(streamed) > 3
+
+
+def test_a_failed_streamed_get_is_fetched_again_through_the_client(gcs_server, monkeypatch,
+                                                                   slow_ranges):
+    """A response that breaks off midway (its bytes half written) is fetched again through
+    `cat_file`, with the client's own retries; and a zonal bucket, which gcsfs reads over
+    gRPC, is never streamed. The tensors are the checkpoint's either way."""
+    monkeypatch.setattr(streaming, "range_size", lambda fs: 256 << 10)
+    store, state = _gcs_store(gcs_server)
+
+    async def broken(fs, path, start, views):
+        views[0][:1] = b"\xff"  # what arrived before the connection dropped
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(streaming, "_streamed_get", broken)
+    requests = slow_ranges(store.fs, delay=0)
+    _, got = store.read(1)
+    assert all(torch.equal(got[k], t) for k, t in state.items()) and len(requests.calls) > 3
+
+    async def zonal(bucket):
+        return True
+
+    monkeypatch.undo()
+    monkeypatch.setattr(streaming, "range_size", lambda fs: 256 << 10)
+    monkeypatch.setattr(store.fs, "_is_zonal_bucket", zonal, raising=False)
+    requests = slow_ranges(store.fs, delay=0)
+    _, got = store.read(1)
+    assert all(torch.equal(got[k], t) for k, t in state.items()) and len(requests.calls) > 3
+
+
 def test_ranges_are_the_clients_block_size_and_at_least_min_range():
     """s3fs reads 50 MiB blocks (fewer requests); gcsfs's 5 MiB is raised to 16 MiB; a client
     without a block size of its own gets MIN_RANGE."""

@@ -50,9 +50,9 @@ from relaytrain.checkpoint.streaming import (
     DIGEST,
     DIGESTS,
     HASH_THREADS,
-    RANGES_IN_FLIGHT,
     BackgroundHash,
     EarlyWriteback,
+    FileReader,
     Prefault,
     RangedReader,
     block_root,
@@ -671,24 +671,19 @@ class _Blocks:
             need = need[run:]
         checks: list[tuple[int, memoryview, Future]] = []
         algorithm = digest_of(self.info)[0]
-        with ThreadPoolExecutor(RANGES_IN_FLIGHT, thread_name_prefix="relaytrain-get") as gets, \
+        with RangedReader(self.fs, self.path, self.size) as reader, \
                 ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="relaytrain-hash") as pool:
-            responses = [(first, run, gets.submit(
-                self.fs.cat_file, self.path, start=first * self.block,
-                end=min((first + run) * self.block, self.size))) for first, run in requests]
             try:
-                for first, run, response in responses:
-                    data = memoryview(response.result())
-                    if len(data) != min((first + run) * self.block, self.size) - first * self.block:
-                        raise CheckpointError(f"{_shown(self.fs, self.path)}: ended early "
-                                              "(truncated)")
+                for _, (data,), first, run in reader.gets(
+                        (first * self.block, [memoryview(bytearray(
+                            min((first + run) * self.block, self.size) - first * self.block))],
+                         first, run) for first, run in requests):
                     for i in range(first, first + run):
                         block = data[(i - first) * self.block:(i - first + 1) * self.block]
                         checks.append((i, block, pool.submit(digest_hex, algorithm, block)))
-            except BaseException:
-                for *_, response in responses:
-                    response.cancel()
-                raise
+            except EOFError:
+                raise CheckpointError(f"{_shown(self.fs, self.path)}: ended early "
+                                      "(truncated)") from None
         for i, block, digest in checks:
             if digest.result() != self.info["blocks"][i]:
                 raise CheckpointError(
@@ -767,33 +762,34 @@ def _header_keys(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> list[s
 
 
 @contextlib.contextmanager
-def _source(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> Iterator[Any]:
-    """A binary stream of the file at `path` after its size matched `info`: the file itself
-    when local, parallel ranged requests otherwise."""
+def _source(fs: fsspec.AbstractFileSystem, path: str, info: dict
+            ) -> Iterator[FileReader | RangedReader]:
+    """A reader of the file at `path` after its size matched `info`: the file itself when
+    local, parallel ranged requests otherwise."""
     size = fs.size(path)
     if size != info["size"]:
         raise CheckpointError(f"{_shown(fs, path)}: {size} bytes, the manifest says "
                               f"{info['size']} (truncated or incomplete)")
-    if isinstance(fs, LocalFileSystem):
-        with open(path, "rb", buffering=0) as f:
-            yield f
-    else:
-        with RangedReader(fs, path, size) as f:
-            yield f
+    with FileReader(path) if isinstance(fs, LocalFileSystem) else \
+            RangedReader(fs, path, size) as src:
+        yield src
 
 
 def _verify_file(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> None:
     with _source(fs, path, info) as src:
-        _check_digest(_shown(fs, path), *hash_stream(src, info.get("block_size"),
-                                                     digest_of(info)[0]), info)
+        try:
+            got = hash_stream(src, info.get("block_size"), digest_of(info)[0])
+        except EOFError:
+            raise CheckpointError(f"{_shown(fs, path)}: ended early (truncated)") from None
+    _check_digest(_shown(fs, path), *got, info)
 
 
 def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
                    keys: KeyFilter | None, into: Into | None = None
                    ) -> dict[str, torch.Tensor]:
     """The tensors (those `keys` selects) of the safetensors file at `path`, read in one pass
-    into their own memory (or `into` the caller's: `_destination`) while a second thread hashes
-    what arrived; returned only once the size and digest match `info`."""
+    straight into their own memory (or `into` the caller's: `_destination`) while other
+    threads hash what arrived; returned only once the size and digest match `info`."""
     shown = _shown(fs, path)
     tensors: dict[str, torch.Tensor] = {}
     with _source(fs, path, info) as src:
@@ -801,13 +797,13 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
         h = BackgroundHash(block_size=info.get("block_size"), stable=True,
                            algorithm=digest_of(info)[0])
         try:
-            prefix = _read_exact(src, 8, shown)
+            prefix = src.read(8)
             h.update(prefix)
             (n,) = struct.unpack("<Q", prefix)
             if n > min(_MAX_HEADER, info["size"] - 8):
                 raise CheckpointError(f"{shown}: not a valid safetensors file (header length "
                                       f"{n} exceeds the file)")
-            raw = _read_exact(src, n, shown)
+            raw = src.read(n)
             h.update(raw)
             entries = _parse_header(raw, info["size"] - 8 - n, shown)
             for key, dtype, shape in entries:  # a piece of a tensor is never read over it
@@ -815,23 +811,30 @@ def _read_verified(fs: fsspec.AbstractFileSystem, path: str, info: dict,
                     whole = into is not None and key not in info.get("shards", {})
                     tensors[key] = _destination(dtype, shape, into.get(key) if whole else None)
             with Prefault(_fresh(tensors, into)):
-                for key, dtype, shape in entries:
-                    t = tensors.get(key)
-                    t = torch.empty(shape, dtype=dtype) if t is None else t
-                    data = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
-                    for i in range(0, len(data), CHUNK):
-                        got = src.readinto(data[i:i + CHUNK])
-                        if got != len(data[i:i + CHUNK]):
-                            raise CheckpointError(f"{shown}: ended early (truncated)")
-                        h.update(data[i:i + got])
-                    if key not in tensors:  # not wanted: free it once hashed, not at the end
-                        h.wait()
+                for view in src.fill(_chunks(entries, tensors, h)):
+                    h.update(view)
             digest = h.hexdigest()
+        except EOFError:
+            h.close()
+            raise CheckpointError(f"{shown}: ended early (truncated)") from None
         except BaseException:
             h.close()
             raise
     _check_digest(shown, info["size"], digest, info)
     return tensors
+
+
+def _chunks(entries: list[tuple[str, torch.dtype, list]], tensors: dict[str, torch.Tensor],
+            h: BackgroundHash) -> Iterator[memoryview]:
+    """The memory a file's tensors are read into, in file order, in CHUNK pieces: each one's
+    destination, or for one not wanted a buffer dropped once hashed (the next waits for it)."""
+    for key, dtype, shape in entries:
+        t = tensors.get(key)
+        data = _raw_bytes(torch.empty(shape, dtype=dtype) if t is None else t)
+        for i in range(0, len(data), CHUNK):
+            yield data[i:i + CHUNK]
+        if t is None:
+            h.wait()
 
 
 def _destination(dtype: torch.dtype, shape: list[int], live: torch.Tensor | None
@@ -850,13 +853,6 @@ def _fresh(tensors: Mapping[str, torch.Tensor], into: Into | None) -> list[tuple
     faults in (`Prefault`), in order."""
     return [(t.data_ptr(), t.nbytes) for key, t in tensors.items()
             if into is None or t is not into.get(key)]
-
-
-def _read_exact(src: Any, n: int, shown: str) -> bytearray:
-    buf = bytearray(n)
-    if src.readinto(memoryview(buf)) != n:
-        raise CheckpointError(f"{shown}: ended early (truncated)")
-    return buf
 
 
 def _parse_header(raw: bytes, data_len: int, shown: str) -> list[tuple[str, torch.dtype, list]]:
