@@ -23,6 +23,7 @@ from relaytrain.checkpoint.streaming import (
     block_root,
     hash_stream,
     range_size,
+    upload_size,
 )
 from relaytrain.errors import CheckpointError
 
@@ -173,12 +174,14 @@ def test_a_failed_streamed_get_is_fetched_again_through_the_client(gcs_server, m
 
 def test_ranges_are_the_clients_block_size_and_at_least_min_range():
     """s3fs reads 50 MiB blocks (fewer requests); gcsfs's 5 MiB is raised to 16 MiB; a client
-    without a block size of its own gets MIN_RANGE."""
+    without a block size of its own gets MIN_RANGE. Uploads go in pieces of at least 64 MiB."""
     s3fs = pytest.importorskip("s3fs")
     gcsfs = pytest.importorskip("gcsfs")
     assert range_size(s3fs.S3FileSystem(anon=True, skip_instance_cache=True)) == 50 << 20
     assert range_size(gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True)) == 16 << 20
     assert range_size(fsspec.filesystem("memory")) == streaming.MIN_RANGE == 16 << 20
+    assert upload_size(s3fs.S3FileSystem(anon=True, skip_instance_cache=True)) == 64 << 20
+    assert upload_size(gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True)) == 64 << 20
 
 
 def test_no_more_than_ranges_in_flight_are_requested_at_once(tmp_path, monkeypatch,

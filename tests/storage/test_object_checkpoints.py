@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import parse_qsl, urlsplit
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import xxhash
 
+import relaytrain.checkpoint.streaming as streaming
 from relaytrain.checkpoint.store import CheckpointStore, CheckpointWarning, open_checkpoint
 from relaytrain.checkpoint.streaming import block_root
 from relaytrain.errors import CheckpointError
@@ -46,7 +48,9 @@ def assert_same(tensors: dict[str, torch.Tensor], state: dict) -> None:
         assert tensors[k].dtype == t.dtype and torch.equal(tensors[k], t), k
 
 
-def test_checkpoint_round_trip_with_concurrent_multipart_parts(object_server) -> None:
+def test_checkpoint_round_trip_with_concurrent_multipart_parts(object_server,
+                                                               monkeypatch) -> None:
+    monkeypatch.setattr(streaming, "MIN_UPLOAD", 0)  # the options' 5 MiB pieces
     url = object_server.url("run/checkpoints")
     store = CheckpointStore(url, storage_options=small_blocks(object_server))
     state = training_state(0)
@@ -67,6 +71,25 @@ def test_checkpoint_round_trip_with_concurrent_multipart_parts(object_server) ->
     manifest, tensors = open_checkpoint(url)  # a fresh reader, configured by the environment
     assert manifest["step"] == 7 and manifest["data"] == {"batch": 7}
     assert_same(tensors, state)
+
+
+def test_a_part_goes_up_in_pieces_of_the_upload_size(object_server, http_requests,
+                                                     monkeypatch) -> None:
+    """An upload goes in pieces (S3 multipart, GCS resumable) of at least MIN_UPLOAD bytes: with
+    a client block smaller than a write (gcsfs: 5 MiB), each 16 MiB write would be a request
+    of its own. A 40 MiB part is one piece, not three or more."""
+    store = CheckpointStore(object_server.url("ckpt"),
+                            storage_options=small_blocks(object_server))
+
+    def pieces_to_write(least: int) -> int:
+        monkeypatch.setattr(streaming, "MIN_UPLOAD", least)
+        http_requests.clear()
+        store.write_part(1, "model", {"w": torch.randn(10 << 20)})
+        return sum(bool(re.search(r"[?&](partNumber|upload_id)=", url))
+                   for _, url in http_requests)
+
+    assert pieces_to_write(64 << 20) <= 1  # S3: one PUT; GCS: one piece of a resumable upload
+    assert pieces_to_write(0) >= 3
 
 
 def test_manifest_is_written_only_when_every_part_is_complete(object_server) -> None:

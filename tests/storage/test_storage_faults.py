@@ -16,6 +16,7 @@ import pytest
 import torch
 from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 
+import relaytrain.checkpoint.streaming as streaming
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.checkpoint.writer import AsyncCheckpointWriter, snapshot_to_host
@@ -73,10 +74,12 @@ def test_save_completes_when_a_killed_server_comes_back(object_server, http_requ
     assert_restores(store, 2)
 
 
-def test_part_upload_killed_between_pieces_is_redone_whole(object_server, http_requests) -> None:
+def test_part_upload_killed_between_pieces_is_redone_whole(object_server, http_requests,
+                                                          monkeypatch) -> None:
     """A 20 MiB part goes up in pieces (S3 multipart upload, GCS resumable upload); the server
     dies as the second piece is sent and comes back without the upload session. The retry
     starts the part over."""
+    monkeypatch.setattr(streaming, "MIN_UPLOAD", 0)  # the clients' 5 MiB pieces
     # S3: 5 MiB pieces, and no botocore retries: moto answers a lost upload id with a 500,
     # which botocore would retry for seconds before the writer gets to start over
     opts = ({"default_block_size": 5 << 20, "config_kwargs": {"retries": {"max_attempts": 1}}}

@@ -61,6 +61,7 @@ from relaytrain.checkpoint.streaming import (
     digest_of,
     hash_stream,
     range_size,
+    upload_size,
 )
 from relaytrain.errors import CheckpointError
 
@@ -320,7 +321,7 @@ class CheckpointStore:
         if not self._local:
             # Objects appear at close. A failed upload may leave a partial object, which is
             # harmless: only a manifest makes a file count, and it is written after the check.
-            with self.fs.open(path, "wb") as f:
+            with self.fs.open(path, "wb", block_size=upload_size(self.fs)) as f:
                 return fill(f)
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
