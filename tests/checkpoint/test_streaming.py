@@ -147,8 +147,7 @@ def test_a_gcs_restore_streams_each_response_into_the_tensors(gcs_server, monkey
 def test_a_failed_streamed_get_is_fetched_again_through_the_client(gcs_server, monkeypatch,
                                                                    slow_ranges):
     """A response that breaks off midway (its bytes half written) is fetched again through
-    `cat_file`, with the client's own retries; and a zonal bucket, which gcsfs reads over
-    gRPC, is never streamed. The tensors are the checkpoint's either way."""
+    `cat_file`, with the client's own retries; the tensors are the checkpoint's."""
     monkeypatch.setattr(streaming, "range_size", lambda fs: 256 << 10)
     store, state = _gcs_store(gcs_server)
 
@@ -161,11 +160,15 @@ def test_a_failed_streamed_get_is_fetched_again_through_the_client(gcs_server, m
     _, got = store.read(1)
     assert all(torch.equal(got[k], t) for k, t in state.items()) and len(requests.calls) > 3
 
+
+def test_a_zonal_bucket_is_read_through_the_client(gcs_server, monkeypatch, slow_ranges):
+    """gcsfs reads a zonal bucket's objects over gRPC: its ranges are never streamed."""
+    monkeypatch.setattr(streaming, "range_size", lambda fs: 256 << 10)
+    store, state = _gcs_store(gcs_server)
+
     async def zonal(bucket):
         return True
 
-    monkeypatch.undo()
-    monkeypatch.setattr(streaming, "range_size", lambda fs: 256 << 10)
     monkeypatch.setattr(store.fs, "_is_zonal_bucket", zonal, raising=False)
     requests = slow_ranges(store.fs, delay=0)
     _, got = store.read(1)
