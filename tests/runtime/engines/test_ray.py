@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -100,20 +101,53 @@ def test_an_overdue_worker_whose_cpu_time_grows_is_starved_not_hung(monkeypatch)
     is hung at the next look, a stopped one (or one elsewhere: no CPU time known) at once."""
     ticks = {"starved": 10, "deadlocked": 10}  # "stopped": none
     monkeypatch.setattr(ray_engine, "cpu_ticks", lambda identity: ticks.get(identity))
-    beat = ray_engine._Heartbeat({}, {0: "starved", 1: "deadlocked", 2: "stopped"}, lambda: None)
+    starved = ray_engine._Starved({0: "starved", 1: "deadlocked", 2: "stopped"})
     sent, late, look = 100.0, ray_engine.PING_TIMEOUT, ray_engine.HEARTBEAT_S
     now = sent + late
-    assert beat._running(0, now, sent) and beat._running(1, now, sent)  # the first look
-    assert not beat._running(2, now, sent)
-    assert beat._running(1, now + look / 2, sent)  # looked at too recently to judge
+    assert starved(0, now, sent) and starved(1, now, sent)  # the first look
+    assert not starved(2, now, sent)
+    assert starved(1, now + look / 2, sent)  # looked at too recently to judge
     now += look
     ticks["starved"] += 1
-    assert beat._running(0, now, sent) and not beat._running(1, now, sent)
+    assert starved(0, now, sent) and not starved(1, now, sent)
     while now + look < sent + late + ray_engine.STARVED_GRACE:
         now += look
         ticks["starved"] += 1
-        assert beat._running(0, now, sent)
-    assert not beat._running(0, sent + late + ray_engine.STARVED_GRACE, sent)
+        assert starved(0, now, sent)
+    assert not starved(0, sent + late + ray_engine.STARVED_GRACE, sent)
+
+
+def test_a_survivor_starved_past_the_ping_deadline_is_waited_for_not_named_hung(
+        ray_cluster, monkeypatch):
+    """After a failure the survivors are pinged (`settle`): one on this host whose CPU time
+    grows answers late and is not named hung (it has up to STARVED_GRACE more); one whose CPU
+    time does not grow, or that is stopped, is named hung."""
+    @ray_cluster.remote
+    def answer(after: float) -> dict:
+        time.sleep(after)
+        return {}
+
+    ray_cluster.get([answer.remote(0) for _ in range(3)])  # the task workers started
+
+    class Late:  # a worker whose ping is answered `after` seconds from now
+        def __init__(self, after: float):
+            self.ping = types.SimpleNamespace(remote=lambda: answer.remote(after))
+
+    looks = {"starved": 0}
+
+    def cpu_ticks(identity):
+        if identity == "starved":
+            looks["starved"] += 1  # its CPU time grows between any two looks
+        return {"deadlocked": 7}.get(identity, looks.get(identity))  # "stopped": none
+
+    monkeypatch.setattr(ray_engine, "cpu_ticks", cpu_ticks)
+    engine = object.__new__(RayEngine)  # only its actors and their identities are asked
+    after = ray_engine.PING_TIMEOUT + 1.5
+    engine.actors = {w: Late(after) for w in range(3)}
+    engine._ids = {0: "starved", 1: "deadlocked", 2: "stopped"}
+    answers = engine._ping([0, 1, 2])
+    assert answers[0] is None and looks["starved"] > 1
+    assert isinstance(answers[1], WorkerHung) and isinstance(answers[2], WorkerHung)
 
 
 @pytest.mark.soak  # a hang named by the heartbeat mid-step: tests/runtime/test_elastic.py

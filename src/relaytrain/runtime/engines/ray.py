@@ -108,21 +108,45 @@ def _failure(rank: int, err: Exception) -> WorkerFailure:
     return WorkerRaised(rank, f"{type(err).__name__}: {err}")
 
 
+class _Starved:
+    """Whether a worker whose ping is overdue since `sent` is starved rather than hung: on this
+    host, not stopped, its CPU time grown since the last look HEARTBEAT_S or more ago (the
+    first look grants that long), for at most STARVED_GRACE past the ping deadline
+    (`runtime.liveness`). Anywhere else, or stopped, or not using CPU: hung at the deadline."""
+
+    def __init__(self, identities: dict[int, Any]):
+        self.identities = identities
+        self.looks: dict[int, tuple[int, float]] = {}  # worker -> (CPU ticks, seen at)
+
+    def __call__(self, w: int, now: float, sent: float) -> bool:
+        ticks = cpu_ticks(self.identities.get(w))
+        if ticks is None or now - sent >= PING_TIMEOUT + STARVED_GRACE:
+            return False
+        last = self.looks.get(w)
+        if last is None or now - last[1] >= HEARTBEAT_S:
+            self.looks[w] = (ticks, now)
+            return last is None or ticks > last[0]
+        return True
+
+    def forget(self, w: int) -> None:
+        """`w` answered: its next late ping starts looking afresh."""
+        self.looks.pop(w, None)
+
+
 class _Heartbeat:
     """Pings, every HEARTBEAT_S once a call has run that long, each worker the call still
     waits on. A worker busy in a step or blocked in a collective answers on its second thread;
     one that leaves a ping unanswered for PING_TIMEOUT is hung (stopped, deadlocked or cut
-    off): named within seconds, not at the call's deadline. A worker on this host that is not
-    stopped and whose CPU time grew over the last HEARTBEAT_S is starved, not hung
-    (`runtime.liveness`): it has STARVED_GRACE more. A ping late by HEARTBEAT_S calls
-    `on_late` (once): a replacement can start while the deadline runs."""
+    off): named within seconds, not at the call's deadline, unless it is starved (`_Starved`):
+    then it has up to STARVED_GRACE more. A ping late by HEARTBEAT_S calls `on_late` (once):
+    a replacement can start while the deadline runs."""
 
     def __init__(self, actors: dict[int, Any], identities: dict[int, Any],
                  on_late: Callable[[], None]):
-        self.actors, self.identities = actors, identities
+        self.actors = actors
+        self.starved = _Starved(identities)
         self.on_late: Callable[[], None] | None = on_late
         self.pings: dict[int, tuple[Any, float]] = {}  # worker -> (its ping or None, sent at)
-        self.looks: dict[int, tuple[int, float]] = {}  # overdue worker -> (CPU ticks, seen at)
         self.start = time.monotonic()
 
     def check(self, wids: list[int]) -> WorkerFailure | None:
@@ -136,7 +160,7 @@ class _Heartbeat:
                     return _failure(w, e)
                 ref = None
             if ref is not None:
-                if now - sent >= PING_TIMEOUT and not self._running(w, now, sent):
+                if now - sent >= PING_TIMEOUT and not self.starved(w, now, sent):
                     return WorkerHung(w, f"no answer to a ping within {PING_TIMEOUT:g}s while "
                                       "its call ran (stopped, deadlocked or cut off)")
                 if now - sent >= HEARTBEAT_S and self.on_late is not None:
@@ -144,23 +168,10 @@ class _Heartbeat:
                     on_late()
             elif now - sent >= HEARTBEAT_S:
                 self.pings[w] = (self.actors[w].ping.remote(), now)
-                self.looks.pop(w, None)
+                self.starved.forget(w)
             else:
                 self.pings[w] = (None, sent)
         return None
-
-    def _running(self, w: int, now: float, sent: float) -> bool:
-        """Whether `w`, its ping overdue since `sent`, is starved rather than hung: on this
-        host, not stopped, its CPU time grown since the last look HEARTBEAT_S or more ago
-        (the first look grants that long), for at most STARVED_GRACE past the deadline."""
-        ticks = cpu_ticks(self.identities.get(w))
-        if ticks is None or now - sent >= PING_TIMEOUT + STARVED_GRACE:
-            return False
-        last = self.looks.get(w)
-        if last is None or now - last[1] >= HEARTBEAT_S:
-            self.looks[w] = (ticks, now)
-            return last is None or ticks > last[0]
-        return True
 
 
 class RayEngine(Engine):
@@ -447,21 +458,31 @@ class RayEngine(Engine):
 
     def _ping(self, wids: list[int]) -> dict[int, WorkerFailure | None]:
         """Ping each worker on its second thread: None if it answers. A stopped or deadlocked
-        process cannot answer (hung), a dead one fails; a worker busy in a step or blocked in
-        a collective answers. A worker on a node Ray has not yet declared dead cannot answer
-        either: it is named hung, and replaced all the same."""
+        process cannot answer (hung, at PING_TIMEOUT), a dead one fails; a worker busy in a
+        step or blocked in a collective answers, and one that is starved (`_Starved`: a busy
+        host) gets up to STARVED_GRACE more. A worker on a node Ray has not yet declared dead
+        cannot answer either: it is named hung, and replaced all the same."""
+        sent = time.monotonic()
         pings = {self.actors[w].ping.remote(): w for w in wids}
-        done, late = ray.wait(list(pings), num_returns=len(pings), timeout=PING_TIMEOUT)
+        starved = _Starved(self._ids)
         out: dict[int, WorkerFailure | None] = {}
-        for ref in done:
-            try:
-                ray.get(ref)
-                out[pings[ref]] = None
-            except Exception as e:
-                out[pings[ref]] = _failure(pings[ref], e)
-        for ref in late:
-            out[pings[ref]] = WorkerHung(pings[ref], f"no answer to a ping within "
-                                         f"{PING_TIMEOUT:g}s (stopped, deadlocked or cut off)")
+        pending, wait = list(pings), PING_TIMEOUT
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                    out[pings[ref]] = None
+                except Exception as e:
+                    out[pings[ref]] = _failure(pings[ref], e)
+            now = time.monotonic()
+            for ref in [r for r in pending if now - sent >= PING_TIMEOUT
+                        and not starved(pings[r], now, sent)]:
+                out[pings[ref]] = WorkerHung(pings[ref], f"no answer to a ping within "
+                                             f"{PING_TIMEOUT:g}s (stopped, deadlocked or cut "
+                                             "off)")
+                pending.remove(ref)
+            wait = HEARTBEAT_S
         return out
 
     def _diagnose_hang(self, wids: list[int], timeout: float) -> WorkerFailure:
