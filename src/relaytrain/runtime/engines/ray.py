@@ -108,6 +108,19 @@ def _failure(rank: int, err: Exception) -> WorkerFailure:
     return WorkerRaised(rank, f"{type(err).__name__}: {err}")
 
 
+def _outcomes(done: list[Any], owners: dict[Any, int]) -> dict[int, WorkerFailure | None]:
+    """For each finished call in `done`, its worker (`owners`) -> None, or the failure it
+    raised."""
+    out: dict[int, WorkerFailure | None] = {}
+    for ref in done:
+        try:
+            ray.get(ref)
+            out[owners[ref]] = None
+        except Exception as e:
+            out[owners[ref]] = _failure(owners[ref], e)
+    return out
+
+
 class _Starved:
     """Whether a worker whose ping is overdue since `sent` is starved rather than hung: on this
     host, not stopped, its CPU time grown since the last look HEARTBEAT_S or more ago (the
@@ -432,12 +445,7 @@ class RayEngine(Engine):
         rest = [r for r, w in refs.items() if w not in gone]
         done, late = ray.wait(rest, num_returns=len(rest),
                               timeout=max(0.0, deadline - time.monotonic()))
-        for ref in done:
-            try:
-                ray.get(ref)
-                out[refs[ref]] = None
-            except Exception as e:
-                out[refs[ref]] = _failure(refs[ref], e)
+        out.update(_outcomes(done, refs))
         for ref in late:
             out[refs[ref]] = WorkerHung(refs[ref], f"still busy {timeout:.0f}s after a peer "
                                         "failed")
@@ -469,12 +477,7 @@ class RayEngine(Engine):
         pending, wait = list(pings), PING_TIMEOUT
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                    out[pings[ref]] = None
-                except Exception as e:
-                    out[pings[ref]] = _failure(pings[ref], e)
+            out.update(_outcomes(done, pings))
             now = time.monotonic()
             for ref in [r for r in pending if now - sent >= PING_TIMEOUT
                         and not starved(pings[r], now, sent)]:
