@@ -307,6 +307,21 @@ def test_a_damaged_part_is_skipped_with_a_warning_naming_the_file(tmp_path, part
             store.read(2)
 
 
+def test_a_part_that_shrinks_while_it_is_read_ended_early(tmp_path, monkeypatch):
+    """A part cut short after its size was checked (replaced or truncated mid-restore) is one
+    error naming the file, whether it is read whole or by rows, not a short tensor."""
+    store = CheckpointStore(str(tmp_path), block_size=32)
+    store.commit(1, save_sharded(store, 1, [(0, 5), (5, 10)]), {})
+    path = part_path(tmp_path, 1, "shard1")
+    sizes = {p: os.path.getsize(p) for p in [path, part_path(tmp_path, 1, "shard0")]}
+    monkeypatch.setattr(store.fs, "size", lambda p: sizes[p])  # as checked before the cut
+    os.truncate(path, sizes[path] - 20)
+    with pytest.raises(CheckpointError, match=f"{path}: ended early"):
+        store.read(1)
+    with pytest.raises(CheckpointError, match=f"{path}: ended early"):
+        store.read(1, rows={"model.w": (6, 10)})
+
+
 def test_step_without_manifest_is_not_a_checkpoint(tmp_path):
     store = CheckpointStore(str(tmp_path))
     save(store, 1)

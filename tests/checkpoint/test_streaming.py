@@ -87,6 +87,17 @@ def test_fill_puts_the_bytes_after_the_header_into_the_callers_views_in_order(
     assert requests.most <= streaming.RANGES_IN_FLIGHT
 
 
+def test_a_header_longer_than_a_range_is_read_whole_before_fill(tmp_path, monkeypatch):
+    monkeypatch.setattr(streaming, "MIN_RANGE", 16)
+    data = os.urandom(300)
+    (tmp_path / "f").write_bytes(data)
+    with RangedReader(fsspec.filesystem("file"), str(tmp_path / "f"), len(data)) as src:
+        head = src.read(8) + src.read(50) + src.read(5)  # past the first range, then within
+        views = [memoryview(bytearray(n)) for n in (7, 100, 130)]
+        assert list(src.fill(views)) == views
+    assert head + b"".join(bytes(v) for v in views) == data
+
+
 def test_fill_takes_views_only_as_requests_finish(tmp_path, monkeypatch, slow_ranges):
     """A caller may allocate its views as they are asked for: no more than RANGES_IN_FLIGHT
     requests' worth is taken ahead of the one given back."""
