@@ -43,7 +43,7 @@ def test_quick_bench_reports_bandwidth_next_to_the_raw_disk(tmp_path):
         assert r[key] > 0, key
     report = format_report({"repeats": 1, "local": local, "remote": {}})
     assert "x raw write" in report and "x a raw read into new memory" in report
-    assert "restore in place" in report
+    assert "restore in place (a resume)" in report and "target >= 0.8x" in report
     assert list(tmp_path.iterdir()) == []  # cleans up after itself
 
 
@@ -65,6 +65,26 @@ def test_an_object_store_is_measured_against_raw_put_and_get_then_emptied(object
     assert f"{url} tiny" in text and "x raw get" in text and "raw get into new memory" in text
     fs, path = filesystem(url)
     assert not fs.exists(path) or fs.ls(path) == []
+
+
+def _ratios(save: float, in_place: float, new: float, new_vs_reused: float) -> dict:
+    """A local result whose times give these ratios (the raw I/O all at 1 GB/s)."""
+    return {"bytes": 10**9, "params": 1, "save_s": 1 / save, "save_GBps": save,
+            "raw_write_GBps": 1.0, "save_vs_raw": save, "restore_in_place_s": 1 / in_place,
+            "restore_in_place_GBps": in_place, "restore_in_place_vs_raw": in_place,
+            "raw_read_GBps": 1.0, "restore_s": 1 / new, "restore_GBps": new,
+            "restore_vs_raw_new": new, "raw_read_new_GBps": 1.0,
+            "restore_vs_raw": new_vs_reused, "snapshot_s": 0.0, "snapshot_first_s": 0.0}
+
+
+@pytest.mark.parametrize(("ratios", "verdict"), [
+    ((1.2, 0.95, 0.85, 0.5), "met"),  # new tensors are held to the raw read into new memory
+    ((0.79, 0.95, 0.85, 0.9), "NOT met by save"),
+    ((1.0, 0.7, 0.6, 0.5), "NOT met by restore in place, restore into new tensors"),
+])
+def test_each_operation_is_held_to_the_raw_io_it_is_set_beside(ratios, verdict):
+    report = format_report({"repeats": 1, "local": {"small": _ratios(*ratios)}, "remote": {}})
+    assert report.splitlines()[-1].endswith(f"restore into new tensors: {verdict}")
 
 
 def test_url_is_an_option_of_the_checkpoint_bench_only(capsys):
