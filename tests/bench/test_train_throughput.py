@@ -34,17 +34,24 @@ def test_quick_tiny_run_reports_both_steps_and_their_ratio(capsys):
     s = r["settings"]
     assert s["tokens_per_step"] == s["seq_len"] * s["micro_batch"] == 64 * 8
     assert s["threads"] == 2 and s["optimizer"]["impl"] == "fused"
-    # tiny's head dim (16) is no multiple of the window kernel's: its windows go in chunks
-    assert s["ours_sliding_attention"] == "chunks"
+    # the sliding layers run as `model.attention: auto` measured them faster (tiny's head dim,
+    # 16, is no multiple of the window kernel's: chunks there go through torch's kernels)
+    attention = s["choices"]["attention"]
+    assert attention["source"].startswith(("measured", "cached")) and attention["times"].keys() == {
+        "sdpa", "chunks"}
+    assert s["ours_sliding_attention"] == {"chunks": "chunks", "sdpa": "sdpa mask"}[
+        attention["backend"]]
     # Same weights, same batch, same math: the first step's cross-entropy agrees.
     assert math.isclose(r["ours"]["first_loss"], r["hf"]["first_loss"], rel_tol=1e-5)
     text = format_report(r)
     assert "relaytrain" in text and "HF transformers" in text and "ours / HF" in text
-    # auto's choice is reported with both timings, and the step with the other GEMMs beside.
-    choice = s["matmul_choice"]
-    assert s["ours_matmul"] == choice["backend"] and f"auto chose {choice['backend']}" in text
+    # auto's choices are reported with both timings, and the step with the other GEMMs beside.
+    choice = s["choices"]["matmul"]
+    assert s["ours_matmul"] == choice["backend"]
+    for c in s["choices"].values():
+        assert f"auto: model.{c['setting']}={c['backend']} ({c['source']}" in text
     if onednn_available():
-        assert choice["aten_s"] > 0 and choice["onednn_s"] > 0
+        assert choice["times"]["aten"] > 0 and choice["times"]["onednn"] > 0
         other = "aten" if choice["backend"] == "onednn" else "onednn"
         assert r[f"ours_{other}"]["tokens_per_s"] > 0 and r[f"ratio_{other}"] > 0
         assert math.isclose(r[f"ours_{other}"]["first_loss"], r["hf"]["first_loss"],

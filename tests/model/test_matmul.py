@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import relaytrain.model.matmul as matmul_module
 from relaytrain.config import load_config
 from relaytrain.errors import ConfigError
+from relaytrain.model.backend_choice import choose_matmul
 from relaytrain.model.config import PRESETS
 from relaytrain.model.init import init_weights
 from relaytrain.model.loss import lm_head_loss, lm_loss
@@ -20,7 +21,6 @@ from relaytrain.model.matmul import (
     onednn_available,
     weight_grad,
 )
-from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.model.olmo3 import Olmo3
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")

@@ -1,11 +1,12 @@
 """What a resumed run may change: how the model executes, never what defines its curve; the
-GEMM backend `model.matmul: auto` measured, and the kernels `model.kernels: auto` resolves to,
-are decided once per run and may differ on resume."""
+GEMMs, kernels and sliding attention `auto` measures are decided once per run, recorded, kept
+by a run resumed on the host that chose them and may differ on another."""
 
 import pytest
 import yaml
 
-import relaytrain.model.matmul_choice as matmul_choice
+import relaytrain.model.backend_choice as backend_choice
+import relaytrain.train.auto_backends as auto_backends
 from relaytrain.cli import main
 from relaytrain.config import load_config
 from relaytrain.errors import ConfigError
@@ -62,12 +63,12 @@ def host(monkeypatch):
     """The host `model.matmul: auto` measures on: `host.name` is its key, `host.onednn_ratio`
     what its measurement finds (oneDNN's time over aten's)."""
     def fake_measure(shapes, threads, rounds=4):
-        return 0.010, 0.010 * host.onednn_ratio, host.onednn_ratio
+        return {"aten": 0.010, "onednn": 0.010 * host.onednn_ratio}, host.onednn_ratio
 
     host = type("Host", (), {"name": "cpu A", "onednn_ratio": 0.5})()
-    monkeypatch.setattr(matmul_choice, "host_key", lambda threads: host.name)
-    monkeypatch.setattr(matmul_choice, "measure", fake_measure)
-    monkeypatch.setattr(matmul_choice, "loaded", lambda: False)  # the suite loads the cores
+    monkeypatch.setattr(backend_choice, "host_key", lambda threads: host.name)
+    monkeypatch.setattr(backend_choice, "measure", fake_measure)
+    monkeypatch.setattr(backend_choice, "loaded", lambda: False)  # the suite loads the cores
     return host
 
 
@@ -92,7 +93,7 @@ def test_a_run_resumed_on_its_host_keeps_its_backend_to_the_same_bits(tmp_path, 
     whole, split = tmp_path / "whole", tmp_path / "split"
     Controller(tiny_config(whole, corpus_data, "train.max_steps=8", "checkpoint.every=4")).run()
     Controller(tiny_config(split, corpus_data, "train.max_steps=4", "checkpoint.every=4")).run()
-    matmul_choice.cache_path().unlink()
+    backend_choice.cache_path().unlink()
     host.onednn_ratio = 2.0
     summary = Controller(tiny_config(split, corpus_data, "train.max_steps=8",
                                      "checkpoint.every=4")).run()
@@ -124,3 +125,34 @@ def test_a_run_resumed_where_auto_chooses_differently_continues(tmp_path, corpus
     for step in range(5, 9):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-4)
     assert main(["data", "audit", str(split)]) == 0
+
+
+@pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason="no fused CPU kernels here")
+@pytest.mark.timeout(240)
+def test_a_run_resumed_on_its_host_keeps_its_kernels_and_attention_to_the_same_bits(
+        tmp_path, corpus_data, host, monkeypatch):
+    """Checkpointed with the fused kernels and chunked sliding attention `auto` measured
+    faster; by the resume the cache is gone and torch's ops and the dense mask now measure
+    faster on the same host: the run continues as it began, bit-identical."""
+    faster = {"fused", "chunks"}
+    host.name = "cpu K"  # a host no other test has measured on
+
+    def fake_round(stage, shape, matmul, kernels, attention):
+        return lambda: 1.0 if (kernels if stage.last else attention) in faster else 2.0
+
+    monkeypatch.setattr(auto_backends, "_timed_round", fake_round)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    overrides = ("train.max_steps=8", "checkpoint.every=4", "model.matmul=aten")
+    Controller(tiny_config(whole, corpus_data, *overrides)).run()
+    Controller(tiny_config(split, corpus_data, "train.max_steps=4", *overrides[1:])).run()
+    assert yaml.safe_load((split / "config.yaml").read_text())["model"] | {
+        "kernels": "fused", "attention": "chunks"} == yaml.safe_load(
+        (split / "config.yaml").read_text())["model"]
+    backend_choice.cache_path().unlink()
+    faster = {"torch", "sdpa"}
+    summary = Controller(tiny_config(split, corpus_data, *overrides)).run()
+    assert summary["resumed_from"] == 4
+    assert {k: (summary[k]["backend"], summary[k]["source"]) for k in ("kernels", "attention")
+            } == {"kernels": ("fused", "resumed"), "attention": ("chunks", "resumed")}
+    a, b = step_records(whole), step_records(split)
+    assert [b[s]["loss"] for s in range(1, 9)] == [a[s]["loss"] for s in range(1, 9)]

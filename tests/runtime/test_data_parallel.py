@@ -24,11 +24,11 @@ def _run(run_dir, data, dp: int, *extra: str) -> dict:
 
 
 def run_exact_reference(run_dir, data) -> None:
-    """The recorded reference: dp 1, exact mode, torch's own GEMMs and elementwise ops (a
-    backend choice made by measurement, or kernels added since, must not move the recorded
-    bits)."""
+    """The recorded reference: dp 1, exact mode, torch's own GEMMs, elementwise ops and the
+    sliding layers' dense mask, as at the recording (a backend choice made by measurement, or
+    kernels added since, must not move the recorded bits)."""
     _run(run_dir, data, 1, "determinism=exact", "train.max_steps=6", "model.matmul=aten",
-         "model.kernels=torch")
+         "model.kernels=torch", "model.attention=sdpa")
 
 
 def host_key() -> str:

@@ -12,9 +12,9 @@ import torch
 
 from relaytrain.config import ModelSection
 from relaytrain.model import cpu_kernels
+from relaytrain.model.backend_choice import choose_matmul
 from relaytrain.model.config import PRESETS
 from relaytrain.model.init import init_weights
-from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.train.execution import compiles, prepare_model, set_determinism
 

@@ -13,10 +13,11 @@ loss read back as a float.
   the fused chunked LM head + loss), with the z-loss on (1e-5, the default) that HF does not
   have: ours does a little more work. Executed as a run is by default
   (`train.execution.prepare_model`): on the CPU its linear layers and LM head run their GEMMs
-  through the backend `model.matmul: auto` picks on this host (`model.matmul_choice`: torch's
+  through the backend `model.matmul: auto` picks on this host (`model.backend_choice`: torch's
   own or oneDNN, whichever measured faster on the model's products; reported with both
-  timings), and its RMSNorm, SwiGLU, RoPE and softmax through the fused CPU kernels
-  (`model.kernels: auto`, `model.cpu_kernels`). So that what each lever contributes is not
+  timings), and its RMSNorm, SwiGLU, RoPE and softmax through the fused CPU kernels and its
+  sliding layers in chunks where `model.kernels: auto` and `model.attention: auto` measure
+  them faster (`train.auto_backends`). So that what each lever contributes is not
   mistaken for the rest, the same step with the other GEMM backend is measured beside it
   wherever oneDNN is available (`ours_aten` and `ratio_aten`, or `ours_onednn` and
   `ratio_onednn`), and with torch's elementwise ops (`ours_torch_kernels`,
@@ -73,15 +74,16 @@ from relaytrain.bench import progress
 from relaytrain.config import ModelSection, OptimSection, TrainSection
 from relaytrain.errors import UserError
 from relaytrain.model.accounting import flops_per_token, param_count
+from relaytrain.model.backend_choice import Choice
 from relaytrain.model.config import PRESETS
 from relaytrain.model.hf import ours_to_hf_name
 from relaytrain.model.init import init_weights
 from relaytrain.model.matmul import onednn_available
-from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Attention, Olmo3
 from relaytrain.model.sliding_chunks import Window
 from relaytrain.parallel.reduce import GradReducer
+from relaytrain.train.auto_backends import choose_backends
 from relaytrain.train.execution import compiles, prepare_model, retain_freed_memory
 from relaytrain.train.metrics import peak_flops
 from relaytrain.train.optim import AdamW, build_optimizer
@@ -184,11 +186,14 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
     cuda = dev.type == "cuda"
     retain_freed_memory()  # as a worker process does (process-wide: HF's step gets it too)
     optim_cfg, train_cfg = OptimSection(), TrainSection()
-    # What a run gets by default: auto attention and compile, the GEMMs `auto` picks here.
-    progress.report("model.matmul auto: measuring (or reading the cache)")
-    choice = choose_matmul("auto", cfg, dev, threads)
-    progress.report(f"model.matmul auto: {choice.describe()}")
-    execution = ModelSection(matmul=choice.backend)
+    # What a run gets by default: auto compile, and the GEMMs, kernels and attention that
+    # `auto` measures (or finds in the cache) for this host and shape, as the controller does.
+    progress.report("model.matmul, kernels, attention auto: measuring (or reading the cache)")
+    choices = choose_backends(ModelSection(), cfg, dev, threads, micro_batch, seq_len)
+    for c in choices.values():
+        progress.report(f"auto: {c.describe()}")
+    choice = choices["matmul"]
+    execution = ModelSection(**{k: c.backend for k, c in choices.items()})
 
     gen = torch.Generator().manual_seed(seed)
     n_tokens = cfg.tokenizer_vocab or cfg.vocab_size
@@ -332,7 +337,8 @@ def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: in
             "ours_sliding_attention": _sliding_kind(ours, seq_len, dev)
             if seq_len > cfg.sliding_window else "causal (seq_len <= window)",
             "ours_compiled_blocks": compiles(execution.compile, dev),
-            "ours_matmul": ours.matmul, "matmul_choice": dataclasses.asdict(choice),
+            "ours_matmul": ours.matmul,
+            "choices": {k: dataclasses.asdict(c) for k, c in choices.items()},
             "ours_kernels": "fused" if ours.fused else "torch",
             "hf_attn_implementation": "sdpa", "transformers": _transformers_version(),
             "torch": torch.__version__, "warmup_steps": warmup, "rounds": rounds,
@@ -443,10 +449,8 @@ def format_report(r: dict[str, Any]) -> str:
                  f" tokens/s); CPU time {r['cpu_ratio']:.2f}x){target}")
     if "ratio_vs_compiled" in r:
         lines.append(f"ours / HF compiled: {r['ratio_vs_compiled']:.2f}x")
-    c = s["matmul_choice"]
-    timings = (f": aten {1e3 * c['aten_s']:.1f} ms, onednn {1e3 * c['onednn_s']:.1f} ms per "
-               "round of the model's products" if c["aten_s"] is not None else "")
-    lines.append(f"model.matmul auto chose {c['backend']} ({c['source']}{timings})")
+    for c in s["choices"].values():
+        lines.append(f"auto: {Choice(**c).describe()}")
     for other in ("aten", "onednn"):
         if f"ratio_{other}" in r:
             lines.append(f"ours with the other GEMMs (model.matmul={other}) / HF: "

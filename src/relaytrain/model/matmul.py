@@ -14,7 +14,7 @@ invariance holds (`tests/model/test_matmul.py`).
 Backends: `aten` is torch's own (MKL on the CPU, cuBLAS on a GPU) and the one whose logits are
 bit-identical with HF's on the CPU; `onednn` is this module's CPU path (fp32 only: anything
 else, a GPU tensor or an autocast region falls back to `aten` call by call); `auto` is the
-faster of the two on this host's CPU, measured (`model.matmul_choice`): on an Intel Xeon, whose
+faster of the two on this host's CPU, measured (`model.backend_choice`): on an Intel Xeon, whose
 MKL runs AVX-512 itself, that is usually `aten`.
 """
 

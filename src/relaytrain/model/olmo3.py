@@ -32,10 +32,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from relaytrain.model import cpu_kernels
+from relaytrain.model.backend_choice import choose_matmul
 from relaytrain.model.config import FULL, LAYER_TYPES, SLIDING, Olmo3Config
 from relaytrain.model.loss import lm_head_loss
 from relaytrain.model.matmul import MATMUL_BACKENDS, Linear
-from relaytrain.model.matmul_choice import choose_matmul
 from relaytrain.model.sliding_chunks import Window, sliding_attention
 
 
@@ -444,11 +444,13 @@ class Olmo3(nn.Module):
         FLOPs against 1/2 on average). `none` keeps everything.
         `matmul`: `aten` (torch's GEMMs: bit-identical with HF on the CPU) or `onednn` (the
         linear layers and the LM head through oneDNN on the CPU; `model.matmul`); `auto` is
-        the faster on the device the parameters are on (`model.matmul_choice`: measured once
+        the faster on the device the parameters are on (`model.backend_choice`: measured once
         per host at this process's thread count).
         `kernels`: `torch` (torch's ops, as HF), `fused` (RMSNorm, SwiGLU, RoPE, the LM head's
         softmax and the `chunks` sliding attention through the fused CPU kernels,
         `model.cpu_kernels`) or `auto` (fused on the CPU where they build).
+        A run never passes `auto` for `attention` or `kernels` here: it measures which is
+        faster on the host first (`train.auto_backends`); `auto` here is for direct use.
         """
         if (attention not in ATTENTION_BACKENDS or checkpointing not in CHECKPOINTING
                 or matmul not in MATMUL_BACKENDS):

@@ -24,9 +24,8 @@ from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
 from relaytrain.errors import ConfigError, UserError
-from relaytrain.model import cpu_kernels
 from relaytrain.model.accounting import flops_per_token
-from relaytrain.model.matmul_choice import choose_matmul, keep_on_resume
+from relaytrain.model.backend_choice import Choice
 from relaytrain.parallel.pipeline.schedules import asynchronous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
@@ -34,6 +33,7 @@ from relaytrain.runtime.failures import RecoveryLimitExceeded, WorkerFailure
 from relaytrain.runtime.faults import FaultInjector, end_storage_outage, plan_faults
 from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped
+from relaytrain.train.auto_backends import choose_backends
 from relaytrain.train.execution import pick_device
 from relaytrain.train.metrics import peak_flops, warn
 
@@ -85,17 +85,11 @@ class Controller:
         check_order(self.dataset, cfg.data.order)
         self.model_cfg = cfg.model_config(self.dataset.vocab_size)
         # Decided once here and passed down (and recorded in config.yaml): every worker of the
-        # run uses the same GEMMs, which a per-worker measurement would not guarantee.
-        # The same for the fused kernels: built (once per host) here, before any worker starts.
-        device = pick_device(cfg.train.device)
-        self.matmul = choose_matmul(cfg.model.matmul, self.model_cfg, device,
-                                    cfg.runtime.threads_per_worker)
-        try:
-            kernels = "fused" if cpu_kernels.resolve(cfg.model.kernels, device) else "torch"
-        except ValueError as e:
-            raise ConfigError(f"config key 'model.kernels': {e}") from None
-        self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, matmul=self.matmul.backend, kernels=kernels))
+        # run uses the same GEMMs, kernels and attention, which per-worker measurements would
+        # not guarantee; the fused kernels are built (once per host) here, before any worker.
+        self.cfg, self._settings = cfg, cfg.model  # the settings as given, `auto` included
+        self.backends = self._choose_backends(None)
+        self.cfg = cfg = self._with_backends(cfg)
         n_train = self.dataset.split("train").num_instances(cfg.seq_len)
         if n_train < cfg.train.global_batch:
             raise UserError(f"data.path {cfg.data.path!r} has {n_train} training instances of "
@@ -202,7 +196,8 @@ class Controller:
                 "final_loss": reporter.last.get("loss"), "final_heldout_loss": reporter.heldout,
                 "checkpoint_step": self.catalogue.last_committed, "setup_s": setup_s,
                 "peak_flops": peak, "peak_source": peak_src,
-                "matmul": dataclasses.asdict(self.matmul), "recoveries": recovery.log,
+                **{k: dataclasses.asdict(c) for k, c in self.backends.items()},
+                "recoveries": recovery.log,
                 "goodput": reporter.productive_s / wall, "wall_s": wall, "dp": recovery.dp,
                 "generation": recovery.generation,
                 "pids": {w: self.engine.pid(w) for w in recovery.members},
@@ -227,7 +222,7 @@ class Controller:
                 raise UserError(f"data.path {self.cfg.data.path!r} is not the data this run was "
                                 f"trained on (fingerprint {self.dataset.fingerprint[:12]} != "
                                 f"{fp[:12]}); point data.path at the original prepared data")
-            self._resume_matmul(manifest.get("matmul"))
+            self._resume_backends(manifest)
             start = int(manifest["step"])
             if start >= self.cfg.train.max_steps:
                 raise UserError(f"run_dir {self.cfg.run_dir!r} already reached step {start}; "
@@ -267,16 +262,29 @@ class Controller:
         else:
             self.catalogue.record(reports)
 
-    def _resume_matmul(self, recorded: Any) -> None:
-        """The GEMM backend the checkpoint's run chose, where `auto` chose it on this host
-        (`matmul_choice.keep_on_resume`), for this run and its config.yaml."""
-        self.matmul = keep_on_resume(self.matmul, recorded)
-        self.cfg = dataclasses.replace(self.cfg, model=dataclasses.replace(
-            self.cfg.model, matmul=self.matmul.backend))
+    def _choose_backends(self, recorded: dict | None) -> dict[str, Choice]:
+        cfg = self.cfg
+        try:
+            return choose_backends(self._settings, self.model_cfg, pick_device(cfg.train.device),
+                                   cfg.runtime.threads_per_worker, cfg.train.micro_batch,
+                                   cfg.seq_len, recorded=recorded)
+        except ValueError as e:
+            setting = str(e).partition("=")[0]
+            raise ConfigError(f"config key 'model.{setting}': {e}") from None
+
+    def _resume_backends(self, manifest: dict) -> None:
+        """The backends the checkpoint's run chose, where `auto` chose them on this host
+        (`backend_choice.keep_on_resume`), for this run and its config.yaml."""
+        self.backends = self._choose_backends(manifest)
+        self.cfg = self._with_backends(self.cfg)
+
+    def _with_backends(self, cfg: RunConfig) -> RunConfig:
+        return dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, **{k: c.backend for k, c in self.backends.items()}))
 
     def _manifest_meta(self, step: int) -> dict[str, Any]:
         return {"model": self.model_cfg.to_dict(), "config": self.cfg.to_dict(),
-                "matmul": {"backend": self.matmul.backend, "key": self.matmul.key},
+                **{k: {"backend": c.backend, "key": c.key} for k, c in self.backends.items()},
                 "data": {"batch_index": step, "fingerprint": self.dataset.fingerprint,
                          "n_instances": self.n_train, "seq_len": self.cfg.seq_len},
                 # Nothing draws from global RNG state: init, data order and evaluation derive

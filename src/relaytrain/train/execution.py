@@ -84,3 +84,12 @@ def retain_freed_memory() -> bool:
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
                 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def release_freed_memory() -> None:
+    """Hand the memory the process holds free back to the OS now (glibc's malloc_trim), as
+    after work timed under `retain_freed_memory` in a process that goes on to other things."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
