@@ -6,8 +6,9 @@ Why measured on the model's blocks at the run's micro-batch: the fused CPU kerne
 pass over memory where torch's ops make several, and the chunked sliding attention computes
 only each query's window where the dense mask computes every pair; what that saves against
 what the kernels themselves cost depends on the processor, its caches and the shapes. The
-kernels are timed on a stage of the model (a sliding and a full layer where it has both, and
-the LM head with its softmax: forward and backward), the attention on one sliding layer, each
+kernels are timed on a stage of the model (its layers up to its first full one, as many
+sliding layers to a full one as the model has, and the LM head with its softmax: forward and
+backward), the attention on one sliding layer, each
 with the backends already chosen before it (GEMMs, then kernels, then attention). Compiled
 blocks and GPUs are not measured: compiled code fuses the elementwise work itself and traces
 the dense mask, and on a GPU only torch's ops and FlexAttention apply.
@@ -31,7 +32,7 @@ from relaytrain.model.backend_choice import (
     decide,
     keep_on_resume,
 )
-from relaytrain.model.config import SLIDING, Olmo3Config
+from relaytrain.model.config import FULL, SLIDING, Olmo3Config
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.train.execution import compiles, release_freed_memory, retain_freed_memory
@@ -118,15 +119,16 @@ def _dims(cfg: Olmo3Config) -> str:
 
 
 def _stage(cfg: Olmo3Config, sliding_only: bool) -> Olmo3:
-    """What a contest times: one sliding layer alone (`sliding_only`), else two neighbouring
-    layers of both kinds where the model has both, and the LM head; random weights."""
+    """What a contest times: one sliding layer alone (`sliding_only`), else the model's first
+    layers up to and including its first full one (Olmo 3's pattern: three sliding layers to
+    one full, so the kernels are timed on the mix of layers the model has) and the LM head;
+    random weights."""
     types = cfg.layer_types
     if sliding_only:
         i = types.index(SLIDING)
         layers = range(i, i + 1)
     else:
-        i = next((j for j in range(len(types) - 1) if types[j] != types[j + 1]), 0)
-        layers = range(i, min(i + 2, len(types)))
+        layers = range(types.index(FULL) + 1 if FULL in types else 1)
     stage = Olmo3(cfg, layers, first=False, last=not sliding_only)
     init_weights(stage, 0)
     return stage
