@@ -78,9 +78,12 @@ def test_exact_on_cuda_turns_every_switch_on_and_fast_turns_them_off(determinism
 # each allocated, touched and freed. Prints the pages each one faulted in.
 FAULT_CYCLES = """
 import resource, sys, torch
-from relaytrain.train.execution import retain_freed_memory
-if sys.argv[1] == "retain" and not retain_freed_memory():
+from relaytrain.train.execution import freed_memory_retained, retain_freed_memory
+if sys.argv[1].startswith("retain") and not retain_freed_memory():
     sys.exit(3)
+if sys.argv[1].endswith("timed"):  # work timed as a worker runs it, before the cycles
+    with freed_memory_retained():
+        pass
 counts = []
 for i in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -109,3 +112,12 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
     assert statistics.median(retained[3:]) <= pages // 8, retained
     # Control: under glibc's defaults every one is mapped and faulted in afresh.
     assert min(default[3:]) >= pages // 2
+
+
+@pytest.mark.timeout(240)
+def test_work_timed_as_a_worker_runs_it_leaves_the_process_its_own_memory_setting():
+    """`freed_memory_retained` (the `auto` measurements): a process that kept freed memory
+    before still does after; one that did not gets glibc's defaults back."""
+    pages = 8 * 2**20 // 4096
+    assert statistics.median(faults_per_buffer("retain, timed")[3:]) <= pages // 8
+    assert min(faults_per_buffer("timed")[3:]) >= pages // 2

@@ -35,7 +35,7 @@ from relaytrain.model.backend_choice import (
 from relaytrain.model.config import FULL, SLIDING, Olmo3Config
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
-from relaytrain.train.execution import compiles, release_freed_memory, retain_freed_memory
+from relaytrain.train.execution import compiles, freed_memory_retained
 
 MAX_TOKENS = 4096  # tokens per timed forward: the run's micro-batch, fewer sequences past this
 
@@ -103,13 +103,9 @@ def _attention(setting: str, cfg: Olmo3Config, device: torch.device, threads: in
 def _measure(rounds: dict[str, Callable[[], float]], threads: int
              ) -> tuple[dict[str, float], float]:
     """`alternate` as a worker runs: freed memory kept in the process (a worker's setting,
-    without which each round page-faults its buffers in again and the faults decide), then
-    handed back, since the controller goes on to other work."""
-    retain_freed_memory()
-    try:
+    without which each round page-faults its buffers in again and the faults decide)."""
+    with freed_memory_retained():
         return alternate(rounds, threads=threads)
-    finally:
-        release_freed_memory()
 
 
 def _dims(cfg: Olmo3Config) -> str:

@@ -8,8 +8,10 @@ setting (or device) resumes under any other.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -22,6 +24,7 @@ CUBLAS_WORKSPACE = ":4096:8"
 # glibc's largest mmap threshold on 64-bit hosts (32 MiB) from the heap, trimmed past 1 GiB free.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD, TRIM_THRESHOLD = 32 * 2**20, 2**30
+GLIBC_DEFAULT_THRESHOLD = 128 * 2**10  # both thresholds' defaults (mallopt(3))
 
 
 def pick_device(kind: str) -> torch.device:
@@ -66,7 +69,8 @@ def set_determinism(device: torch.device, exact: bool) -> None:
         inductor_config.deterministic = exact
 
 
-def retain_freed_memory() -> bool:
+def retain_freed_memory(mmap_threshold: int = MMAP_THRESHOLD,
+                        trim_threshold: int = TRIM_THRESHOLD) -> bool:
     """Keep freed host memory in the process instead of handing it back to the OS (glibc).
 
     torch's CPU tensors come straight from malloc (there is no caching allocator on the CPU),
@@ -77,19 +81,31 @@ def retain_freed_memory() -> bool:
     With fixed thresholds the process keeps its steady-state peak, which it reaches every
     step anyway. Process-wide; a no-op returning False where the C library is not glibc.
     """
+    global _retained
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl and macOS lack it)
     except (OSError, AttributeError):
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-                and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _retained = mmap_threshold == MMAP_THRESHOLD
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+                and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
-def release_freed_memory() -> None:
-    """Hand the memory the process holds free back to the OS now (glibc's malloc_trim), as
-    after work timed under `retain_freed_memory` in a process that goes on to other things."""
+_retained = False  # whether `retain_freed_memory` holds for this process
+
+
+@contextlib.contextmanager
+def freed_memory_retained() -> Iterator[None]:
+    """Work timed as a worker runs it (`retain_freed_memory`), in a process that may not: one
+    that did not retain freed memory before gets glibc's default thresholds (128 KiB) back
+    after, and what the work left free handed back to the OS."""
+    before = _retained
+    retain_freed_memory()
     try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        yield
+    finally:
+        if not before:
+            retain_freed_memory(GLIBC_DEFAULT_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(None).malloc_trim(0)
