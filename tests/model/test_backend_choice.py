@@ -43,7 +43,7 @@ def timings(monkeypatch):
 
 def test_auto_measures_once_then_reads_the_cache(tmp_path, timings):
     fake, calls = timings
-    cache = tmp_path / "matmul.json"
+    cache = tmp_path / "backends.json"
     first = choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache)
     assert (first.backend, first.source) == ("onednn", "measured")
     assert first.times == {"aten": 0.010, "onednn": 0.005}
@@ -61,7 +61,7 @@ def test_a_measurement_on_a_loaded_host_is_kept_for_an_hour_then_measured_again(
     than the backends, so it is not kept for good; but until it expires every run on the host
     uses it, loaded or quiet, so two runs of one config do not differ by when they started."""
     fake, calls = timings
-    cache = tmp_path / "matmul.json"
+    cache = tmp_path / "backends.json"
     clock = [1000.0]
     monkeypatch.setattr(choice_module.time, "time", lambda: clock[0])
     monkeypatch.setattr(choice_module, "loaded", lambda: True)
@@ -111,7 +111,7 @@ def test_the_host_key_names_the_processor_beyond_its_marketing_name():
 
 def test_a_changed_host_key_or_model_is_measured_again(tmp_path, timings):
     fake, calls = timings
-    cache = tmp_path / "matmul.json"
+    cache = tmp_path / "backends.json"
     assert choose_matmul("auto", TINY, CPU, 2, key="cpu A", cache=cache).backend == "onednn"
     fake.ratio = 2.0
     on_b = choose_matmul("auto", TINY, CPU, 2, key="cpu B", cache=cache)
@@ -132,7 +132,7 @@ def test_onednn_must_win_by_the_margin(tmp_path, timings):
 
 def test_a_given_backend_or_a_gpu_is_never_measured(tmp_path, timings):
     _, calls = timings
-    cache = tmp_path / "matmul.json"
+    cache = tmp_path / "backends.json"
     for setting in ("aten", "onednn"):
         c = choose_matmul(setting, TINY, CPU, 2, key="k", cache=cache)
         assert (c.backend, c.source) == (setting, "setting")
@@ -144,7 +144,7 @@ def test_a_given_backend_or_a_gpu_is_never_measured(tmp_path, timings):
 
 def test_an_unreadable_cache_is_measured_over(tmp_path, timings):
     _, calls = timings
-    cache = tmp_path / "matmul.json"
+    cache = tmp_path / "backends.json"
     cache.write_text("{not json")
     assert choose_matmul("auto", TINY, CPU, 2, key="k", cache=cache).source == "measured"
     assert choose_matmul("auto", TINY, CPU, 2, key="k", cache=cache).source == "cached"
