@@ -150,12 +150,12 @@ def test_an_unreadable_cache_is_measured_over(tmp_path, timings):
     assert choose_matmul("auto", TINY, CPU, 2, key="k", cache=cache).source == "cached"
     assert len(calls) == 1
     for bad in ({"expires": "soon"}, {"source": None}, {"backend": "mkl"},  # edited by hand
-                {"backend": "fused"}, {"times": [1, 2]}):
+                {"backend": "fused"}, {"times": [1, 2]}, {"times": {"aten": "fast"}}):
         entries = json.loads(cache.read_text())
         entries = {k: {**v, **bad} for k, v in entries.items()}
         cache.write_text(json.dumps(entries))
         assert choose_matmul("auto", TINY, CPU, 2, key="k", cache=cache).source == "measured"
-    assert len(calls) == 6
+    assert len(calls) == 7
 
 
 def test_the_cache_lives_under_xdg_cache_home(tmp_path, monkeypatch):

@@ -10,7 +10,8 @@ as the three products a training step forms: forward, input and weight gradients
 elementwise kernels and the sliding attention on the model's blocks at the run's micro-batch
 (`train.auto_backends`).
 
-Each measurement is short (0.1-2 s on a quiet 2-core host) and robust against a shared
+Each measurement is short (0.1-0.3 s for the GEMMs, 1-6 s for the blocks of the `small`
+preset on a quiet 2-core host) and robust against a shared
 machine: the two candidates alternate within each round (a load change hits both alike), the
 decision is the median of the per-round ratios, and the challenger must win by `MARGIN`,
 since the reference (`aten`, `torch`, `sdpa`) is the path bit-identical with HF. The result is
@@ -201,7 +202,8 @@ def _valid(entry: Any, setting: str, now: float) -> bool:
     expires = entry.get("expires", math.inf)
     times = entry.get("times")
     return (isinstance(entry.get("source"), str) and isinstance(expires, (int, float))
-            and now < expires and (times is None or isinstance(times, dict)))
+            and now < expires and (times is None or isinstance(times, dict) and all(
+                isinstance(v, (int, float)) for v in times.values())))
 
 
 def keep_on_resume(choice: Choice, recorded: Any) -> Choice:

@@ -25,6 +25,7 @@ CUBLAS_WORKSPACE = ":4096:8"
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD, TRIM_THRESHOLD = 32 * 2**20, 2**30
 GLIBC_DEFAULT_THRESHOLD = 128 * 2**10  # both thresholds' defaults (mallopt(3))
+_retained = False  # whether `retain_freed_memory` holds for this process
 
 
 def pick_device(kind: str) -> torch.device:
@@ -69,8 +70,7 @@ def set_determinism(device: torch.device, exact: bool) -> None:
         inductor_config.deterministic = exact
 
 
-def retain_freed_memory(mmap_threshold: int = MMAP_THRESHOLD,
-                        trim_threshold: int = TRIM_THRESHOLD) -> bool:
+def retain_freed_memory() -> bool:
     """Keep freed host memory in the process instead of handing it back to the OS (glibc).
 
     torch's CPU tensors come straight from malloc (there is no caching allocator on the CPU),
@@ -82,17 +82,8 @@ def retain_freed_memory(mmap_threshold: int = MMAP_THRESHOLD,
     step anyway. Process-wide; a no-op returning False where the C library is not glibc.
     """
     global _retained
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl and macOS lack it)
-    except (OSError, AttributeError):
-        return False
-    _retained = mmap_threshold == MMAP_THRESHOLD
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
-                and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
-
-
-_retained = False  # whether `retain_freed_memory` holds for this process
+    _retained = _set_thresholds(MMAP_THRESHOLD, TRIM_THRESHOLD)
+    return _retained
 
 
 @contextlib.contextmanager
@@ -100,12 +91,23 @@ def freed_memory_retained() -> Iterator[None]:
     """Work timed as a worker runs it (`retain_freed_memory`), in a process that may not: one
     that did not retain freed memory before gets glibc's default thresholds (128 KiB) back
     after, and what the work left free handed back to the OS."""
+    global _retained
     before = _retained
     retain_freed_memory()
     try:
         yield
     finally:
-        if not before:
-            retain_freed_memory(GLIBC_DEFAULT_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
-            with contextlib.suppress(OSError, AttributeError):
-                ctypes.CDLL(None).malloc_trim(0)
+        if not before and _retained:
+            _retained = not _set_thresholds(GLIBC_DEFAULT_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
+            ctypes.CDLL(None).malloc_trim(0)
+
+
+def _set_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
+    """glibc's mmap and trim thresholds set (fixed); False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl and macOS lack it)
+    except (OSError, AttributeError):
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+                and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
