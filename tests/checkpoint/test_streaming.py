@@ -364,7 +364,7 @@ def test_prefault_brings_fresh_memory_in_without_the_reader_touching_it():
 def test_a_restore_prefaults_only_the_memory_it_allocates(tmp_path, monkeypatch):
     """Tensors read in place (`into`) are the caller's and already in memory; only those the
     restore allocates are handed to Prefault, in file order, and the bytes read are the same."""
-    import relaytrain.checkpoint.store as store_module
+    import relaytrain.checkpoint.reading as reading_module
 
     spans_seen = []
 
@@ -373,7 +373,7 @@ def test_a_restore_prefaults_only_the_memory_it_allocates(tmp_path, monkeypatch)
             spans_seen.append(list(spans))
             super().__init__(spans)
 
-    monkeypatch.setattr(store_module, "Prefault", Recorded)
+    monkeypatch.setattr(reading_module, "Prefault", Recorded)
     state = {"a": torch.randn(1000), "b": torch.randn(50, 40), "c": torch.randn(3)}
     store = CheckpointStore(str(tmp_path))
     store.commit(1, {"model": store.write_part(1, "model", state)}, {})
