@@ -5,6 +5,10 @@ Ray is only the transport and the process manager here: the controller decides w
 cluster is started without a dashboard and with token authentication, every process of it
 listening on loopback only, and shut down at the end; with `runtime.address` the same code joins
 an existing cluster.
+
+It stays one file past ~550 lines because it is one thing, the `Engine` protocol in Ray's terms
+(actors, placement groups, object refs, Ray's exceptions mapped to typed failures, the heartbeat
+that pings the actors), whose helpers exist for `RayEngine` alone.
 """
 
 from __future__ import annotations
