@@ -23,7 +23,7 @@ from relaytrain.config import RunConfig, flatten, load_config
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
-from relaytrain.errors import ConfigError, UserError
+from relaytrain.errors import ConfigError, UserError, warn
 from relaytrain.model.accounting import flops_per_token
 from relaytrain.model.backend_choice import Choice
 from relaytrain.parallel.pipeline.schedules import asynchronous
@@ -35,7 +35,7 @@ from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped
 from relaytrain.train.auto_backends import choose_backends
 from relaytrain.train.execution import pick_device
-from relaytrain.train.metrics import peak_flops, warn
+from relaytrain.train.metrics import peak_flops
 
 __all__ = ["Controller", "TrainingStopped", "check_resume_compatible", "cli_train"]
 
