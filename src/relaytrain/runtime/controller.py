@@ -19,7 +19,7 @@ import yaml
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import RunConfig, flatten, load_config
+from relaytrain.config import RunConfig, check_resume_compatible, load_config
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
@@ -37,16 +37,7 @@ from relaytrain.train.auto_backends import choose_backends
 from relaytrain.train.execution import pick_device
 from relaytrain.train.metrics import peak_flops
 
-__all__ = ["Controller", "TrainingStopped", "check_resume_compatible", "cli_train"]
-
-# Keys that may change when a run is resumed (a prefix ends with '.'); anything else must
-# match the checkpoint.
-RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "train.spike_factor",
-                     "parallel.", "runtime.", "elastic.", "faults.", "log.", "checkpoint.",
-                     "eval.", "data.prefetch", "data.path", "run_dir", "model.attention",
-                     "model.checkpointing", "model.compile", "model.matmul",
-                     "model.kernels")
-
+__all__ = ["Controller", "TrainingStopped", "cli_train"]
 
 
 def make_engine(cfg: RunConfig) -> Engine:
@@ -57,20 +48,6 @@ def make_engine(cfg: RunConfig) -> Engine:
     from relaytrain.runtime.engines.inline import InlineEngine
 
     return InlineEngine()
-
-
-def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
-    """A resumed run must keep what defines its curve: model, data order, optimizer, seed."""
-    old, new = flatten(saved), flatten(cfg.to_dict())
-    for key in sorted(set(old) | set(new)):
-        if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
-            continue
-        if old.get(key) != new.get(key):
-            may = ", ".join(k + "*" if k.endswith(".") else k for k in RESUMABLE_CHANGES)
-            raise ConfigError(
-                f"config key '{key}': the run directory's checkpoints were trained with "
-                f"{old.get(key)!r}, got {new.get(key)!r}; only {may} may change on resume "
-                "(or use a new run_dir)")
 
 
 class Controller:
