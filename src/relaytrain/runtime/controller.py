@@ -8,10 +8,8 @@ and the step reporter (runtime/reporter.py). Workers only compute.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import secrets
-import sys
 import time
 from typing import Any
 
@@ -19,7 +17,7 @@ import yaml
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import RunConfig, check_resume_compatible, load_config
+from relaytrain.config import RunConfig, check_resume_compatible
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
@@ -29,7 +27,7 @@ from relaytrain.model.backend_choice import Choice
 from relaytrain.parallel.pipeline.schedules import asynchronous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
-from relaytrain.runtime.failures import RecoveryLimitExceeded, WorkerFailure
+from relaytrain.runtime.failures import WorkerFailure
 from relaytrain.runtime.faults import FaultInjector, end_storage_outage, plan_faults
 from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped
@@ -37,7 +35,7 @@ from relaytrain.train.auto_backends import choose_backends
 from relaytrain.train.execution import pick_device
 from relaytrain.train.metrics import peak_flops
 
-__all__ = ["Controller", "TrainingStopped", "cli_train"]
+__all__ = ["Controller", "TrainingStopped"]
 
 
 def make_engine(cfg: RunConfig) -> Engine:
@@ -290,20 +288,3 @@ class Controller:
             else:
                 self.faults.signal_later(self.engine.pid(wid), fault.kind)
 
-
-def cli_train(args: Any) -> int:
-    cfg = load_config(args.config, args.overrides)
-    try:
-        summary = Controller(cfg, quiet=args.json).run()
-    except (TrainingStopped, RecoveryLimitExceeded) as e:
-        print(f"relaytrain: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-              f"held-out loss {summary['final_heldout_loss']:.4f}")
-        print(f"  metrics:     {summary['metrics']}")
-        print(f"  checkpoints: {summary['checkpoints']} (step {summary['checkpoint_step']})")
-        print(f"  plot:        relaytrain plot {cfg.run_dir}")
-    return 0
