@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from relaytrain.config import config_from_dict, flatten, load_config
+from relaytrain.config import check_resume_compatible, config_from_dict, flatten, load_config
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS
 
@@ -172,3 +172,26 @@ def test_a_pipeline_layout_must_fit_the_model():
                                           "positive counts summing to n_layers=3"):
         load_config(None, ["model.n_layers=3", "parallel.pp=2", "parallel.stage_layers=[1,1]",
                            "runtime.engine=ray"])
+
+
+def saved_config(*overrides: str) -> dict:
+    return load_config(None, ["run_dir=x", *overrides]).to_dict()
+
+
+def test_execution_keys_may_change_on_resume():
+    saved = saved_config("model.matmul=aten", "model.checkpointing=full", "model.kernels=fused")
+    check_resume_compatible(saved, load_config(None, ["run_dir=x", "model.matmul=onednn",
+                                                      "model.kernels=torch"]))
+
+
+def test_a_checkpoint_from_before_model_matmul_existed_resumes():
+    saved = saved_config()
+    del saved["model"]["matmul"]
+    check_resume_compatible(saved, load_config(None, ["run_dir=x"]))
+
+
+def test_a_change_to_the_model_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="'model.overrides'") as err:
+        check_resume_compatible(saved_config(), load_config(None, ["run_dir=x",
+                                                                   "model.n_layers=3"]))
+    assert "\n" not in str(err.value)

@@ -13,9 +13,7 @@ way whenever both sides have it, since only held-out validation catches a model 
 
 from __future__ import annotations
 
-import argparse
 import csv
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -540,19 +538,3 @@ def parse_landmarks(text: str) -> list[float]:
                             f"100,1000,1e4 or 1B,10B for tokens") from None
     return values
 
-
-def cli_compare(args: argparse.Namespace) -> int:
-    """Exit 0 when every compared curve stays within the tolerance, 1 when one leaves it."""
-    report = compare(
-        args.run_dir, args.reference, metric=args.metric, align=args.align,
-        tolerance=args.tolerance, window=args.window,
-        landmarks=parse_landmarks(args.landmarks) if args.landmarks else None,
-        ref_step_column=args.ref_step_column, ref_tokens_column=args.ref_tokens_column,
-        ref_metric_column=args.ref_metric_column, ref_heldout_column=args.ref_heldout_column)
-    if args.out:
-        plot_report(report, args.out)
-    if args.json:
-        print(json.dumps({**report.to_json(), "plot": args.out}))
-    else:
-        print(format_report(report) + (f"\nplot: {args.out}" if args.out else ""))
-    return 0 if report.within else 1

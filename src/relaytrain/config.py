@@ -427,6 +427,29 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Keys that may change when a run is resumed (a prefix ends with '.'); anything else must
+# match the checkpoint.
+RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "train.spike_factor",
+                     "parallel.", "runtime.", "elastic.", "faults.", "log.", "checkpoint.",
+                     "eval.", "data.prefetch", "data.path", "run_dir", "model.attention",
+                     "model.checkpointing", "model.compile", "model.matmul",
+                     "model.kernels")
+
+
+def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
+    """A resumed run must keep what defines its curve: model, data order, optimizer, seed."""
+    old, new = flatten(saved), flatten(cfg.to_dict())
+    for key in sorted(set(old) | set(new)):
+        if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
+            continue
+        if old.get(key) != new.get(key):
+            may = ", ".join(k + "*" if k.endswith(".") else k for k in RESUMABLE_CHANGES)
+            raise ConfigError(
+                f"config key '{key}': the run directory's checkpoints were trained with "
+                f"{old.get(key)!r}, got {new.get(key)!r}; only {may} may change on resume "
+                "(or use a new run_dir)")
+
+
 def _deep_copy(d: Any) -> Any:
     if isinstance(d, dict):
         return {k: _deep_copy(v) for k, v in d.items()}

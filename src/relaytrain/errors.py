@@ -1,4 +1,12 @@
-"""Errors that reach the user as one line and exit code 2."""
+"""What reaches the user as one line: errors (exit code 2) and warnings (the run goes on).
+
+The lowest layer, so that any module, the runtime's included, can raise or warn.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
 
 
 class UserError(Exception):
@@ -19,3 +27,8 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be loaded."""
+
+
+def warn(message: str, stream: TextIO | None = None) -> None:
+    """A loud one-line warning on stderr that survives a progress bar."""
+    print(f"relaytrain: warning: {message}", file=stream or sys.stderr, flush=True)

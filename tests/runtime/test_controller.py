@@ -8,37 +8,13 @@ import yaml
 import relaytrain.model.backend_choice as backend_choice
 import relaytrain.train.auto_backends as auto_backends
 from relaytrain.cli import main
-from relaytrain.config import load_config
 from relaytrain.errors import ConfigError
 from relaytrain.model import cpu_kernels
 from relaytrain.model.matmul import onednn_available
-from relaytrain.runtime.controller import Controller, check_resume_compatible
+from relaytrain.runtime.controller import Controller
 from tests.runtime.conftest import step_records, tiny_config
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
-
-
-def saved_config(*overrides: str) -> dict:
-    return load_config(None, ["run_dir=x", *overrides]).to_dict()
-
-
-def test_execution_keys_may_change_on_resume():
-    saved = saved_config("model.matmul=aten", "model.checkpointing=full", "model.kernels=fused")
-    check_resume_compatible(saved, load_config(None, ["run_dir=x", "model.matmul=onednn",
-                                                      "model.kernels=torch"]))
-
-
-def test_a_checkpoint_from_before_model_matmul_existed_resumes():
-    saved = saved_config()
-    del saved["model"]["matmul"]
-    check_resume_compatible(saved, load_config(None, ["run_dir=x"]))
-
-
-def test_a_change_to_the_model_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="'model.overrides'") as err:
-        check_resume_compatible(saved_config(), load_config(None, ["run_dir=x",
-                                                                   "model.n_layers=3"]))
-    assert "\n" not in str(err.value)
 
 
 @pytest.mark.timeout(180)

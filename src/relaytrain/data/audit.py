@@ -24,9 +24,6 @@ Exit code 0 when every check passes, 1 when one fails, 2 for bad input.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -587,23 +584,3 @@ def audit(run_dir: str | Path, *, data_path: str | None = None,
     report.checks.sort(key=lambda c: _rank(c.name))
     return report
 
-
-def cli_audit(args: argparse.Namespace) -> int:
-    max_overlap = MAX_OVERLAP if args.max_overlap is None else args.max_overlap
-    report = audit(args.run_dir, data_path=args.data, max_overlap=max_overlap)
-    first = report.first_failure
-    if args.json:
-        print(json.dumps(report.to_json()))
-    else:
-        for c in report.checks:
-            print(f"{'PASS' if c.ok else 'FAIL'}  {c.name:<18} {c.detail}")
-        print(f"{report.steps} steps, {report.instances} instances, {report.epochs} epochs "
-              f"({report.complete_epochs} complete), {report.rollbacks} rollbacks, "
-              f"{report.resumes} resumes, {report.resizes} resizes"
-              + ("; the ledger's torn last line was ignored" if report.torn_tail else ""))
-    if first is not None:
-        where = f"step {first.step}: " if first.step is not None else ""
-        print(f"relaytrain: audit failed: {first.check}: {where}{first.message}",
-              file=sys.stderr)
-        return 1
-    return 0

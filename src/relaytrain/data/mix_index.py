@@ -10,13 +10,10 @@ an interrupted index resumes where it stopped. Bad input writes nothing.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import shutil
-import sys
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -200,39 +197,42 @@ def _index(splits: dict[str, Sequence[MixFile]], done: dict[str, dict[str, Any]]
             "splits": meta}
 
 
-# ---- the command -------------------------------------------------------------------------------
+# ---- what the command line names ---------------------------------------------------------------
 
-def _files(mix: str | None, files: Sequence[str] | None, base: str, tokenizer_id: str,
-           label: str) -> list[MixFile]:
+def mix_files(mix: str | None, files: Sequence[str] | None, base: str, tokenizer_id: str,
+              label: str) -> list[MixFile]:
+    """A split's files: a manifest's lines, else the files given, labelled `label`."""
     if mix:
         return read_manifest(mix, base, tokenizer_id)
     return [MixFile(label, p) for p in files or ()]
 
 
-def _tokenizer_ids(args: argparse.Namespace) -> tuple[int, int, int | None]:
+def tokenizer_ids(tokenizer: str | None, eos_token: str | None, vocab_size: int | None,
+                  eos_id: int | None, pad_id: int | None) -> tuple[int, int, int | None]:
     """(vocab size, EOS id, PAD id) from --tokenizer, or --vocab-size/--eos-id/--pad-id."""
-    if args.tokenizer:
-        path = _tokenizer_source(args.tokenizer)
+    if tokenizer:
+        path = _tokenizer_source(tokenizer)
         if not isinstance(path, Path):
-            raise DataError(f"--tokenizer {args.tokenizer}: expected a tokenizer.json")
+            raise DataError(f"--tokenizer {tokenizer}: expected a tokenizer.json")
         tok = _load_tokenizer(path)
-        eos = _eos_id(tok, path, args.eos_token)[1]
-        if args.eos_id is not None and args.eos_id != eos:
-            raise DataError(f"--eos-id {args.eos_id} differs from the EOS id {eos} of "
+        eos = _eos_id(tok, path, eos_token)[1]
+        if eos_id is not None and eos_id != eos:
+            raise DataError(f"--eos-id {eos_id} differs from the EOS id {eos} of "
                             f"--tokenizer {path}")
         return tok.get_vocab_size(with_added_tokens=True), eos, tok.token_to_id(PAD_TOKEN)
-    if args.vocab_size is None or args.eos_id is None:
+    if vocab_size is None or eos_id is None:
         raise DataError("give --tokenizer FILE, or both --vocab-size and --eos-id")
-    return args.vocab_size, args.eos_id, args.pad_id
+    return vocab_size, eos_id, pad_id
 
 
-def read_plan(args: argparse.Namespace) -> MixturePlan:
+def read_plan(path: str, base: str, requested_tokens: int | None, seq_len: int | None,
+              global_batch: int | None) -> MixturePlan:
     """--sources MIX.yaml with --requested-tokens, --seq-len and --global-batch."""
-    where = f"--sources {args.sources}"
+    where = f"--sources {path}"
     try:
-        doc = yaml.safe_load(Path(args.sources).read_text(encoding="utf-8"))
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         sources = tuple(Source(str(s["source_name"]), float(s["target_ratio"]),
-                               tuple(join(args.base, str(p)) for p in s["paths"]),
+                               tuple(join(base, str(p)) for p in s["paths"]),
                                float(s.get("max_repetition_ratio", 1.0)),
                                float(s.get("max_source_fraction", 1.0)))
                         for s in doc["sources"])
@@ -241,35 +241,8 @@ def read_plan(args: argparse.Namespace) -> MixturePlan:
     except (yaml.YAMLError, KeyError, TypeError, ValueError) as e:
         raise DataError(f"{where}: expected 'sources:' entries with source_name, target_ratio "
                         f"and paths ({type(e).__name__}: {e})") from None
-    sizes = (args.requested_tokens, args.seq_len, args.global_batch)
+    sizes = (requested_tokens, seq_len, global_batch)
     if any(v is None or v < 1 for v in sizes):
         raise DataError(f"{where} needs --requested-tokens, --seq-len and --global-batch >= 1")
-    return MixturePlan(sources, requested_tokens=args.requested_tokens,
-                       global_batch=args.global_batch, seq_len=args.seq_len)
-
-
-def cli_index(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    vocab, eos, pad = _tokenizer_ids(args)
-    plan = read_plan(args) if args.sources else None
-    # Held-out files alone index an evaluation set (eval.sets).
-    splits = {"train": _files(args.mix, args.files, args.base, args.tokenizer_id, "train")}
-    if args.heldout_mix or args.heldout:
-        splits["heldout"] = _files(args.heldout_mix, args.heldout, args.base,
-                                   args.tokenizer_id, "heldout")
-    index = index_mix(splits, args.out, vocab_size=vocab, eos_id=eos, pad_id=pad,
-                      dtype=args.dtype, tokenizer_id=args.tokenizer_id, workers=args.workers,
-                      mixture=plan)
-    summary = {"out": str(args.out), "fingerprint": index["fingerprint"],
-               "dtype": index["dtype"], "seconds": time.perf_counter() - t0,
-               **{f"{n}_{k}": s[k] for n, s in index["splits"].items()
-                  for k in ("tokens", "documents")}}
-    summary.update({f"{n}_files": len(s["files"]) for n, s in index["splits"].items()})
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        parts = ", ".join(f"{n} {len(s['files'])} files / {s['tokens']:,} tokens / "
-                          f"{s['documents']:,} documents" for n, s in index["splits"].items())
-        print(f"indexed {args.out}: {parts} ({index['dtype']}, fingerprint "
-              f"{index['fingerprint'][:12]}) in {summary['seconds']:.1f} s", file=sys.stdout)
-    return 0
+    return MixturePlan(sources, requested_tokens=requested_tokens, global_batch=global_batch,
+                       seq_len=seq_len)

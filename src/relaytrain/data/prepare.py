@@ -10,7 +10,6 @@ except for the set of document hashes and the per-document offsets.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import json
@@ -434,29 +433,3 @@ def _check_documents(documents: dict[str, int], corpus: _Corpus, heldout_frac: f
         raise DataError(f"all {total} unique documents fell into the held-out split "
                         f"(--heldout-frac {heldout_frac}); add documents or lower --heldout-frac")
 
-
-def cli_prepare(args: argparse.Namespace, mapper: ChunkMap = process_map) -> int:
-    result = prepare(None if args.demo else args.source, args.out, args.tokenizer,
-                     text_field=args.text_field, heldout_frac=args.heldout_frac,
-                     max_docs=args.max_docs, eos_token=args.eos_token, workers=args.workers,
-                     mapper=mapper, progress=True)
-    if result.skipped_files:
-        shown = ", ".join(result.skipped_files[:3])
-        more = f" and {len(result.skipped_files) - 3} more" if len(result.skipped_files) > 3 else ""
-        print(f"relaytrain: warning: skipped {len(result.skipped_files)} files that are not "
-              f"UTF-8 text: {shown}{more}", file=sys.stderr)
-    if result.documents["heldout"] == 0:
-        print("relaytrain: warning: the held-out split is empty; held-out evaluation will fail "
-              "(raise --heldout-frac)", file=sys.stderr)
-    if args.json:
-        print(json.dumps(result.to_json()))
-        return 0
-    d, t = result.documents, result.tokens
-    print(f"prepared {result.out}: train {d['train']:,} documents / {t['train']:,} tokens, "
-          f"held-out {d['heldout']:,} documents / {t['heldout']:,} tokens "
-          f"({result.dtype}, vocabulary {result.vocab_size:,})")
-    print(f"dropped {result.duplicates:,} duplicate documents, skipped {result.skipped_empty:,} "
-          f"empty documents and {len(result.skipped_files):,} unreadable files")
-    trained = f", BPE training {result.tokenizer_seconds:.1f} s" if result.tokenizer_seconds else ""
-    print(f"{result.seconds:.1f} s{trained}, {result.tokens_per_s:,.0f} tokens/s")
-    return 0

@@ -12,7 +12,6 @@ written to a temporary sibling directory and renamed into place, so a failure le
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -275,17 +274,18 @@ def write_relay(cfg: Olmo3Config, tensors: Mapping[str, Tensor], out: Path) -> N
     store.commit(0, {"model": info}, {"model": cfg.to_dict(), "config": None, "source": "hf"})
 
 
-def cli_convert(args: argparse.Namespace) -> int:
-    """`relaytrain convert hf-to-relay|relay-to-hf SRC DST` (DST: a new local directory)."""
-    dst = Path(args.dst)
+def convert(direction: str, src: str, dst: str | Path) -> Mapping[str, Tensor]:
+    """Convert `src` into the new local directory `dst` ("hf-to-relay" or "relay-to-hf"), written
+    to a temporary sibling and renamed into place so a failure leaves nothing; the tensors."""
+    dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointError(f"destination {str(dst)!r} exists and is not an empty directory; "
                               "give a new path")
-    if args.direction == "hf-to-relay":
-        cfg, tensors = read_hf(Path(args.src))
+    if direction == "hf-to-relay":
+        cfg, tensors = read_hf(Path(src))
         write = write_relay
     else:
-        cfg, tensors = read_relay(args.src)
+        cfg, tensors = read_relay(src)
         write = write_hf
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     tmp.mkdir(parents=True)
@@ -296,7 +296,4 @@ def cli_convert(args: argparse.Namespace) -> int:
         tmp.rename(dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    n = sum(t.numel() for t in tensors.values())
-    print(f"converted {args.direction}: {args.src} -> {dst} ({len(tensors)} tensors, "
-          f"{n:,} parameters)")
-    return 0
+    return tensors

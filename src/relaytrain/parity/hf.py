@@ -17,8 +17,6 @@ follow.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from typing import Any
 
@@ -171,33 +169,3 @@ def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None
         "bars": BARS, "ok": ok, "pass": all(ok.values()),
     }
 
-
-def cli_parity_hf(args: argparse.Namespace) -> int:
-    """`relaytrain parity hf`: a table, optionally a JSON line; exit 0 within the bars, else 1."""
-    r = run_parity(args.model, steps=args.steps, seq_len=args.seq_len, matmul=args.matmul,
-                   kernels=args.kernels)
-    yes = {True: "ok", False: "FAIL"}
-    print(f"HF parity, preset {r['preset']}: layers {', '.join(r['layer_types'])}, window "
-          f"{r['sliding_window']}, seq_len {r['seq_len']}, vocab {r['tokenizer_vocab']} "
-          f"(padded {r['vocab_size']}), {r['dtype']} {r['device']}, HF attention "
-          f"{r['hf_attn_implementation']}, our GEMMs {r['matmul']}, our elementwise kernels "
-          f"{r['kernels']}, our attention {r['attention']}")
-    rows = [
-        ("logits max |diff|", r["logits_max_abs_diff"], BARS["logits"], r["ok"]["logits"]),
-        ("loss |diff|", r["loss_abs_diff"], BARS["loss"], r["ok"]["loss"]),
-        ("grad max rel diff", r["grad_max_rel_diff"], BARS["grad"], r["ok"]["grad"]),
-        (f"train loss max |diff| ({r['steps']} steps)", r["train_loss_max_abs_diff"],
-         BARS["train_loss"], r["ok"]["train_loss"]),
-        ("padded-row grad max", r["padded_rows_max_grad"], 0.0, r["ok"]["padded_rows_inert"]),
-    ]
-    print(f"{'metric':<36}{'value':>12}{'bar':>10}  ok")
-    for name, value, bar, ok in rows:
-        print(f"{name:<36}{value:>12.3e}{bar:>10.0e}  {yes[ok]}")
-    print(f"loss ours {r['loss_ours']:.6f}, HF {r['loss_hf']:.6f} (HF's own loss "
-          f"{r['loss_hf_native']:.6f}); worst gradient: {r['grad_worst_param']}")
-    if r["steps"]:
-        print(f"training loss {r['train_loss_ours'][0]:.4f} -> {r['train_loss_ours'][-1]:.4f}")
-    print("PASS" if r["pass"] else "FAIL")
-    if args.json:
-        print(json.dumps(r))
-    return 0 if r["pass"] else 1

@@ -18,9 +18,8 @@ from typing import Any, TypeVar
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore, CheckpointWarning
-from relaytrain.errors import CheckpointError
+from relaytrain.errors import CheckpointError, warn
 from relaytrain.runtime.wire import WriteReport
-from relaytrain.train.metrics import warn
 
 # How long the end of a run (deferred commits) and a restore from checkpoints wait for storage
 # that is unavailable.

@@ -8,10 +8,8 @@ and the step reporter (runtime/reporter.py). Workers only compute.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import secrets
-import sys
 import time
 from typing import Any
 
@@ -19,34 +17,25 @@ import yaml
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import RunConfig, flatten, load_config
+from relaytrain.config import RunConfig, check_resume_compatible
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
-from relaytrain.errors import ConfigError, UserError
+from relaytrain.errors import ConfigError, UserError, warn
 from relaytrain.model.accounting import flops_per_token
 from relaytrain.model.backend_choice import Choice
 from relaytrain.parallel.pipeline.schedules import asynchronous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
-from relaytrain.runtime.failures import RecoveryLimitExceeded, WorkerFailure
+from relaytrain.runtime.failures import WorkerFailure
 from relaytrain.runtime.faults import FaultInjector, end_storage_outage, plan_faults
 from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped
 from relaytrain.train.auto_backends import choose_backends
 from relaytrain.train.execution import pick_device
-from relaytrain.train.metrics import peak_flops, warn
+from relaytrain.train.metrics import peak_flops
 
-__all__ = ["Controller", "TrainingStopped", "check_resume_compatible", "cli_train"]
-
-# Keys that may change when a run is resumed (a prefix ends with '.'); anything else must
-# match the checkpoint.
-RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "train.spike_factor",
-                     "parallel.", "runtime.", "elastic.", "faults.", "log.", "checkpoint.",
-                     "eval.", "data.prefetch", "data.path", "run_dir", "model.attention",
-                     "model.checkpointing", "model.compile", "model.matmul",
-                     "model.kernels")
-
+__all__ = ["Controller", "TrainingStopped"]
 
 
 def make_engine(cfg: RunConfig) -> Engine:
@@ -57,20 +46,6 @@ def make_engine(cfg: RunConfig) -> Engine:
     from relaytrain.runtime.engines.inline import InlineEngine
 
     return InlineEngine()
-
-
-def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
-    """A resumed run must keep what defines its curve: model, data order, optimizer, seed."""
-    old, new = flatten(saved), flatten(cfg.to_dict())
-    for key in sorted(set(old) | set(new)):
-        if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
-            continue
-        if old.get(key) != new.get(key):
-            may = ", ".join(k + "*" if k.endswith(".") else k for k in RESUMABLE_CHANGES)
-            raise ConfigError(
-                f"config key '{key}': the run directory's checkpoints were trained with "
-                f"{old.get(key)!r}, got {new.get(key)!r}; only {may} may change on resume "
-                "(or use a new run_dir)")
 
 
 class Controller:
@@ -313,20 +288,3 @@ class Controller:
             else:
                 self.faults.signal_later(self.engine.pid(wid), fault.kind)
 
-
-def cli_train(args: Any) -> int:
-    cfg = load_config(args.config, args.overrides)
-    try:
-        summary = Controller(cfg, quiet=args.json).run()
-    except (TrainingStopped, RecoveryLimitExceeded) as e:
-        print(f"relaytrain: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-              f"held-out loss {summary['final_heldout_loss']:.4f}")
-        print(f"  metrics:     {summary['metrics']}")
-        print(f"  checkpoints: {summary['checkpoints']} (step {summary['checkpoint_step']})")
-        print(f"  plot:        relaytrain plot {cfg.run_dir}")
-    return 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relaytrain.config import RunConfig
+from relaytrain.errors import warn
 from relaytrain.parallel.groups import Placement, placements, shard_size
 from relaytrain.parallel.shards import misaligned, parameter_shapes
 from relaytrain.runtime import rendezvous
@@ -32,7 +33,6 @@ from relaytrain.runtime.failures import (
 from relaytrain.runtime.faults import FaultInjector
 from relaytrain.runtime.kvstore import Server
 from relaytrain.runtime.reporter import StepReporter
-from relaytrain.train.metrics import warn
 
 
 @dataclass

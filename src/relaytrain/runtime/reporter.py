@@ -23,10 +23,11 @@ from relaytrain.data.ledger import (
     rollback_record,
     step_record,
 )
+from relaytrain.errors import warn
 from relaytrain.parallel.groups import Placement
 from relaytrain.runtime.wire import StepResult
 from relaytrain.train.evaluate import mean_loss
-from relaytrain.train.metrics import MemorisationAlarm, MetricsLog, SpikeDetector, TensorBoard, warn
+from relaytrain.train.metrics import MemorisationAlarm, MetricsLog, SpikeDetector, TensorBoard
 from relaytrain.train.optim import lr_at
 
 

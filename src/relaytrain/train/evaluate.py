@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
@@ -56,22 +55,24 @@ def mean_loss(losses: dict[int, float], ids: list[int]) -> float:
     return math.fsum(losses[i] for i in ids) / len(ids)
 
 
-def cli_eval(args: Any) -> int:
+def evaluate_checkpoint(target: str, data_path: str | None = None) -> dict[str, Any]:
+    """A checkpoint's loss on its run's held-out split and evaluation sets, executed as the run
+    was. `data_path` defaults to the run's; the first of "sets" is the run's own split."""
     from relaytrain.checkpoint.keys import model_tensors
     from relaytrain.checkpoint.store import open_checkpoint
-    from relaytrain.config import OWN_EVAL_SET, ModelSection, config_from_dict
+    from relaytrain.config import ModelSection, config_from_dict
     from relaytrain.data.dataset import TokenDataset
     from relaytrain.data.eval_sets import eval_ids, open_eval_sets
     from relaytrain.model.config import Olmo3Config
     from relaytrain.model.olmo3 import Olmo3
     from relaytrain.train.execution import pick_device, prepare_model
 
-    manifest, tensors = open_checkpoint(args.target)
+    manifest, tensors = open_checkpoint(target)
     saved = manifest.get("config")
     cfg = config_from_dict(saved) if saved else None
-    data_path = args.data or (cfg.data.path if cfg else None)
+    data_path = data_path or (cfg.data.path if cfg else None)
     if not data_path:
-        raise UserError(f"checkpoint {args.target!r} records no data path; pass --data DIR "
+        raise UserError(f"checkpoint {target!r} records no data path; pass --data DIR "
                         "(a directory written by `relaytrain data prepare`)")
     if not os.path.isdir(data_path):
         raise UserError(f"data path {data_path!r} does not exist; pass --data DIR")
@@ -97,14 +98,6 @@ def cli_eval(args: Any) -> int:
         sets[name] = {"loss": loss, "ppl": math.exp(min(loss, 50.0)),
                       "instances": len(ids[name])}
     first = next(iter(sets.values()))  # the run's own held-out split when it has one
-    result = {"checkpoint_step": manifest["step"], "heldout_loss": first["loss"],
-              "heldout_ppl": first["ppl"], "instances": first["instances"],
-              "seq_len": seq_len, "sets": sets}
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    for name, r in sets.items():
-        what = "held-out" if name == OWN_EVAL_SET else f"eval set '{name}'"
-        print(f"step {result['checkpoint_step']}: {what} loss {r['loss']:.4f}, perplexity "
-              f"{r['ppl']:.2f} ({r['instances']} instances of {seq_len} tokens)")
-    return 0
+    return {"checkpoint_step": manifest["step"], "heldout_loss": first["loss"],
+            "heldout_ppl": first["ppl"], "instances": first["instances"],
+            "seq_len": seq_len, "sets": sets}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from collections import deque
 from typing import Any, TextIO
@@ -151,9 +150,3 @@ def proc_bytes(path: str, field: str) -> int | None:
     except OSError:
         pass
     return None
-
-
-def warn(message: str, stream: TextIO | None = None) -> None:
-    """A loud one-line warning on stderr that survives a progress bar."""
-    print(f"relaytrain: warning: {message}", file=stream or sys.stderr, flush=True)
-

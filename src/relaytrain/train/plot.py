@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from relaytrain.config import OWN_EVAL_SET
-from relaytrain.runlog import RunLog, read_metrics, series
+from relaytrain.runlog import RunLog, series
 
 
 def plot_run(log: RunLog, out: str, title: str = "") -> str:
@@ -68,10 +67,3 @@ def eval_curves(evals: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, A
     return [("held-out loss" if name == OWN_EVAL_SET else f"eval set {name}", recs)
             for name, recs in curves.items()]
 
-
-def cli_plot(args: Any) -> int:
-    log = read_metrics(args.run_dir)
-    out = args.out or os.path.join(args.run_dir, "loss.png")
-    plot_run(log, out, title=os.path.basename(os.path.normpath(args.run_dir)))
-    print(out)
-    return 0

@@ -1,0 +1,40 @@
+"""`relaytrain train CONFIG.yaml [key=value ...]`: train (or resume) a run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    train = sub.add_parser("train", help="train (or resume) a run")
+    train.add_argument("config", metavar="CONFIG.yaml")
+    train.add_argument("overrides", nargs="*", metavar="key=value")
+    train.add_argument("--json", action="store_true")
+    train.set_defaults(handler=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Exit 1 when the run stops itself (divergence, too many recoveries), 0 when it is done."""
+    from relaytrain.config import load_config
+    from relaytrain.runtime.controller import Controller
+    from relaytrain.runtime.failures import RecoveryLimitExceeded
+    from relaytrain.runtime.reporter import TrainingStopped
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        summary = Controller(cfg, quiet=args.json).run()
+    except (TrainingStopped, RecoveryLimitExceeded) as e:
+        print(f"relaytrain: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+              f"held-out loss {summary['final_heldout_loss']:.4f}")
+        print(f"  metrics:     {summary['metrics']}")
+        print(f"  checkpoints: {summary['checkpoints']} (step {summary['checkpoint_step']})")
+        print(f"  plot:        relaytrain plot {cfg.run_dir}")
+    return 0
