@@ -30,7 +30,6 @@ from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.model.stages import build_stage, partition_layers
 from relaytrain.parallel.groups import PipelineGroups, Placement, form_groups, form_shard_groups
-from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec, Transport
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.parallel.shards import (
     assign_,
@@ -66,6 +65,7 @@ from relaytrain.train.optim import (
     optimizer_state_tensors,
     set_lr,
 )
+from relaytrain.train.pipeline_stage import StageRunner, StageSpec, Transport
 from relaytrain.train.step import StepOutcome, train_step, warm_kernels
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ What B then computes depends on the schedule:
   at most ``staleness_bound`` more updates of this stage). For y = x Wᵀ: dL/dW = gᵀ x_F (weights do
   not enter), dL/dx = g W_B. Weight gradients of a layer thus use F-time activations and the
   incoming gradient, while the gradient sent upstream (and to the stage's earlier layers) passes
-  through theta_B. With no update in between this is the exact gradient. tests/parallel/pipeline/
-  test_executor.py checks it against the closed form for the SwiGLU MLP.
+  through theta_B. With no update in between this is the exact gradient.
+  tests/train/test_pipeline_stage.py checks it against the closed form for the SwiGLU MLP.
 - paci, ``mode=mem`` (recompute): F runs without a graph and keeps only the stage input; B reruns
   the forward with the live weights right before the backward, so B is the exact gradient of
   f(x_F; theta_B) at the input F received, against the gradient coming back for the output F sent

@@ -21,7 +21,7 @@ from relaytrain.config import RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.runtime import rendezvous
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 JOB_TIMEOUT = 90.0
 
 

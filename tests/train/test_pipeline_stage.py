@@ -16,15 +16,15 @@ import torch.nn.functional as F
 from relaytrain.data.loader import Batch
 from relaytrain.model.config import PRESETS
 from relaytrain.model.olmo3 import MLP
-from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec
 from relaytrain.parallel.pipeline.schedules import (
     build_schedule,
     staleness,
     weight_versions,
 )
 from relaytrain.parallel.reduce import GradReducer
-from tests.parallel.pipeline.pool import WorkerPool
+from relaytrain.train.pipeline_stage import StageRunner, StageSpec
 from tests.runtime.conftest import tiny_config
+from tests.train.pool import WorkerPool
 
 torch.set_num_threads(1)
 S, STAGE, M, MB, T = 3, 1, 4, 2, 3  # a middle stage of three, 4 micro-batches of [2, 3]
