@@ -43,7 +43,8 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
         for count in job["spans"]:
             steps += worker.run_steps(first, count)
             first += count
-        weights = {k: v.numpy().copy() for k, v in model_tensors(worker.state_tensors()).items()}
+        weights = {k: v.numpy().copy()
+                   for k, v in model_tensors(worker.state.state_tensors()).items()}
     finally:
         worker.close()
     records = [{k: v for k, v in asdict(s).items() if k != "written"} for s in steps]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.eval_sets import open_eval_sets
 from relaytrain.errors import UserError
 from relaytrain.model.loss import lm_loss
 from relaytrain.train.step import autocast_for
@@ -54,6 +57,26 @@ def instance_losses(logits: torch.Tensor, tokens: torch.Tensor, chunk: list[int]
 def mean_loss(losses: dict[int, float], ids: list[int]) -> float:
     """Mean over `ids` in their order (a fixed summation order: reproducible to the bit)."""
     return math.fsum(losses[i] for i in ids) / len(ids)
+
+
+# (split, ids, part, parts) -> per-instance held-out losses of chunk share `part` of `parts`
+Forward = Callable[[Any, list[int], int, int], dict[int, float]]
+
+
+class Evaluator:
+    """A worker's held-out evaluation: its eval sets, opened at the first evaluation (not at
+    every worker's start), and per set the losses of its share of the instances asked for,
+    computed by `forward` (the path its steps take: the local model, or the pipeline)."""
+
+    def __init__(self, dataset: TokenDataset, sets: dict[str, Any]):
+        self.dataset, self.sets = dataset, sets
+        self._splits: dict[str, Any] | None = None
+
+    def losses(self, ids: dict[str, list[int]], forward: Forward, part: int, parts: int
+               ) -> dict[str, dict[int, float]]:
+        if self._splits is None:
+            self._splits = open_eval_sets(self.dataset, self.sets)
+        return {name: forward(self._splits[name], i, part, parts) for name, i in ids.items()}
 
 
 def cli_eval(args: Any) -> int:
