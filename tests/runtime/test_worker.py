@@ -25,7 +25,7 @@ def test_a_restore_from_storage_lands_in_the_live_state_and_equals_the_checkpoin
     cfg = tiny_config(tmp_path, corpus_data, "runtime.engine=inline", "train.max_steps=4",
                       "checkpoint.every=2")
     Controller(cfg).run()
-    w = Worker(cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    w = Worker(cfg, TokenDataset.open(corpus_data).vocab_size)
     w.setup(0, Placement(rank=0, world=1, dp_rank=0, dp=1))
     w.build(4)
     w.run_steps(5, 1)  # the state now differs from any checkpoint
@@ -66,7 +66,7 @@ def test_a_warmed_up_worker_ran_its_kernels_at_the_runs_shape_and_kept_nothing_o
         shapes.append(tuple(tokens.shape))
         return forward(self, tokens, *args, **kwargs)
     monkeypatch.setattr(Olmo3, "forward", spy)
-    w = Worker(cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    w = Worker(cfg, TokenDataset.open(corpus_data).vocab_size)
     w.warm_up()
     assert shapes == [(3, 24)]
     seeded = Olmo3(w.model_cfg)

@@ -1,11 +1,26 @@
-"""What crosses between the controller and a worker, typed, named in one place: one step's
-result (made by the worker's stepper, train/stepper.py) and one checkpoint write's report (by
-its writes, checkpoint/writer.py). Plain dataclasses of Python values, so every engine can carry
-them (in process, or pickled between Ray actors)."""
+"""What crosses between the controller and a worker, typed, named in one place: a worker's
+process (each ping's answer) and what it joined a generation as (setup's), one step's result
+(made by the worker's stepper, train/stepper.py, with a pipeline stage's measurements,
+train/step.py) and one checkpoint write's report (by its writes, checkpoint/writer.py). Plain
+dataclasses of Python values, so every engine can carry them (in process, or pickled between
+Ray actors); the run's config crosses as the `RunConfig` it is (config.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from relaytrain.checkpoint.writer import WriteReport
+from relaytrain.runtime.liveness import ProcessIdentity
+from relaytrain.train.step import PipelineStats
 from relaytrain.train.stepper import StepResult
 
-__all__ = ["StepResult", "WriteReport"]
+__all__ = ["PipelineStats", "ProcessIdentity", "StepResult", "WorkerInfo", "WriteReport"]
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker as it joined a generation: its process, host and device."""
+
+    process: ProcessIdentity
+    host: str
+    device: str

@@ -14,14 +14,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
 
 import torch
 
 from relaytrain.checkpoint.pieces import Piece
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.checkpoint.writer import AsyncCheckpointWriter, PartWrites, WriteReport
-from relaytrain.config import RunConfig, config_from_dict
+from relaytrain.checkpoint.writer import AsyncCheckpointWriter, PartWrites
+from relaytrain.config import RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.loader import Loader
 from relaytrain.parallel.groups import Placement
@@ -29,17 +28,18 @@ from relaytrain.runtime.faults import RaiseHook
 from relaytrain.runtime.kvstore import StoreAccess
 from relaytrain.runtime.liveness import process_identity
 from relaytrain.runtime.membership import Membership
+from relaytrain.runtime.wire import ProcessIdentity, StepResult, WorkerInfo, WriteReport
 from relaytrain.train.evaluate import Evaluator
 from relaytrain.train.execution import pick_device, retain_freed_memory, set_determinism
 from relaytrain.train.state import Donation, TrainState
-from relaytrain.train.stepper import Stepper, StepResult, make_reducer, make_stepper
+from relaytrain.train.stepper import Stepper, make_reducer, make_stepper
 
 
 class Worker:
     """State lives in the parts between the controller's calls (setup, build, run_steps, ...)."""
 
-    def __init__(self, config: dict[str, Any], tokenizer_vocab: int):
-        self.cfg: RunConfig = config_from_dict(config)
+    def __init__(self, cfg: RunConfig, tokenizer_vocab: int):
+        self.cfg = cfg
         torch.set_num_threads(self.cfg.runtime.threads_per_worker)
         self.model_cfg = self.cfg.model_config(tokenizer_vocab)
         self.device = pick_device(self.cfg.train.device)
@@ -58,14 +58,14 @@ class Worker:
         self._identity = process_identity()  # fixed for the process: each ping answers it
 
     # ---- membership ------------------------------------------------------------------------
-    def ping(self) -> dict[str, Any]:
+    def ping(self) -> ProcessIdentity:
         return self._identity
 
-    def info(self) -> dict[str, Any]:
-        return {**self._identity, "host": socket.gethostname(), "device": str(self.device)}
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self._identity, socket.gethostname(), str(self.device))
 
     def setup(self, generation: int, placement: Placement, store: StoreAccess | None = None,
-              timeout_s: float = 30.0) -> dict[str, Any]:
+              timeout_s: float = 30.0) -> WorkerInfo:
         """Join generation `generation`: its process groups (through its rendezvous `store`)
         and this rank's data shard."""
         self.leave()

@@ -24,7 +24,7 @@ from relaytrain.train.metrics import proc_bytes
 from relaytrain.train.optim import lr_at, set_lr
 from relaytrain.train.pipeline_stage import StageRunner, StageSpec, Transport
 from relaytrain.train.state import TrainState, state_bytes
-from relaytrain.train.step import StepOutcome, train_step
+from relaytrain.train.step import PipelineStats, StepOutcome, train_step
 
 if TYPE_CHECKING:  # imported only by workers that shard (parallel/shards.py says why)
     from relaytrain.parallel.fsdp import ShardedGradReducer
@@ -43,7 +43,7 @@ class StepResult:
     ids: list[int]  # the instance ids this DP rank trained on
     time_data: float
     time_compute: float
-    pipeline: dict[str, Any] | None = None  # pp > 1: the stage's schedule measurements
+    pipeline: PipelineStats | None = None  # pp > 1: the stage's schedule measurements
     # bytes of the parameters, their gradients and AdamW's moments this worker holds (its
     # shards under parallel.fsdp), and its process's peak resident bytes during the step
     # (Linux; 0 elsewhere); unpipelined steps
