@@ -15,8 +15,8 @@ def test_a_world_of_one_joins_without_a_process_group():
     assert m.layout == (0, 1, 1) and m.generation == -1
     m.join(3, Placement(rank=0, world=1, dp_rank=0, dp=1), None, 1.0)
     assert not dist.is_initialized()
-    assert (m.generation, m.layout, m.dp_group(), m.groups, m.shards) == (3, (0, 1, 1), None,
-                                                                          None, None)
+    assert (m.generation, m.layout, m.dp_group(), m.groups, m.shard_group) == (
+        3, (0, 1, 1), None, None, None)
     assert not m.abort(3)  # no collective to abort
     m.leave()
-    assert m.groups is None and m.shards is None
+    assert m.groups is None and m.shard_group is None

@@ -25,8 +25,10 @@ class Membership:
         self.generation = -1
         self.placement: Placement | None = None
         self.groups: PipelineGroups | None = None  # pp > 1: this generation's groups
-        # fsdp > 1: this generation's (shard group, replica group)
-        self.shards: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
+        # fsdp > 1: this generation's shard group (a replica's ranks), and the replica group
+        # (the ranks holding the same shard; None with one replica)
+        self.shard_group: dist.ProcessGroup | None = None
+        self.replica_group: dist.ProcessGroup | None = None
         self._sockets: GroupSockets | None = None  # the current groups' (runtime/abort.py)
         self._abort_lock = threading.Lock()  # abort() runs beside the call it interrupts
         self._rendezvous: Client | None = None  # the generation's store, while its groups live
@@ -62,9 +64,9 @@ class Membership:
             self.groups = form_groups(placement.stage, placement.dp_rank, placement.dp,
                                       placement.pp, timedelta(seconds=timeout_s))
         if placement.fsdp > 1:
-            self.shards = form_shard_groups(placement.dp_rank, placement.dp, placement.fsdp,
-                                            placement.stage, placement.pp,
-                                            timedelta(seconds=timeout_s))
+            self.shard_group, self.replica_group = form_shard_groups(
+                placement.dp_rank, placement.dp, placement.fsdp, placement.stage, placement.pp,
+                timedelta(seconds=timeout_s))
         sockets.formed()
         with self._abort_lock:
             self._sockets = sockets
@@ -90,4 +92,4 @@ class Membership:
         if self._rendezvous is not None:
             self._rendezvous.close()
             self._rendezvous = None
-        self.groups = self.shards = None
+        self.groups = self.shard_group = self.replica_group = None

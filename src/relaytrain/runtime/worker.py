@@ -89,7 +89,7 @@ class Worker:
     def leave(self) -> None:
         """Drop the current generation's process groups, and what lives on them: the stepper
         (its reducer and transport), and a sharded model."""
-        sharded = self.membership.shards is not None
+        sharded = self.membership.shard_group is not None
         self.membership.leave()
         self.stepper = None
         if sharded:  # a sharded model lives on its generation's groups
@@ -101,14 +101,12 @@ class Worker:
         (`TrainState.build` says from where), and the stepper that trains them. Returns the
         step restored."""
         m = self.membership
-        self.state.build(step, given, m.layout, m.shards[0] if m.shards else None,
-                         m.generation)
-        if m.shards is not None and m.placement.dp // m.placement.fsdp > 1:
+        self.state.build(step, given, m.layout, m.shard_group, m.generation)
+        if m.shard_group is not None and m.placement.dp // m.placement.fsdp > 1:
             # Sharded snapshots are taken at the end of a span (run_steps): one of the state
             # just restored, so a replacement holds one before its first span ends too.
             self.state.take_snapshot(step)
-        reducer = make_reducer(self.cfg, self.state, m.dp_group(),
-                               m.shards[1] if m.shards else None,
+        reducer = make_reducer(self.cfg, self.state, m.dp_group(), m.replica_group,
                                m.placement.dp if m.placement else 1)
         self.stepper = make_stepper(self.cfg, self.state, reducer, self.loader, m.groups)
         return step
@@ -145,7 +143,7 @@ class Worker:
         # taken at the end of a span, when the span's collectives are done (at its start, an
         # abort after a peer's death raced with it, and the survivors' snapshots disagreed).
         p, every = self.membership.placement, self.cfg.elastic.snapshot_every
-        sharded = self.membership.shards is not None
+        sharded = self.membership.shard_group is not None
         due = p.dp // p.fsdp > 1 and every > 0
         if due and not sharded and (first - 1) % every == 0:
             self.state.take_snapshot(first - 1)
