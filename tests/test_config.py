@@ -1,5 +1,6 @@
 """The run configuration: YAML plus key=value overrides, one clear line for every mistake."""
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,16 @@ def test_round_trip_through_dict():
     cfg = load_config(None, ["run_dir=x", "model.preset=small", "parallel.dp=2",
                              "runtime.engine=ray"])
     assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_round_trip_through_pickle():
+    """The config crosses to every worker as the RunConfig it is (Ray pickles it)."""
+    cfg = load_config(None, ["run_dir=x", "model.preset=small", "parallel.dp=2",
+                             "runtime.engine=ray", "optim.betas=[0.8, 0.9]",
+                             "determinism=exact"])
+    back = pickle.loads(pickle.dumps(cfg))
+    assert back == cfg and type(back) is type(cfg)
+    assert back.optim.betas == (0.8, 0.9) and back.model_config() == cfg.model_config()
 
 
 @pytest.mark.parametrize("override, needle", [

@@ -20,13 +20,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("storage", "runlog"),  # fsspec URLs; a run's JSONL records
     ("checkpoint",),  # the checkpoint format: tensor keys, store, background writer
     ("model",),  # Olmo 3: modules, loss, GEMMs, stages, memory, accounting, HF interop
-    # distributed building blocks that know nothing of configs or training
-    ("parallel.groups", "parallel.reduce", "parallel.shards", "parallel.pipeline.schedules"),
-    ("parallel.fsdp",),  # sharding on FSDP2, with exact mode's integer reduce-scatter
+    # distributed building blocks that know nothing of configs or training: groups,
+    # reductions, shards, FSDP, pipeline schedules as data and their simulation
+    ("parallel",),
     ("config",),
     ("data",),
-    ("train",),  # one process's step, optimizer, evaluation, metrics
-    ("parallel.pipeline",),  # the stage executor and the schedule simulation
+    ("train",),  # one process's step, stepper, pipeline stage, state, evaluation, metrics
     ("runtime",),  # controller, worker, engines, recovery
     ("parity", "compare", "bench", "cli"),  # entry points
 )

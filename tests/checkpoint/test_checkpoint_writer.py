@@ -1,4 +1,5 @@
-"""AsyncCheckpointWriter and snapshot_to_host: overlap, back-pressure, errors, retries."""
+"""AsyncCheckpointWriter and snapshot_to_host: overlap, back-pressure, errors, retries; a
+worker's part writes as the controller collects them (PartWrites)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 
 import fsspec
 import pytest
@@ -13,7 +15,12 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.checkpoint.writer import AsyncCheckpointWriter, snapshot_to_host
+from relaytrain.checkpoint.writer import (
+    AsyncCheckpointWriter,
+    PartWrites,
+    WriteReport,
+    snapshot_to_host,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -183,3 +190,29 @@ def test_persistent_storage_error_gives_up_after_the_attempts_and_never_commits(
     assert writer.retry_delays == [0.01, 0.02]  # backed off between attempts, doubling
     writer.close()
     assert flaky_store.committed_steps() == []
+
+
+class HandingOut:
+    """A writer whose part writes are the given futures, in order (their ends are scripted)."""
+
+    def __init__(self, *futures: Future):
+        self.futures = list(futures)
+
+    def submit(self, step, part, tensors, shards=None, attempt=None):
+        return self.futures.pop(0)
+
+
+def test_a_bounded_flush_reports_the_finished_writes_and_keeps_the_rest_pending():
+    """Recovery waits for the survivors' writes no longer than for storage: a write stuck on
+    unresponsive storage stays pending instead of holding the call past its deadline."""
+    done, stuck = Future(), Future()
+    done.set_result({"file": "part0.safetensors"})
+    writes = PartWrites(HandingOut(done, stuck))
+    for i in range(2):
+        writes.submit(4, f"part{i}", {"w": torch.ones(2)}, {}, "a1")
+    assert writes.collect(wait=True, timeout=0.05) == [
+        WriteReport(4, "part0", info={"file": "part0.safetensors"})]
+    stuck.set_exception(OSError("storage unreachable"))
+    assert writes.collect(wait=True) == [
+        WriteReport(4, "part1", error="OSError: storage unreachable")]
+    assert writes.collect(wait=True) == []

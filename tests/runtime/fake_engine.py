@@ -9,7 +9,7 @@ from typing import Any
 
 from relaytrain.runtime.engines.base import Engine, Invocation
 from relaytrain.runtime.failures import WorkerDied
-from relaytrain.runtime.wire import WriteReport
+from relaytrain.runtime.wire import ProcessIdentity, WorkerInfo, WriteReport
 
 
 class FakeWorker:
@@ -23,14 +23,14 @@ class FakeWorker:
         self.placement: Any = None
         self.writing: list[Callable[[], WriteReport]] = []  # checkpoint parts still being written
 
-    def ping(self) -> dict[str, Any]:
-        return {"pid": 1000 + self.wid, "start": 0, "boot": None}
+    def ping(self) -> ProcessIdentity:
+        return ProcessIdentity(pid=1000 + self.wid, start=0, boot=None)
 
     def setup(self, generation: int, placement: Any, store: Any, timeout_s: float
-              ) -> dict[str, Any]:
+              ) -> WorkerInfo:
         self.placement = placement
         self.calls.append(f"setup{generation}")
-        return self.ping()
+        return WorkerInfo(self.ping(), "fake", "cpu")
 
     def build(self, step: int, given: Any) -> int:
         self.built = (step, given)

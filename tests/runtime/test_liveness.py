@@ -3,6 +3,7 @@ gone, or elsewhere, where only the ping deadline can judge it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from relaytrain.runtime.liveness import cpu_ticks, process_identity
+from relaytrain.runtime.liveness import ProcessIdentity, cpu_ticks, process_identity
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="Linux's /proc")]
@@ -22,12 +23,12 @@ pytestmark = [pytest.mark.timeout(60),
 def child():
     """A Python process spinning on a CPU, and its identity as it reports it."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import json, sys\n"
+        [sys.executable, "-c", "import dataclasses, json, sys\n"
          "from relaytrain.runtime.liveness import process_identity\n"
-         "print(json.dumps(process_identity()), flush=True)\n"
+         "print(json.dumps(dataclasses.asdict(process_identity())), flush=True)\n"
          "while True: pass"], stdout=subprocess.PIPE, text=True)
     try:
-        yield proc, json.loads(proc.stdout.readline())
+        yield proc, ProcessIdentity(**json.loads(proc.stdout.readline()))
     finally:
         proc.kill()
         proc.wait()
@@ -35,7 +36,7 @@ def child():
 
 def test_a_running_process_on_this_host_shows_its_cpu_time_growing(child):
     proc, identity = child
-    assert identity["pid"] == proc.pid and identity["boot"]
+    assert identity.pid == proc.pid and identity.boot
     first = cpu_ticks(identity)
     deadline = time.monotonic() + 20
     while cpu_ticks(identity) == first and time.monotonic() < deadline:
@@ -61,9 +62,9 @@ def test_a_stopped_process_is_not_running_until_continued(child):
 
 def test_a_gone_recycled_or_remote_process_is_left_to_the_ping_deadline(child):
     proc, identity = child
-    assert cpu_ticks({**identity, "start": identity["start"] + 1}) is None  # PID recycled
-    assert cpu_ticks({**identity, "boot": "another-host-or-boot"}) is None
-    assert cpu_ticks({**identity, "boot": None}) is None
+    assert cpu_ticks(dataclasses.replace(identity, start=identity.start + 1)) is None  # recycled
+    assert cpu_ticks(dataclasses.replace(identity, boot="another-host-or-boot")) is None
+    assert cpu_ticks(dataclasses.replace(identity, boot=None)) is None
     assert cpu_ticks(None) is None and cpu_ticks(1234) is None  # no identity known
     proc.kill()
     proc.wait()
@@ -72,5 +73,5 @@ def test_a_gone_recycled_or_remote_process_is_left_to_the_ping_deadline(child):
 
 def test_this_process_knows_itself():
     me = process_identity()
-    assert me["pid"] == os.getpid()
+    assert me.pid == os.getpid()
     assert isinstance(cpu_ticks(me), int)

@@ -1,9 +1,8 @@
-"""The worker's checkpoint writes as the controller collects them, and its restore from storage
-(the rest of the worker is exercised through real runs: test_train.py, test_elastic.py)."""
+"""The worker's restore from storage and its warm-up, through a real worker (its checkpoint
+writes as the controller collects them: tests/checkpoint/test_checkpoint_writer.py; the rest of
+the worker is exercised through real runs: test_train.py, test_elastic.py)."""
 
 from __future__ import annotations
-
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -12,30 +11,10 @@ from relaytrain.checkpoint.keys import model_key, optim_key
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.parallel.groups import Placement
 from relaytrain.runtime.controller import Controller
-from relaytrain.runtime.wire import WriteReport
 from relaytrain.runtime.worker import Worker
 from tests.runtime.conftest import tiny_config
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def _worker_writing(*futures: Future) -> Worker:
-    w = object.__new__(Worker)  # only the writes' bookkeeping is used
-    w._pending = [(4, f"part{i}", f) for i, f in enumerate(futures)]
-    return w
-
-
-def test_a_bounded_flush_reports_the_finished_writes_and_keeps_the_rest_pending():
-    """Recovery waits for the survivors' writes no longer than for storage: a write stuck on
-    unresponsive storage stays pending instead of holding the call past its deadline."""
-    done, stuck = Future(), Future()
-    done.set_result({"file": "part0.safetensors"})
-    w = _worker_writing(done, stuck)
-    assert w.flush_writes(timeout=0.05) == [WriteReport(4, "part0",
-                                                        info={"file": "part0.safetensors"})]
-    stuck.set_exception(OSError("storage unreachable"))
-    assert w.flush_writes() == [WriteReport(4, "part1", error="OSError: storage unreachable")]
-    assert w.flush_writes() == []
 
 
 def test_a_restore_from_storage_lands_in_the_live_state_and_equals_the_checkpoint(
@@ -46,25 +25,25 @@ def test_a_restore_from_storage_lands_in_the_live_state_and_equals_the_checkpoin
     cfg = tiny_config(tmp_path, corpus_data, "runtime.engine=inline", "train.max_steps=4",
                       "checkpoint.every=2")
     Controller(cfg).run()
-    w = Worker(cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    w = Worker(cfg, TokenDataset.open(corpus_data).vocab_size)
     w.setup(0, Placement(rank=0, world=1, dp_rank=0, dp=1))
     w.build(4)
     w.run_steps(5, 1)  # the state now differs from any checkpoint
-    live = {k: t.data_ptr() for k, t in w.state_tensors().items()}
-    reads, read = [], w.store.read
+    live = {k: t.data_ptr() for k, t in w.state.state_tensors().items()}
+    reads, read = [], w.state.store.read
 
     def spy(*args, **kwargs):
         manifest, tensors = read(*args, **kwargs)
         reads.append((kwargs.get("into"), tensors))
         return manifest, tensors
-    w.store.read = spy
+    w.state.store.read = spy
     w.build(2)
     (into, got), = reads
     _, saved = read(2)
-    state = w.state_tensors()
+    state = w.state.state_tensors()
     assert {k: t.data_ptr() for k, t in state.items()} == live
     assert all(got[k] is into[k] for k in state)  # read there, not copied there afterwards
-    names = [n for n, _ in w.model.named_parameters()]
+    names = [n for n, _ in w.state.model.named_parameters()]
     assert state.keys() == {model_key(n) for n in names} | {
         optim_key(n, m) for n in names for m in ("exp_avg", "exp_avg_sq", "step")}
     for k, t in state.items():
@@ -87,12 +66,12 @@ def test_a_warmed_up_worker_ran_its_kernels_at_the_runs_shape_and_kept_nothing_o
         shapes.append(tuple(tokens.shape))
         return forward(self, tokens, *args, **kwargs)
     monkeypatch.setattr(Olmo3, "forward", spy)
-    w = Worker(cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    w = Worker(cfg, TokenDataset.open(corpus_data).vocab_size)
     w.warm_up()
     assert shapes == [(3, 24)]
     seeded = Olmo3(w.model_cfg)
     init_weights(seeded, cfg.seed)
     expected = dict(seeded.named_parameters())
-    for name, p in w.model.named_parameters():
+    for name, p in w.state.model.named_parameters():
         assert p.grad is None, name
         assert torch.equal(p.detach(), expected[name].detach()), name

@@ -6,7 +6,7 @@ Two layers, kept apart so that neither hides the other:
 - **Real.** The `small` preset trained through the controller on the Ray engine (gloo) with
   S = 2 and S = 4 stages (S = 2 only with `quick`), one run per schedule: time per step,
   throughput, each stage's bubble and peak memory (as the runtime measures them,
-  `parallel/pipeline/executor.py`), held-out loss against steps and against training time. One
+  `train/pipeline_stage.py`), held-out loss against steps and against training time. One
   worker per stage with one thread: on a 2-core machine S = 2 has a core per stage, S = 4 puts
   two stages on each core. The asynchronous schedules update every `a` = M micro-batches (one
   update per global batch, like the flush schedules, so all four take the same optimizer steps

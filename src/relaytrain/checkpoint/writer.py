@@ -2,7 +2,8 @@
 
 At a step boundary the caller takes `snapshot_to_host(state)` (training may then mutate the
 originals) and hands it to `AsyncCheckpointWriter.submit`; one background thread writes it
-while training continues. Hashing and file I/O release the GIL, so the overlap is real.
+while training continues. Hashing and file I/O release the GIL, so the overlap is real. A
+worker keeps its parts in flight in `PartWrites`, which reports each once done (`WriteReport`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -155,3 +157,52 @@ class AsyncCheckpointWriter:
                             fn.__name__, type(e).__name__, redact(str(e)), attempt,
                             self.attempts, delay)
                 time.sleep(delay)
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    """A checkpoint part this worker finished writing in the background (or failed to)."""
+
+    step: int
+    part: str
+    info: dict[str, Any] | None = None  # the part's files, as the manifest records them
+    error: str | None = None  # set when the write failed; the step is then not committed
+
+
+class PartWrites:
+    """One worker's checkpoint parts in flight on its `writer`, and the reports of those done:
+    the controller commits a step once every part's report says written."""
+
+    def __init__(self, writer: AsyncCheckpointWriter):
+        self.writer = writer
+        self._pending: list[tuple[int, str, Future[dict]]] = []
+
+    def submit(self, step: int, part: str, tensors: dict[str, torch.Tensor],
+               shards: dict[str, dict[str, list[int]]], attempt: str) -> None:
+        """Copy `tensors` to host memory now and write them in the background as `part` of
+        the save `attempt` of `step` (`shards`: the rows they are of, when sharded)."""
+        self._pending.append((step, part, self.writer.submit(
+            step, part, snapshot_to_host(tensors), shards=shards or None, attempt=attempt)))
+
+    def collect(self, wait: bool, timeout: float | None = None) -> list[WriteReport]:
+        """Reports of the finished writes; with `wait`, of all once finished (within `timeout`
+        seconds, if given: the rest stay pending)."""
+        if wait and timeout is not None:
+            wait_all([fut for *_, fut in self._pending], timeout)
+            wait = False
+        done, keep = [], []
+        for step, part, fut in self._pending:
+            if not wait and not fut.done():
+                keep.append((step, part, fut))
+                continue
+            try:
+                done.append(WriteReport(step, part, info=fut.result()))
+            except Exception as e:  # reported to the controller, which will not commit
+                done.append(WriteReport(step, part, error=f"{type(e).__name__}: {e}"))
+        self._pending = keep
+        return done
+
+    def close(self) -> None:
+        """Finish every write (their reports are dropped) and stop the writer's thread."""
+        self.collect(wait=True)
+        self.writer.close()

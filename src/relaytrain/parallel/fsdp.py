@@ -10,7 +10,7 @@ in the same backward.
 
 With pipeline stages (pp > 1) each stage's module is sharded the same way over its own
 shard group (parallel/groups.py); the stage executor calls the module and runs backward so that
-these hooks do the gathering and reducing (parallel/pipeline/executor.py).
+these hooks do the gathering and reducing (train/pipeline_stage.py).
 
 Gradients are sums, not means: the loss is pre-scaled by 1 / (micro-batches in the global
 batch) everywhere in relaytrain, so FSDP2's division is turned off.

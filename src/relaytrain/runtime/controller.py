@@ -92,7 +92,7 @@ class Controller:
         self.reporter.open(start, cfg.data_parallel)
         self.engine = make_engine(cfg)
         try:
-            self.recovery = Recovery(cfg, self.engine, (cfg.to_dict(), self.dataset.vocab_size),
+            self.recovery = Recovery(cfg, self.engine, (cfg, self.dataset.vocab_size),
                                      self.catalogue, self.reporter, self.faults)
             self.recovery.start(start)
             setup_s = time.perf_counter() - t_run

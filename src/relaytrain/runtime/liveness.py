@@ -12,6 +12,7 @@ the ping deadline.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -35,24 +36,33 @@ def _boot() -> str | None:
         return None
 
 
-def process_identity() -> dict[str, Any]:
-    """This process as the OS knows it: its PID, its start time (clock ticks after boot, field
-    22 of /proc/self/stat; a PID alone can be recycled, the pair names one process) and the
-    host's boot (its random boot id: which host, and which boot of it)."""
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A process as the OS knows it: a PID alone can be recycled, the PID and start time name one
+    process, and the boot says on which host (and which boot of it)."""
+
+    pid: int
+    start: int  # clock ticks after boot (field 22 of /proc/PID/stat); 0 where /proc is missing
+    boot: str | None  # the host's random boot id; None where it cannot be read
+
+
+def process_identity() -> ProcessIdentity:
+    """This process's identity."""
     fields = _stat("self")
     start = int(fields[19]) if fields else 0
-    return {"pid": os.getpid(), "start": start, "boot": _boot()}
+    return ProcessIdentity(pid=os.getpid(), start=start, boot=_boot())
 
 
 def cpu_ticks(identity: Any) -> int | None:
     """The CPU time (user + system clock ticks) of the process `identity` names, if it runs on
     this host and is not stopped; None if it is stopped or traced, gone, or on another host (or
-    another boot of this one), so that only the ping deadline can judge it."""
-    if not isinstance(identity, dict) or identity.get("boot") is None:
+    another boot of this one), or no identity is known, so that only the ping deadline can judge
+    it."""
+    if not isinstance(identity, ProcessIdentity) or identity.boot is None:
         return None
-    if identity["boot"] != _boot():
+    if identity.boot != _boot():
         return None
-    fields = _stat(identity.get("pid", ""))
-    if fields is None or int(fields[19]) != identity.get("start") or fields[0] in "Tt":
+    fields = _stat(identity.pid)
+    if fields is None or int(fields[19]) != identity.start or fields[0] in "Tt":
         return None
     return int(fields[11]) + int(fields[12])

@@ -112,7 +112,7 @@ class Recovery:
         formed = time.time()
         # Each rank's process as it reports itself: who survived a recovery can be checked.
         self.reporter.write("generation", generation=self.generation, step=step, workers={
-            str(p.rank): {"pid": joined[w]["pid"], "start": joined[w]["start"]}
+            str(p.rank): {"pid": joined[w].process.pid, "start": joined[w].process.start}
             for w, p in placements.items()})
         given = tensors or {}
         self.engine.call({wid: build(given.get(wid)) for wid in self.members}, timeout)

@@ -8,6 +8,7 @@ about workers; the controller tells it what happened.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -55,7 +56,7 @@ def combine(step: int, results: dict[int, StepResult], placements: dict[int, Pla
               "state_bytes": max(r.state_bytes for r in results.values()),
               "peak_rss": max(r.peak_rss for r in results.values())}
     if cfg.parallel.pp > 1:  # every stage's schedule measurements (its DP rank 0's)
-        record["pipeline"] = {str(p.stage): results[w].pipeline
+        record["pipeline"] = {str(p.stage): dataclasses.asdict(results[w].pipeline)
                               for w, p in placements.items() if p.dp_rank == 0}
     return record
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.eval_sets import open_eval_sets
 from relaytrain.errors import UserError
 from relaytrain.model.loss import lm_loss
 from relaytrain.train.step import autocast_for
@@ -55,14 +58,33 @@ def mean_loss(losses: dict[int, float], ids: list[int]) -> float:
     return math.fsum(losses[i] for i in ids) / len(ids)
 
 
+# (split, ids, part, parts) -> per-instance held-out losses of chunk share `part` of `parts`
+Forward = Callable[[Any, list[int], int, int], dict[int, float]]
+
+
+class Evaluator:
+    """A worker's held-out evaluation: its eval sets, opened at the first evaluation (not at
+    every worker's start), and per set the losses of its share of the instances asked for,
+    computed by `forward` (the path its steps take: the local model, or the pipeline)."""
+
+    def __init__(self, dataset: TokenDataset, sets: dict[str, Any]):
+        self.dataset, self.sets = dataset, sets
+        self._splits: dict[str, Any] | None = None
+
+    def losses(self, ids: dict[str, list[int]], forward: Forward, part: int, parts: int
+               ) -> dict[str, dict[int, float]]:
+        if self._splits is None:
+            self._splits = open_eval_sets(self.dataset, self.sets)
+        return {name: forward(self._splits[name], i, part, parts) for name, i in ids.items()}
+
+
 def evaluate_checkpoint(target: str, data_path: str | None = None) -> dict[str, Any]:
     """A checkpoint's loss on its run's held-out split and evaluation sets, executed as the run
     was. `data_path` defaults to the run's; the first of "sets" is the run's own split."""
     from relaytrain.checkpoint.keys import model_tensors
     from relaytrain.checkpoint.store import open_checkpoint
     from relaytrain.config import ModelSection, config_from_dict
-    from relaytrain.data.dataset import TokenDataset
-    from relaytrain.data.eval_sets import eval_ids, open_eval_sets
+    from relaytrain.data.eval_sets import eval_ids
     from relaytrain.model.config import Olmo3Config
     from relaytrain.model.olmo3 import Olmo3
     from relaytrain.train.execution import pick_device, prepare_model

@@ -1,12 +1,13 @@
 """One optimizer step of an unpipelined model replica: gradient accumulation over this rank's
-micro-batches, the DP reduction, clipping and the update."""
+micro-batches, the DP reduction, clipping and the update; and what a step computed
+(`StepOutcome`, with a pipeline stage's measurements, `PipelineStats`, train/pipeline_stage.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,13 +19,31 @@ if TYPE_CHECKING:  # imported only by workers that shard (parallel/shards.py say
     from relaytrain.parallel.fsdp import ShardedGradReducer
 
 
+@dataclass(frozen=True)
+class PipelineStats:
+    """A pipeline stage's schedule measurements for one step: those of the span it ran in
+    (shared by the span's steps) and its own micro-batches' staleness."""
+
+    bubble: float  # time blocked in receives and in the global-norm all-reduce / span time
+    wait_s: float  # that blocked time, in seconds
+    span_s: float
+    staleness_bound: int  # the schedule's bound on `staleness` at this stage
+    updates: int  # this stage's updates in the span
+    peak_memory: int  # peak bytes held for in-flight micro-batches (and stashed weights)
+    weight_versions: int  # peak distinct weight storages referenced (live + stashed)
+    forward_s: float  # mean seconds per F, B and U action (waits excluded)
+    backward_s: float
+    update_s: float
+    staleness: list[int]  # per micro-batch of the step: this stage's updates between F and B
+
+
 @dataclass
 class StepOutcome:
     # global micro-batch index -> (total, ce, z) losses, as Python floats (exact fp32 values)
     losses: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     grad_norm: float = 0.0
     finite: bool = True
-    pipeline: dict[str, Any] | None = None  # a pipeline stage's schedule measurements
+    pipeline: PipelineStats | None = None  # a pipeline stage's schedule measurements
 
 
 def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:

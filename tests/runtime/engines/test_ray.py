@@ -29,7 +29,7 @@ def test_a_stopped_worker_is_named_hung_at_once_while_a_peer_failure_settles(
         tmp_path, corpus_data, ray_cluster):
     cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "parallel.dp=2")
     engine = RayEngine(cfg)
-    args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    args = (cfg, TokenDataset.open(corpus_data).vocab_size)
     alive, stopped = engine.spawn_many(2, args, wait=60)
     os.kill(engine.pid(stopped), signal.SIGSTOP)
     try:
@@ -158,7 +158,7 @@ def test_a_worker_stopped_during_a_long_call_is_named_hung_by_the_heartbeat(
     monkeypatch.setattr(ray_engine, "WATCHED", frozenset({"setup"}))
     cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "parallel.dp=2")
     engine = RayEngine(cfg)
-    args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    args = (cfg, TokenDataset.open(corpus_data).vocab_size)
     waiting, stopped = engine.spawn_many(2, args, wait=60)
     store = rendezvous.serve("127.0.0.1")
     os.kill(engine.pid(stopped), signal.SIGSTOP)
@@ -181,7 +181,7 @@ def test_a_worker_stopped_during_a_long_call_is_named_hung_by_the_heartbeat(
 def test_a_prestarted_worker_is_the_next_one_spawned(tmp_path, corpus_data, ray_cluster):
     cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "elastic.standby=false")
     engine = RayEngine(cfg)
-    args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    args = (cfg, TokenDataset.open(corpus_data).vocab_size)
     [first] = engine.spawn_many(1, args, wait=60)
     engine.prestart()
     engine.prestart()  # one is starting already: nothing more
@@ -200,11 +200,11 @@ def test_a_replacement_is_the_standby_process_started_ahead_which_reserved_nothi
 
     cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray")
     engine = RayEngine(cfg)
-    args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    args = (cfg, TokenDataset.open(corpus_data).vocab_size)
     [first] = engine.spawn_many(1, args, wait=60)
     try:
         [standby] = set(engine.actors) - {first}
-        standby_pid = ray.get(engine.actors[standby].ping.remote(), timeout=60)["pid"]  # its word
+        standby_pid = ray.get(engine.actors[standby].ping.remote(), timeout=60).pid  # its word
         assert standby_pid not in (engine.pid(first), os.getpid())
         free = 4 - cfg.runtime.cpus_per_worker  # the standby reserved none
         assert _available_cpus(ray, free) == free
@@ -216,7 +216,7 @@ def test_a_replacement_is_the_standby_process_started_ahead_which_reserved_nothi
         assert set(engine.actors) == {second}  # the next standby waits for refill()
         engine.refill()
         [new_standby] = set(engine.actors) - {second}
-        assert ray.get(engine.actors[new_standby].ping.remote(), timeout=60)["pid"] != standby_pid
+        assert ray.get(engine.actors[new_standby].ping.remote(), timeout=60).pid != standby_pid
     finally:
         engine.shutdown()
 
@@ -238,7 +238,7 @@ def test_a_failed_worker_s_slot_is_kept_for_the_standby(tmp_path, corpus_data, r
     again."""
     cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "parallel.dp=4")
     engine = RayEngine(cfg)
-    args = (cfg.to_dict(), TokenDataset.open(corpus_data).vocab_size)
+    args = (cfg, TokenDataset.open(corpus_data).vocab_size)
     workers = engine.spawn_many(4, args, wait=60)
     try:
         [standby] = set(engine.actors) - set(workers)

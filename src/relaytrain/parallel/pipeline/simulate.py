@@ -2,9 +2,9 @@
 
 It executes the lists under the executor's rules — each stage runs its list in order, a receive
 blocks until the neighbour's send has arrived, sends are buffered — with given per-stage costs.
-The executor posts each receive ahead (`executor.Transport`), so a transfer travels on the link
-while both stages compute: an action's input is there at the producer's end plus the transfer
-time, and no stage is charged for the transfer itself.
+The executor posts each receive ahead (`Transport`, train/pipeline_stage.py), so a transfer
+travels on the link while both stages compute: an action's input is there at the producer's end
+plus the transfer time, and no stage is charged for the transfer itself.
 That proves a schedule deadlock-free and gives its time per step, which the benchmark multiplies
 by the measured number of steps to a target loss.
 """

@@ -20,18 +20,18 @@ if TYPE_CHECKING:
 
     from relaytrain.parallel.groups import Placement
     from relaytrain.runtime.kvstore import StoreAccess
-    from relaytrain.runtime.wire import StepResult, WriteReport
+    from relaytrain.runtime.wire import ProcessIdentity, StepResult, WorkerInfo, WriteReport
 
 
 class WorkerAPI(Protocol):
     """The methods the controller may call on a worker (runtime/worker.py implements them)."""
 
-    def ping(self) -> dict[str, Any]:
-        """The worker process as the OS knows it (`liveness.process_identity`: PID, start time,
-        host boot), answered on a second thread, even mid-step."""
+    def ping(self) -> ProcessIdentity:
+        """The worker process as the OS knows it (PID, start time, host boot), answered on a
+        second thread, even mid-step."""
 
     def setup(self, generation: int, placement: Placement, store: StoreAccess | None,
-              timeout_s: float) -> dict[str, Any]:
+              timeout_s: float) -> WorkerInfo:
         """Join a generation's process groups and take this rank's data shard."""
 
     def build(self, step: int, given: Any) -> int:

@@ -30,7 +30,7 @@ from relaytrain.runtime.failures import (
     WorkerHung,
     WorkerRaised,
 )
-from relaytrain.runtime.liveness import cpu_ticks
+from relaytrain.runtime.liveness import ProcessIdentity, cpu_ticks
 from relaytrain.runtime.worker import Worker
 
 PING_TIMEOUT = 2.0  # a worker that leaves a ping unanswered this long is hung
@@ -50,8 +50,9 @@ class _RankedWorker(Worker):
         super().__init__(*args)
 
     def __repr__(self) -> str:
-        rank = self.placement.rank if getattr(self, "placement", None) else "?"
-        return f"Worker(id={self.wid}, rank={rank})"
+        membership = getattr(self, "membership", None)
+        placement = membership.placement if membership else None
+        return f"Worker(id={self.wid}, rank={placement.rank if placement else '?'})"
 
 
 def _import_ray(private_cluster: bool) -> None:
@@ -131,7 +132,7 @@ class _Starved:
     first look grants that long), for at most STARVED_GRACE past the ping deadline
     (`runtime.liveness`). Anywhere else, or stopped, or not using CPU: hung at the deadline."""
 
-    def __init__(self, identities: dict[int, Any]):
+    def __init__(self, identities: dict[int, ProcessIdentity]):
         self.identities = identities
         self.looks: dict[int, tuple[int, float]] = {}  # worker -> (CPU ticks, seen at)
 
@@ -158,7 +159,7 @@ class _Heartbeat:
     then it has up to STARVED_GRACE more. A ping late by HEARTBEAT_S calls `on_late` (once):
     a replacement can start while the deadline runs."""
 
-    def __init__(self, actors: dict[int, Any], identities: dict[int, Any],
+    def __init__(self, actors: dict[int, Any], identities: dict[int, ProcessIdentity],
                  on_late: Callable[[], None]):
         self.actors = actors
         self.starved = _Starved(identities)
@@ -196,7 +197,7 @@ class RayEngine(Engine):
         self.cfg = cfg
         self.actors: dict[int, Any] = {}
         self.groups: dict[int, Any] = {}
-        self._ids: dict[int, dict[str, Any]] = {}  # worker -> its process (ping's answer)
+        self._ids: dict[int, ProcessIdentity] = {}  # worker -> its process (ping's answer)
         self._next_id = 0
         self._reserved: Any = None  # a placement group proven placeable by has_capacity()
         self._outstanding: dict[Any, int] = {}
@@ -511,7 +512,7 @@ class RayEngine(Engine):
         return ray.util.get_node_ip_address()
 
     def pid(self, wid: int) -> int:
-        return int(self._ids[wid]["pid"])
+        return self._ids[wid].pid
 
     def retire(self, wid: int) -> None:
         """Kill the worker. With the standby ready to replace it, its placement group, if still

@@ -21,7 +21,7 @@ from relaytrain.config import RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.runtime import rendezvous
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 JOB_TIMEOUT = 90.0
 
 
@@ -31,7 +31,7 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
     from relaytrain.runtime.worker import Worker
 
     cfg = job["config"]
-    dp, pp = cfg["parallel"]["dp"], cfg["parallel"]["pp"]
+    dp, pp = cfg.parallel.dp, cfg.parallel.pp
     if rank >= dp * pp:
         return None
     worker = Worker(cfg, job["vocab"])
@@ -43,7 +43,8 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
         for count in job["spans"]:
             steps += worker.run_steps(first, count)
             first += count
-        weights = {k: v.numpy().copy() for k, v in model_tensors(worker.state_tensors()).items()}
+        weights = {k: v.numpy().copy()
+                   for k, v in model_tensors(worker.state.state_tensors()).items()}
     finally:
         worker.close()
     records = [{k: v for k, v in asdict(s).items() if k != "written"} for s in steps]
@@ -96,7 +97,7 @@ class WorkerPool:
         """One result per rank: per-step results of `run_steps` and the final weights."""
         if cfg.world_size > self.n:
             raise ValueError(f"{cfg.world_size} ranks, pool of {self.n}")
-        job = {"config": cfg.to_dict(), "vocab": TokenDataset.open(cfg.data.path).vocab_size,
+        job = {"config": cfg, "vocab": TokenDataset.open(cfg.data.path).vocab_size,
                "generation": self.generation, "store": self.store.access, "spans": spans}
         self.generation += 1
         for conn in self.conns:

@@ -16,15 +16,15 @@ import torch.nn.functional as F
 from relaytrain.data.loader import Batch
 from relaytrain.model.config import PRESETS
 from relaytrain.model.olmo3 import MLP
-from relaytrain.parallel.pipeline.executor import StageRunner, StageSpec
 from relaytrain.parallel.pipeline.schedules import (
     build_schedule,
     staleness,
     weight_versions,
 )
 from relaytrain.parallel.reduce import GradReducer
-from tests.parallel.pipeline.pool import WorkerPool
+from relaytrain.train.pipeline_stage import StageRunner, StageSpec
 from tests.runtime.conftest import tiny_config
+from tests.train.pool import WorkerPool
 
 torch.set_num_threads(1)
 S, STAGE, M, MB, T = 3, 1, 4, 2, 3  # a middle stage of three, 4 micro-batches of [2, 3]
@@ -149,8 +149,8 @@ def test_naive_inplace_update_between_forward_and_backward_trips_autograd():
 def test_paci_perf_mode_uses_forward_time_activations_and_backward_time_weights():
     cfg, names, xs, gs, net, opt, stats = run_middle_stage("paci")
     acts = build_schedule("paci", S, M, 1)
-    assert stats["staleness"] == [staleness(acts)[(STAGE, m)] for m in range(M)] == [0, 1, 1, 1]
-    assert stats["weight_versions"] == 1
+    assert stats.staleness == [staleness(acts)[(STAGE, m)] for m in range(M)] == [0, 1, 1, 1]
+    assert stats.weight_versions == 1
     for m in range(1, M):  # F(m) ran after update m-1, B(m) after update m
         w_f, w_b = weights(names, opt.log[m - 1][0]), weights(names, opt.log[m][0])
         assert not close(w_f, w_b)
@@ -191,7 +191,7 @@ def test_paci_stale_weight_gradients_of_a_deep_pipeline_at_its_bound(n_stages, a
     at = updates_before(build_schedule("paci", n_stages, m_count, 1, a=a)[STAGE])
     stale = [at["B"][m] - at["F"][m] for m in range(m_count)]
     bound = math.ceil((n_stages - STAGE - 1) / a)
-    assert stats["staleness"] == stale and max(stale) == bound == stats["staleness_bound"]
+    assert stats.staleness == stale and max(stale) == bound == stats.staleness_bound
     assert len(opt.log) == m_count // a
     for u, (_, grad) in enumerate(opt.log):
         want = {n: torch.zeros_like(t) for n, t in zip(names, grad, strict=True)}
@@ -207,7 +207,7 @@ def test_paci_stale_weight_gradients_of_a_deep_pipeline_at_its_bound(n_stages, a
 
 def test_paci_mem_mode_is_the_exact_gradient_at_the_live_weights():
     cfg, names, xs, gs, net, opt, stats = run_middle_stage("paci", "mem")
-    assert stats["staleness"] == [0, 1, 1, 1]
+    assert stats.staleness == [0, 1, 1, 1]
     for m in range(M):
         w_b = weights(names, opt.log[m][0])
         want, want_dx = exact_gradient(cfg, w_b, xs[m], gs[m])
@@ -218,7 +218,7 @@ def test_paci_mem_mode_is_the_exact_gradient_at_the_live_weights():
 def test_pipedream_stashes_the_forward_weights_for_the_backward():
     cfg, names, xs, gs, net, opt, stats = run_middle_stage("pipedream")
     acts = build_schedule("pipedream", S, M, 1)
-    assert stats["weight_versions"] == weight_versions(acts)[STAGE] == 2
+    assert stats.weight_versions == weight_versions(acts)[STAGE] == 2
     for m in range(1, M):
         w_f = weights(names, opt.log[m - 1][0])
         want, want_dx = exact_gradient(cfg, w_f, xs[m], gs[m])

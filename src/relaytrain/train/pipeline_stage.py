@@ -25,8 +25,8 @@ What B then computes depends on the schedule:
   at most ``staleness_bound`` more updates of this stage). For y = x Wᵀ: dL/dW = gᵀ x_F (weights do
   not enter), dL/dx = g W_B. Weight gradients of a layer thus use F-time activations and the
   incoming gradient, while the gradient sent upstream (and to the stage's earlier layers) passes
-  through theta_B. With no update in between this is the exact gradient. tests/parallel/pipeline/
-  test_executor.py checks it against the closed form for the SwiGLU MLP.
+  through theta_B. With no update in between this is the exact gradient.
+  tests/train/test_pipeline_stage.py checks it against the closed form for the SwiGLU MLP.
 - paci, ``mode=mem`` (recompute): F runs without a graph and keeps only the stage input; B reruns
   the forward with the live weights right before the backward, so B is the exact gradient of
   f(x_F; theta_B) at the input F received, against the gradient coming back for the output F sent
@@ -56,13 +56,14 @@ all precede that update at every stage). The asynchronous
 schedules clip each stage by its own norm, with no pipeline-wide synchronisation, and report the
 stage's norm.
 
-**Measurements** (per span): ``bubble`` = time blocked in receives and in the global-norm
-all-reduce / span time; ``staleness`` = this stage's own updates between each micro-batch's F and B
-(counted here, and an error if above `schedules.staleness_bound`); ``peak_memory`` = peak bytes
-held for in-flight micro-batches: the distinct storages autograd saved for backward (counted with
-saved-tensor hooks, weights excluded), the stage outputs kept for B, the inputs kept for recompute
-and the recompute graph of the B running, plus the extra weight copies (pipedream's stashes);
-``weight_versions`` = peak number of distinct weight storages referenced (live + stashed).
+**Measurements** (per span, `train.step.PipelineStats`): ``bubble`` = time blocked in receives
+and in the global-norm all-reduce / span time; ``staleness`` = this stage's own updates between
+each micro-batch's F and B (counted here, and an error if above `schedules.staleness_bound`);
+``peak_memory`` = peak bytes held for in-flight micro-batches: the distinct storages autograd
+saved for backward (counted with saved-tensor hooks, weights excluded), the stage outputs kept
+for B, the inputs kept for recompute and the recompute graph of the B running, plus the extra
+weight copies (pipedream's stashes); ``weight_versions`` = peak number of distinct weight
+storages referenced (live + stashed).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ from relaytrain.parallel.reduce import GradReducer
 from relaytrain.parallel.shards import local_tensor, whole_tensor
 from relaytrain.train.evaluate import eval_chunks, instance_losses
 from relaytrain.train.optim import AdamW, set_lr
-from relaytrain.train.step import StepOutcome, autocast_for
+from relaytrain.train.step import PipelineStats, StepOutcome, autocast_for
 
 ACTIVATION_DTYPE = torch.float32  # residual stream between stages (fp32 under bf16 autocast too)
 
@@ -359,7 +360,7 @@ class StageRunner:
         finite = all(u.finite for u in mine) and all(
             math.isfinite(v) for values in own.values() for v in values)
         return StepOutcome(losses=own, grad_norm=norm, finite=finite,
-                           pipeline={**shared, "staleness": [stale[m] for m in mbs]})
+                           pipeline=PipelineStats(**shared, staleness=[stale[m] for m in mbs]))
 
     def _receives(self, actions: list[Action]) -> Iterator[tuple[int, int]]:
         """(source, tag) of every receive of the list, in list order: activations for F on all
