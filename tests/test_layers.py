@@ -1,6 +1,8 @@
 """The package's shape, read from its source with `ast` (nothing is imported): no import cycle
-between modules, every import points down the layer order or stays in its layer, and no function
-outside the benchmarks is longer than MAX_FUNCTION_LINES.
+between modules nor between folders, every import points down the layer order or stays in its
+layer, and no function outside the benchmarks is longer than MAX_FUNCTION_LINES.
+
+This file is the one home of the layer order: docs/ARCHITECTURE.md links here.
 
 Imports inside functions and under TYPE_CHECKING count: a lazy import is still a dependency."""
 
@@ -12,19 +14,20 @@ from pathlib import Path
 PACKAGE = "relaytrain"
 SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
-# The layers, lowest first: a module may import from its own layer and those below it. A module
-# belongs to the longest entry that names it or a package it is in. The package itself (its
-# version) sits below everything, as do package __init__s that import nothing.
+# The layers, lowest first, each a set of folders (or top-level modules): a module may import
+# from its own folder, its layer and those below it. Layers name whole folders, so an upward
+# import is one at folder level too. The package itself (its version) sits below everything, as
+# do package __init__s that import nothing.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors",),
+    ("errors",),  # what a user is told: one-line errors (exit 2) and warnings
     ("storage", "runlog"),  # fsspec URLs; a run's JSONL records
-    ("checkpoint",),  # the checkpoint format: tensor keys, store, background writer
+    ("checkpoint",),  # the checkpoint format: tensor keys, manifest, store, background writer
     ("model",),  # Olmo 3: modules, loss, GEMMs, stages, memory, accounting, HF interop
-    # distributed building blocks that know nothing of configs or training: groups,
+    # distributed building blocks that know nothing of configs, data or training: groups,
     # reductions, shards, FSDP, pipeline schedules as data and their simulation
     ("parallel",),
-    ("config",),
-    ("data",),
+    ("data",),  # token files, orders, loader, ledger, audit, evaluation sets
+    ("config",),  # the run config: typed sections, presets, overrides, checks
     ("train",),  # one process's step, stepper, pipeline stage, state, evaluation, metrics
     ("runtime",),  # controller, worker, engines, recovery
     ("parity", "compare", "bench", "cli"),  # entry points
@@ -93,15 +96,16 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
     return None
 
 
+def folder_of(module: str) -> str:
+    """The top-level folder (or module) of the package that `module` is in."""
+    return module.partition(".")[0]
+
+
 def layer_of(module: str, modules: dict[str, ast.Module]) -> int | None:
     if module == "" or not any(not _is_docstring(n) for n in modules[module].body):
         return -1
-    best = None
-    for i, layer in enumerate(LAYERS):
-        for entry in layer:
-            if _in(module, (entry,)) and (best is None or len(entry) > best[1]):
-                best = (i, len(entry))
-    return None if best is None else best[0]
+    folder = folder_of(module)
+    return next((i for i, layer in enumerate(LAYERS) if folder in layer), None)
 
 
 def _is_docstring(node: ast.stmt) -> bool:
@@ -146,6 +150,49 @@ def test_no_import_cycle():
     modules = read_modules()
     cycle = find_cycle({m: imports_of(m, modules) for m in modules})
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def folder_graph(modules: dict[str, ast.Module]) -> dict[str, dict[str, int]]:
+    """Folder -> the other folders its modules import (values: 0, for `find_cycle`)."""
+    out: dict[str, dict[str, int]] = {}
+    for module in modules:
+        deps = out.setdefault(folder_of(module), {})
+        for dep in imports_of(module, modules):
+            if folder_of(dep) != folder_of(module) and dep != "":
+                deps[folder_of(dep)] = 0
+    return out
+
+
+def test_no_import_cycle_between_folders():
+    cycle = find_cycle(folder_graph(read_modules()))
+    assert cycle is None, "folders import each other: " + " -> ".join(cycle)
+
+
+def test_layers_name_whole_folders():
+    entries = [e for layer in LAYERS for e in layer]
+    assert all("." not in e for e in entries), "a layer names a folder, not a module in one"
+    assert len(entries) == len(set(entries)), "a folder in two layers"
+
+
+def _parsed(sources: dict[str, str]) -> dict[str, ast.Module]:
+    return {name: ast.parse(text) for name, text in sources.items()}
+
+
+def test_the_checks_catch_an_upward_import_and_a_cycle_of_folders():
+    """The checker itself: a building block importing training is reported, and so are two
+    entry-point folders importing each other through different modules (no module cycle)."""
+    upward = _parsed({"train.step": "x = 1", "parallel.reduce": "x = 1",
+                      "parallel.fsdp": "from relaytrain.train.step import x"})
+    assert layer_violations(upward) == [
+        "parallel.fsdp:1 imports train.step, a higher layer (train above parallel)"]
+    assert find_cycle({m: imports_of(m, upward) for m in upward}) is None
+    tangled = _parsed({"cli.a": "from relaytrain.bench.b import x",
+                       "bench.b": "x = 1", "bench.c": "from relaytrain.cli.d import y",
+                       "cli.d": "y = 2"})
+    assert not layer_violations(tangled)  # one layer: no violation, but a tangle
+    assert find_cycle({m: imports_of(m, tangled) for m in tangled}) is None
+    assert find_cycle(folder_graph(tangled)) in (["bench", "cli", "bench"],
+                                                 ["cli", "bench", "cli"])
 
 
 def test_imports_follow_the_layers():

@@ -3,6 +3,10 @@
 Every section is a dataclass; loading walks the annotations, so an unknown key, a value of the
 wrong type or an impossible combination is rejected with one line naming the key, what was
 given and what is accepted.
+
+One file past ~550 lines on purpose: the sections, their loading and their checks are one
+contract (the keys a user may write, and which may change on resume); each check reads the
+sections' fields by name, so apart they would be two halves of one list.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from relaytrain.checkpoint.store import run_checkpoint_url
+from relaytrain.data.eval_sets import OWN_EVAL_SET
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS, Olmo3Config
 from relaytrain.model.stages import check_layout
@@ -75,7 +80,6 @@ class OptimSection:
     final_lr_frac: float = 0.1  # cosine decays to lr * final_lr_frac at max_steps
 
 
-OWN_EVAL_SET = "heldout"  # the run's own held-out split, among the evaluation sets
 EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 

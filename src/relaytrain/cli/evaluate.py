@@ -16,7 +16,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from relaytrain.config import OWN_EVAL_SET
+    from relaytrain.data.eval_sets import OWN_EVAL_SET
     from relaytrain.train.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(args.target, args.data)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from relaytrain.config import OWN_EVAL_SET as OWN
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.order import heldout_ids
 from relaytrain.errors import DataError
+
+OWN_EVAL_SET = "heldout"  # the run's own held-out split, among the evaluation sets
 
 
 def open_eval_sets(dataset: TokenDataset, sets: dict[str, str]) -> dict[str, Any]:
@@ -25,7 +26,7 @@ def open_eval_sets(dataset: TokenDataset, sets: dict[str, str]) -> dict[str, Any
     out: dict[str, Any] = {}
     own = dataset.split("heldout")
     if own.num_tokens > 0:
-        out[OWN] = own
+        out[OWN_EVAL_SET] = own
     for name, path in sets.items():
         ds = open_eval_set(name, path)
         theirs, ours = _tokenizer(ds), _tokenizer(dataset)
@@ -69,7 +70,7 @@ def eval_ids(splits: dict[str, Any], seq_len: int, count: int) -> dict[str, list
     for name, split in splits.items():
         n = split.num_instances(seq_len)
         if n < 1:
-            where = "the run's held-out split" if name == OWN else f"eval set '{name}'"
+            where = "the run's held-out split" if name == OWN_EVAL_SET else f"eval set '{name}'"
             raise DataError(f"{where} has no instance of data.seq_len={seq_len} tokens; use a "
                             "shorter data.seq_len or a larger set")
         out[name] = [int(i) for i in heldout_ids(n, count)]

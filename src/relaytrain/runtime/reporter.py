@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from relaytrain.config import OWN_EVAL_SET, RunConfig
-from relaytrain.data.eval_sets import absolute_paths
+from relaytrain.config import RunConfig
+from relaytrain.data.eval_sets import OWN_EVAL_SET, absolute_paths
 from relaytrain.data.ledger import (
     LedgerWriter,
     header_record,

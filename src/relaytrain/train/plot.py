@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaytrain.config import OWN_EVAL_SET
+from relaytrain.data.eval_sets import OWN_EVAL_SET
 from relaytrain.runlog import RunLog, series
 
 
