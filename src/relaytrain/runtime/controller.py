@@ -7,7 +7,6 @@ and the step reporter (runtime/reporter.py). Workers only compute.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -32,6 +31,7 @@ from relaytrain.runtime.failures import RecoveryLimitExceeded, WorkerFailure
 from relaytrain.runtime.faults import FaultInjector, end_storage_outage, plan_faults
 from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped
+from relaytrain.runtime.summary import RunSummary
 from relaytrain.train.auto_backends import settle_backends
 from relaytrain.train.execution import pick_device
 from relaytrain.train.metrics import peak_flops, warn
@@ -109,7 +109,7 @@ class Controller:
         self.recovery: Recovery | None = None  # needs the engine
 
     # ---- the loop --------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunSummary:
         """Train to train.max_steps, recovering from worker failures; the run's summary."""
         t_run = time.perf_counter()
         cfg, start = self.cfg, self.start
@@ -190,20 +190,18 @@ class Controller:
         return max(1, end - step)
 
     def _summary(self, start: int, setup_s: float, peak: float, peak_src: str,
-                 wall: float) -> dict[str, Any]:
+                 wall: float) -> RunSummary:
         cfg, recovery, reporter = self.cfg, self.recovery, self.reporter
-        return {"run_dir": cfg.run_dir, "steps": cfg.train.max_steps, "resumed_from": start,
-                "final_loss": reporter.last.get("loss"), "final_heldout_loss": reporter.heldout,
-                "checkpoint_step": self.catalogue.last_committed, "setup_s": setup_s,
-                "peak_flops": peak, "peak_source": peak_src,
-                **{k: dataclasses.asdict(c) for k, c in self.backends.items()},
-                "recoveries": recovery.log,
-                "goodput": reporter.productive_s / wall, "wall_s": wall, "dp": recovery.dp,
-                "generation": recovery.generation,
-                "pids": {w: self.engine.pid(w) for w in recovery.members},
-                "initial_pids": recovery.initial_pids,
-                "metrics": os.path.join(cfg.run_dir, "metrics.jsonl"),
-                "checkpoints": self.store.url}
+        return RunSummary(
+            run_dir=cfg.run_dir, steps=cfg.train.max_steps, resumed_from=start,
+            final_loss=reporter.last.get("loss"), final_heldout_loss=reporter.heldout,
+            checkpoint_step=self.catalogue.last_committed, setup_s=setup_s, peak_flops=peak,
+            peak_source=peak_src, **self.backends, recoveries=recovery.log,
+            goodput=reporter.productive_s / wall, wall_s=wall, dp=recovery.dp,
+            generation=recovery.generation,
+            pids={w: self.engine.pid(w) for w in recovery.members},
+            initial_pids=recovery.initial_pids,
+            metrics=os.path.join(cfg.run_dir, "metrics.jsonl"), checkpoints=self.store.url)
 
     # ---- run directory ---------------------------------------------------------------------
     def _resume_manifest(self, cfg: RunConfig) -> dict[str, Any] | None:
@@ -306,11 +304,11 @@ def cli_train(args: Any) -> int:
         print(f"relaytrain: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(summary.to_dict()))
     else:
-        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-              f"held-out loss {summary['final_heldout_loss']:.4f}")
-        print(f"  metrics:     {summary['metrics']}")
-        print(f"  checkpoints: {summary['checkpoints']} (step {summary['checkpoint_step']})")
+        print(f"done: {summary.steps} steps, final loss {summary.final_loss:.4f}, "
+              f"held-out loss {summary.final_heldout_loss:.4f}")
+        print(f"  metrics:     {summary.metrics}")
+        print(f"  checkpoints: {summary.checkpoints} (step {summary.checkpoint_step})")
         print(f"  plot:        relaytrain plot {cfg.run_dir}")
     return 0
