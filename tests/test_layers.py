@@ -1,6 +1,6 @@
 """The package's shape, read from its source with `ast` (nothing is imported): no import cycle
 between modules nor between folders, every import points down the layer order or stays in its
-layer, and no function outside the benchmarks is longer than MAX_FUNCTION_LINES.
+layer, and no function is longer than MAX_FUNCTION_LINES.
 
 This file is the one home of the layer order: docs/ARCHITECTURE.md links here.
 
@@ -34,7 +34,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 MAX_FUNCTION_LINES = 80
-LONG_FUNCTIONS_EXEMPT = ("bench",)  # each benchmark reads as one scripted measurement
 
 
 def read_modules() -> dict[str, ast.Module]:
@@ -204,9 +203,7 @@ def _in(module: str, packages: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-def test_no_function_over_80_lines_outside_the_benchmarks():
+def test_no_function_over_80_lines():
     lengths = function_lengths()
-    long = {name for name, n in lengths.items() if n > MAX_FUNCTION_LINES
-            and not _in(name.partition(":")[0], LONG_FUNCTIONS_EXEMPT)}
-    found = sorted(f"{name} ({lengths[name]} lines)" for name in long)
+    found = sorted(f"{name} ({n} lines)" for name, n in lengths.items() if n > MAX_FUNCTION_LINES)
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {', '.join(found)}"

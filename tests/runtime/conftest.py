@@ -15,6 +15,7 @@ import pytest
 from relaytrain.cli import main
 from relaytrain.config import RunConfig, load_config
 from relaytrain.runtime.controller import Controller
+from relaytrain.runtime.summary import RunSummary
 
 WORDS = ("alpha beta gamma delta train model token layer norm rope window cache stage "
          "batch epoch seed ledger audit shard replica").split()
@@ -51,7 +52,7 @@ DP = ("train.global_batch=12", "train.micro_batch=1", "eval.every=3", "checkpoin
 
 
 def run_layout(run_dir: Path | str, data: str, dp: int, *extra: str, fsdp: int = 1,
-               pp: int = 1) -> dict:
+               pp: int = 1) -> RunSummary:
     """A run of `dp` replicas each sharded over `fsdp` workers (per stage of `pp`), in this
     process when that is one worker; its summary."""
     workers = dp * fsdp * pp

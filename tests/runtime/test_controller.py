@@ -24,9 +24,9 @@ def test_the_controller_resolves_the_kernels_once_and_records_them(tmp_path, cor
     summary = Controller(tiny_config(run, corpus_data, "train.max_steps=1")).run()
     # what `auto` measured faster here (never fused where they cannot be built), concrete
     possible = ("fused", "torch") if cpu_kernels.unavailable() is None else ("torch",)
-    assert summary["kernels"]["backend"] in possible
+    assert summary.kernels.backend in possible
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["kernels"] == \
-        summary["kernels"]["backend"]
+        summary.kernels.backend
     monkeypatch.setattr(cpu_kernels, "unavailable", lambda: "CalledProcessError: no c++")
     with pytest.warns(UserWarning, match="running torch's ops"):
         cfg = Controller(tiny_config(tmp_path / "b", corpus_data)).cfg
@@ -56,8 +56,8 @@ def test_auto_is_decided_once_by_the_controller_and_recorded_in_the_run(tmp_path
                                                                         host):
     run = tmp_path / "run"
     summary = Controller(tiny_config(run, corpus_data, "train.max_steps=2")).run()
-    assert summary["matmul"]["backend"] == "onednn"
-    assert summary["matmul"]["source"] in ("measured", "cached")
+    assert summary.matmul.backend == "onednn"
+    assert summary.matmul.source in ("measured", "cached")
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["matmul"] == "onednn"
 
 
@@ -75,8 +75,8 @@ def test_a_run_resumed_on_its_host_keeps_its_backend_to_the_same_bits(tmp_path, 
     host.onednn_ratio = 2.0
     summary = Controller(tiny_config(split, corpus_data, "train.max_steps=8",
                                      "checkpoint.every=4")).run()
-    assert summary["resumed_from"] == 4
-    assert (summary["matmul"]["backend"], summary["matmul"]["source"]) == ("onednn", "resumed")
+    assert summary.resumed_from == 4
+    assert (summary.matmul.backend, summary.matmul.source) == ("onednn", "resumed")
     assert yaml.safe_load((split / "config.yaml").read_text())["model"]["matmul"] == "onednn"
     a, b = step_records(whole), step_records(split)
     assert [b[s]["loss"] for s in range(1, 9)] == [a[s]["loss"] for s in range(1, 9)]
@@ -94,7 +94,7 @@ def test_a_run_resumed_where_auto_chooses_differently_continues(tmp_path, corpus
     host.name, host.onednn_ratio = "cpu B", 2.0
     summary = Controller(tiny_config(split, corpus_data, "train.max_steps=8",
                                      "checkpoint.every=4")).run()
-    assert summary["resumed_from"] == 4 and summary["matmul"]["backend"] == "aten"
+    assert summary.resumed_from == 4 and summary.matmul.backend == "aten"
     assert yaml.safe_load((split / "config.yaml").read_text())["model"]["matmul"] == "aten"
     a, b = step_records(whole), step_records(split)
     assert sorted(b) == list(range(1, 9))
@@ -129,8 +129,9 @@ def test_a_run_resumed_on_its_host_keeps_its_kernels_and_attention_to_the_same_b
     backend_choice.cache_path().unlink()
     faster = {"torch", "sdpa"}
     summary = Controller(tiny_config(split, corpus_data, *overrides)).run()
-    assert summary["resumed_from"] == 4
-    assert {k: (summary[k]["backend"], summary[k]["source"]) for k in ("kernels", "attention")
+    assert summary.resumed_from == 4
+    assert {k: (c.backend, c.source) for k, c in (("kernels", summary.kernels),
+                                                  ("attention", summary.attention))
             } == {"kernels": ("fused", "resumed"), "attention": ("chunks", "resumed")}
     a, b = step_records(whole), step_records(split)
     assert [b[s]["loss"] for s in range(1, 9)] == [a[s]["loss"] for s in range(1, 9)]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from relaytrain.runtime.summary import RunSummary
 from tests.runtime.conftest import (
     DP,
     assert_bit_identical,
@@ -19,7 +20,7 @@ from tests.runtime.conftest import (
 
 pytestmark = pytest.mark.timeout(240)
 
-def _run(run_dir, data, dp: int, *extra: str) -> dict:
+def _run(run_dir, data, dp: int, *extra: str) -> RunSummary:
     return run_layout(run_dir, data, dp, *DP, *extra)
 
 

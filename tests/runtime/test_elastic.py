@@ -88,7 +88,7 @@ def test_a_kill_a_hang_and_a_raise_each_recover_without_waiting_for_the_collecti
     # Only the failed worker was replaced, recovery by recovery: by the end ranks 1-3 all were,
     # so comparing the first generation with the last would hide a replaced healthy worker.
     gens = assert_only_failed_ranks_replaced(run)
-    assert summary["generation"] == len(gens) - 1 == 3, summary
+    assert summary.generation == len(gens) - 1 == 3, summary
     assert_reported_as_the_os_sees_them(seen, len(gens))
 
 
@@ -106,7 +106,7 @@ def test_three_kills_a_hang_and_a_raise_recover_to_the_same_bits(tmp_path, corpu
     assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
     assert same_tensors(final_state(run), final_state(fault_free))
     gens = assert_only_failed_ranks_replaced(run)
-    assert summary["generation"] == len(gens) - 1 == 5, summary
+    assert summary.generation == len(gens) - 1 == 5, summary
 
 
 @pytest.mark.alone
@@ -124,7 +124,7 @@ def test_scale_down_without_a_replacement_then_grow_back(tmp_path, corpus_data, 
     # The recovery record is written at the first step after the shrink; the growth comes at
     # that step's boundary or later, once the held capacity is released (timing-dependent).
     assert grow["dp"] == 4 and grow["step"] >= rec["step"]
-    assert summary["dp"] == 4
+    assert summary.dp == 4
     a, b = step_records(fault_free), step_records(run)
     assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
     assert same_tensors(final_state(run), final_state(fault_free))

@@ -124,6 +124,6 @@ def test_a_run_killed_during_an_outage_gets_its_storage_back_on_resume(tmp_path,
     start_storage_outage(str(run / "checkpoints"))  # as a SIGKILLed controller leaves it
     summary = Controller(tiny_config(run, corpus_data, "train.max_steps=6",
                                      "eval.every=0")).run()
-    assert summary["resumed_from"] == 4
+    assert summary.resumed_from == 4
     assert "left unavailable by an injected storage outage" in capsys.readouterr().err
     assert CheckpointStore(str(run / "checkpoints")).latest_step() == 6

@@ -11,6 +11,7 @@ import pytest
 
 from relaytrain.cli import main
 from relaytrain.runtime.controller import Controller
+from relaytrain.runtime.summary import RunSummary
 from tests.runtime.conftest import (
     assert_bit_identical,
     tiny_config,
@@ -41,7 +42,7 @@ def mix(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(out)
 
 
-def _run(run_dir: Path, data: str, dp: int, *extra: str) -> dict:
+def _run(run_dir: Path, data: str, dp: int, *extra: str) -> RunSummary:
     engine = "runtime.engine=inline" if dp == 1 else "runtime.engine=ray"
     return Controller(tiny_config(run_dir, data, *OLMO, engine, f"parallel.dp={dp}",
                                   *extra)).run()

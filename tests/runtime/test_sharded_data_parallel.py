@@ -141,7 +141,7 @@ def test_a_sharded_run_without_a_replacement_reshards_onto_fewer_workers_then_gr
     [rec] = records(run, "recovery")
     assert rec["dp"] == 2 and rec["source"] == "memory"
     [grow] = records(run, "resize")
-    assert grow["dp"] == 4 and summary["dp"] == 4
+    assert grow["dp"] == 4 and summary.dp == 4
     assert_bit_identical(run, exact_reference)
 
 
@@ -170,5 +170,5 @@ def test_a_sharded_run_reshards_onto_three_workers_then_grows_back_to_four(
     [rec] = records(run, "recovery")
     assert (rec["dp"], rec["source"], rec["restored_step"]) == (3, "checkpoint", 3), rec
     [grow] = records(run, "resize")
-    assert grow["dp"] == 4 and summary["dp"] == 4
+    assert grow["dp"] == 4 and summary.dp == 4
     assert_bit_identical(run, reference)

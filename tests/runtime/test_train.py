@@ -38,7 +38,7 @@ def test_a_run_logs_every_step_evaluates_checkpoints_and_passes_the_audit(tmp_pa
     assert [e["step"] for e in evals] == [4, 8, 12]
     assert evals[-1]["heldout_loss"] < evals[0]["heldout_loss"]
     assert CheckpointStore(str(run / "checkpoints")).committed_steps() == [10, 12]
-    assert summary["checkpoint_step"] == 12
+    assert summary.checkpoint_step == 12
     assert main(["data", "audit", str(run)]) == 0
     assert main(["eval", str(run), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -185,7 +185,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, c
     part.write_bytes(bytes(data))
     with pytest.warns(UserWarning, match="stage0.safetensors"):
         summary = Controller(tiny_config(run, corpus_data, "train.max_steps=7")).run()
-    assert summary["resumed_from"] == 3
+    assert summary.resumed_from == 3
     assert os.path.exists(run / "checkpoints" / "step_00000007" / "manifest.json")
 
 
@@ -209,7 +209,7 @@ def test_a_run_whose_checkpoints_all_fail_verification_stops_unless_told_to_star
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     summary = Controller(tiny_config(run, corpus_data, "train.max_steps=6", "eval.every=0",
                                      "checkpoint.start_over=true")).run()
-    assert summary["resumed_from"] == 0
+    assert summary.resumed_from == 0
 
 
 def test_compare_separates_runs_with_different_seeds(tmp_path, corpus_data, capsys):

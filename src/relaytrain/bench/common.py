@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from relaytrain.config import load_config
 from relaytrain.data.prepare import prepare
+
+if TYPE_CHECKING:
+    from relaytrain.runtime.summary import RunSummary
 
 
 def demo_data(directory: str | Path, max_docs: int = 300, vocab: int = 2048) -> str:
@@ -54,7 +57,7 @@ TINY_RUN = ["model.preset=tiny", "data.seq_len=32", "train.global_batch=12",
             "checkpoint.every=0", "log.progress=false"]
 
 
-def run_training(overrides: list[str]) -> dict[str, Any]:
+def run_training(overrides: list[str]) -> RunSummary:
     """Run a tiny-preset training job with `overrides`, its progress bar on stderr; the
     controller's summary."""
     from relaytrain.runtime.controller import Controller

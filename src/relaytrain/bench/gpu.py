@@ -39,7 +39,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,9 @@ from relaytrain.train.execution import CUBLAS_WORKSPACE, prepare_model
 from relaytrain.train.metrics import peak_flops
 from relaytrain.train.optim import build_optimizer
 from relaytrain.train.step import train_step
+
+if TYPE_CHECKING:
+    from relaytrain.runtime.summary import RunSummary
 
 # The 7B first: it needs the most memory, so it runs in the cleanest allocator state.
 SECTIONS = ("olmo3_7b", "throughput", "checkpointing", "portability", "determinism")
@@ -294,7 +297,7 @@ def _olmo3_7b(dev: torch.device, quick: bool) -> dict[str, Any]:
     return r
 
 
-def _train(data: str, run_dir: Path, *overrides: str) -> tuple[dict[str, Any], dict[int, dict]]:
+def _train(data: str, run_dir: Path, *overrides: str) -> tuple[RunSummary, dict[int, dict]]:
     """A real `relaytrain train` run (inline engine, this process); its summary and steps."""
     from relaytrain.runtime.controller import Controller
 
@@ -345,12 +348,12 @@ def _portability(dev: torch.device, out_dir: Path) -> dict[str, Any]:
         summary, steps = _train(data, run, *common, f"train.device={dst}")
         diff = max(abs(steps[s]["loss"] - ref[dst][s]["loss"]) for s in range(4, 7))
         out[f"{src}_to_{dst}"] = {
-            "resumed_from": summary["resumed_from"],
+            "resumed_from": summary.resumed_from,
             "losses_after_resume": [steps[s]["loss"] for s in range(4, 7)],
             "max_abs_diff_vs_uninterrupted_on_target": diff,
             # Across devices the state resumed from differs by bf16 rounding, so the curve
             # must stay within the devices' own gap (on one device: bit-identical).
-            "continuous": summary["resumed_from"] == 3 and diff <= 2 * gap}
+            "continuous": summary.resumed_from == 3 and diff <= 2 * gap}
     return out
 
 

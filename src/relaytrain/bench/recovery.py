@@ -89,7 +89,7 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
                                 f"faults.kill_at={[s for s, k in plan if k == 'kill']}",
                                 f"faults.hang_at={[s for s, k in plan if k == 'hang']}",
                                 f"elastic.max_recoveries={len(plan)}"])
-        recs = summary["recoveries"]
+        recs = summary.recoveries
         if sharded:
             kill_at = [s for s, _ in fault_plan(2 if quick else 3, 0)]
             progress.report(f"{len(kill_at)} kills in a sharded run (dp 2 x fsdp 2)")
@@ -97,7 +97,7 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
                                 "parallel.dp=2", "parallel.fsdp=2",
                                 f"train.max_steps={kill_at[-1] + 10}", f"faults.kill_at={kill_at}",
                                 f"elastic.max_recoveries={len(kill_at)}"])
-            recs += [{**r, "cause": "died, sharded"} for r in run["recoveries"]]
+            recs += [{**r, "cause": "died, sharded"} for r in run.recoveries]
         if shrink:
             # The 4 workers fill the machine's CPUs, and the killed one's slot stays taken
             # until well after the replacement's deadline: no capacity to replace it.
@@ -108,11 +108,11 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
                                    f"faults.hold_capacity_s={held}", "elastic.spares=0",
                                    f"runtime.cpus_per_worker={(os.cpu_count() or 4) / 4:g}"])
             # only a recovery that did go on with fewer workers is a shrink's figure
-            recs += [{**r, "cause": "shrunk"} for r in shrunk["recoveries"] if r["dp"] < 4]
-            if not any(r["dp"] < 4 for r in shrunk["recoveries"]):
+            recs += [{**r, "cause": "shrunk"} for r in shrunk.recoveries if r["dp"] < 4]
+            if not any(r["dp"] < 4 for r in shrunk.recoveries):
                 progress.report("the shrink case found capacity for a replacement: no figure")
     out: dict[str, Any] = {"kills": kills, "hangs": hangs, "settings": used, "overrides": given,
-                           "recoveries": len(recs), "goodput": summary["goodput"],
+                           "recoveries": len(recs), "goodput": summary.goodput,
                            "targets_s": {"died": 1.0 if used["elastic.spares"] else 3.0,
                                          "hung": PING_TIMEOUT + 1.0,
                                          "died, sharded": 3.0,

@@ -57,13 +57,13 @@ saves for its backward in one forward (activations, parameters excluded).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import resource
 import shutil
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -75,7 +75,7 @@ from relaytrain.config import ModelSection, OptimSection, TrainSection
 from relaytrain.errors import UserError
 from relaytrain.model.accounting import flops_per_token, param_count
 from relaytrain.model.backend_choice import Choice
-from relaytrain.model.config import PRESETS
+from relaytrain.model.config import PRESETS, Olmo3Config
 from relaytrain.model.hf import ours_to_hf_name
 from relaytrain.model.init import init_weights
 from relaytrain.model.matmul import onednn_available
@@ -83,7 +83,7 @@ from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Attention, Olmo3
 from relaytrain.model.sliding_chunks import Window
 from relaytrain.parallel.reduce import GradReducer
-from relaytrain.train.auto_backends import choose_backends
+from relaytrain.train.auto_backends import choose_backends, settled
 from relaytrain.train.execution import compiles, prepare_model, retain_freed_memory
 from relaytrain.train.metrics import peak_flops
 from relaytrain.train.optim import AdamW, build_optimizer
@@ -93,6 +93,7 @@ DEFAULT_TOKENIZER_VOCAB = 8192  # the demo's BPE vocabulary, for presets sized b
 TARGET_RATIO = 1.25  # issue 4: ours at least this much faster on the CPU, `small` preset
 POOL = 4  # distinct batches, cycled
 PAGE = resource.getpagesize()
+OPTIM, TRAIN = OptimSection(), TrainSection()  # a run's defaults: AdamW, clip, z-loss
 
 
 def _hf_optimizer(hf: nn.Module, ours: nn.Module, ours_opt: AdamW) -> torch.optim.Optimizer:
@@ -128,6 +129,33 @@ def _load() -> list[float] | None:
         return None
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What one benchmark runs: the model, the device, each step's batch (`micro_batch`
+    sequences of `seq_len` tokens) and the schedule (`warmup` untimed steps per variant, then
+    `rounds` rounds of `steps` steps per variant)."""
+
+    cfg: Olmo3Config
+    preset: str
+    dev: torch.device
+    seq_len: int
+    micro_batch: int
+    warmup: int
+    rounds: int
+    steps: int
+    threads: int
+    seed: int
+    quick: bool  # no compiled-blocks variant on the CPU
+
+    @property
+    def cuda(self) -> bool:
+        return self.dev.type == "cuda"
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
 def bench_train_throughput(device: str = "cpu", quick: bool = False, preset: str = "small",
                            *, seq_len: int | None = None, micro_batch: int | None = None,
                            threads: int = 2, rounds: int | None = None,
@@ -149,6 +177,29 @@ def bench_train_throughput(device: str = "cpu", quick: bool = False, preset: str
     if preset not in PRESETS:
         raise UserError(f"bench train-throughput: unknown model preset {preset!r}; expected one "
                         f"of {sorted(PRESETS)}")
+    dev = _device(device)
+    cuda = dev.type == "cuda"
+    cfg = PRESETS[preset]
+    if cfg.vocab_size is None:
+        cfg = cfg.with_vocab(DEFAULT_TOKENIZER_VOCAB)
+    plan = _Plan(cfg, preset, dev, seq_len=seq_len or min(4096 if cuda else 256, cfg.max_seq_len),
+                 micro_batch=micro_batch or (4 if cuda else 8),
+                 warmup=1 if quick else (3 if cuda else 2),
+                 rounds=rounds or (2 if quick else (5 if cuda else 12)),
+                 steps=steps or (5 if cuda and not quick else 1), threads=threads, seed=seed,
+                 quick=quick)
+    progress.start("train-throughput", f"preset {preset}, {plan.rounds} rounds x {plan.steps} "
+                   f"step(s) per variant after {plan.warmup} warm-up step(s)")
+    prev_threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(threads)
+    try:
+        return _run(plan, hf_twin)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -157,230 +208,287 @@ def bench_train_throughput(device: str = "cpu", quick: bool = False, preset: str
         raise UserError(f"bench train-throughput: --device {device!r}; expected cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("bench train-throughput: --device cuda, but CUDA is not available")
-    cuda = dev.type == "cuda"
-    cfg = PRESETS[preset]
-    if cfg.vocab_size is None:
-        cfg = cfg.with_vocab(DEFAULT_TOKENIZER_VOCAB)
-    seq_len = seq_len or min(4096 if cuda else 256, cfg.max_seq_len)
-    micro_batch = micro_batch or (4 if cuda else 8)
-    warmup = 1 if quick else (3 if cuda else 2)
-    rounds = rounds or (2 if quick else (5 if cuda else 12))
-    steps = steps or (5 if cuda and not quick else 1)
-    tokens = micro_batch * seq_len
-    progress.start("train-throughput", f"preset {preset}, {rounds} rounds x {steps} step(s) per "
-                   f"variant after {warmup} warm-up step(s)")
-
-    prev_threads = torch.get_num_threads()
-    if not cuda:
-        torch.set_num_threads(threads)
-    try:
-        return _run(cfg, preset, dev, seq_len, micro_batch, tokens, warmup, rounds, steps,
-                    threads, seed, hf_twin, quick)
-    finally:
-        torch.set_num_threads(prev_threads)
+    return dev
 
 
-def _run(cfg: Any, preset: str, dev: torch.device, seq_len: int, micro_batch: int,
-         tokens: int, warmup: int, rounds: int, steps: int, threads: int, seed: int,
-         hf_twin: Callable[[nn.Module], nn.Module], quick: bool) -> dict[str, Any]:
-    cuda = dev.type == "cuda"
+def _run(plan: _Plan, hf_twin: Callable[[nn.Module], nn.Module]) -> dict[str, Any]:
+    """Build the variants, warm them up, time them in interleaved rounds, report."""
     retain_freed_memory()  # as a worker process does (process-wide: HF's step gets it too)
-    optim_cfg, train_cfg = OptimSection(), TrainSection()
     # What a run gets by default: auto compile, and the GEMMs, kernels and attention that
-    # `auto` measures (or finds in the cache) for this host and shape, as the controller does.
+    # `auto` measures (or finds in the cache) for this host and shape, as a run's controller
+    # chooses them (`train.auto_backends`).
     progress.report("model.matmul, kernels, attention auto: measuring (or reading the cache)")
-    choices = choose_backends(ModelSection(), cfg, dev, threads, micro_batch, seq_len)
+    choices = choose_backends(ModelSection(), plan.cfg, plan.dev, plan.threads,
+                              plan.micro_batch, plan.seq_len)
     for c in choices.values():
         progress.report(f"auto: {c.describe()}")
-    choice = choices["matmul"]
-    execution = ModelSection(**{k: c.backend for k, c in choices.items()})
+    execution = settled(ModelSection(), choices)
+    batches = _Batches.draw(plan)
+    ours, hf, variants = _variants(plan, execution, batches, hf_twin)
+    measured = _Measured.of(variants)
+    if not plan.cuda:  # memory: what each model saves for its backward, before any timing
+        measured.saved = _saved_activations(ours, hf, batches, _other_gemms(execution))
+    measured.warm_up(plan, variants)
+    measured.time_rounds(plan, variants)
+    return _report(plan, choices, execution, ours, measured)
 
-    gen = torch.Generator().manual_seed(seed)
-    n_tokens = cfg.tokenizer_vocab or cfg.vocab_size
-    batches = [torch.randint(0, n_tokens, (micro_batch, seq_len + 1), generator=gen)
-               for _ in range(POOL)]
-    batches = [b.to(dev) if cuda else b for b in batches]
-    labels = [b[:, 1:].contiguous() for b in batches]
 
-    def our_step_with(section: ModelSection) -> tuple[Olmo3, AdamW,
-                                                       Callable[[int], float]]:
-        """Our model (seed weights) executed per `section`, its optimizer and its step."""
-        model = Olmo3(cfg)
-        init_weights(model, seed)
-        model = prepare_model(model, section, dev)
-        model.train()
-        opt = build_optimizer(model, optim_cfg)
-        reducer = GradReducer(list(model.parameters()), None, exact=False,
-                              total_micro_batches=1)
+@dataclass(frozen=True)
+class _Batches:
+    """`POOL` batches of random tokens from the seeded generator (`micro_batch` sequences of
+    `seq_len` + 1 tokens) on the device, and their next-token labels, already shifted; step `i`
+    takes batch `i % POOL`."""
 
-        def step(i: int) -> float:
-            out = train_step(model, opt, reducer, [(0, batches[i % POOL])], 1,
-                             train_cfg.z_loss, train_cfg.clip, dev)
-            return out.losses[0][1]  # the cross-entropy (HF's loss has no z-loss)
-        return model, opt, step
+    tokens: list[torch.Tensor]
+    labels: list[torch.Tensor]
 
-    ours, ours_opt, ours_step = our_step_with(execution)
+    @staticmethod
+    def draw(plan: _Plan) -> _Batches:
+        gen = torch.Generator().manual_seed(plan.seed)
+        n_tokens = plan.cfg.tokenizer_vocab or plan.cfg.vocab_size
+        tokens = [torch.randint(0, n_tokens, (plan.micro_batch, plan.seq_len + 1), generator=gen)
+                  for _ in range(POOL)]
+        tokens = [b.to(plan.dev) if plan.cuda else b for b in tokens]
+        return _Batches(tokens, [b[:, 1:].contiguous() for b in tokens])
+
+
+def _variants(plan: _Plan, execution: ModelSection, batches: _Batches,
+              hf_twin: Callable[[nn.Module], nn.Module],
+              ) -> tuple[Olmo3, nn.Module, dict[str, Callable[[int], float]]]:
+    """Our model executed as a run's default and HF's twin of it (same weights), and every
+    variant's step: ours, HF's, and beside them what isolates each lever (see the module
+    docstring)."""
+    ours, ours_opt, ours_step = _our_step(plan, execution, batches)
     hf = hf_twin(ours)
-    hf.to(dev).train()
+    hf.to(plan.dev).train()
     hf_opt = _hf_optimizer(hf, ours, ours_opt)
-    ours_params, hf_params = list(ours.parameters()), list(hf.parameters())
-
-    def hf_step_with(model: nn.Module) -> Callable[[int], float]:
-        def step(i: int) -> float:
-            b = batches[i % POOL]
-            with autocast_for(dev):
-                out = model(input_ids=b[:, :-1], labels=labels[i % POOL],
-                            shift_labels=labels[i % POOL], use_cache=False)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(hf_params, train_cfg.clip, foreach=True)
-            hf_opt.step()
-            hf_opt.zero_grad(set_to_none=True)
-            return float(out.loss.detach())
-        return step
-
-    variants: dict[str, Callable[[int], float]] = {"ours": ours_step, "hf": hf_step_with(hf)}
-    other = "aten" if choice.backend == "onednn" else "onednn"
-    if not cuda and onednn_available():  # what the choice of GEMMs gives, apart from the rest
-        variants[f"ours_{other}"] = our_step_with(
-            dataclasses.replace(execution, matmul=other))[2]
+    hf_params = list(hf.parameters())
+    variants = {"ours": ours_step, "hf": _hf_step(hf, hf_params, hf_opt, batches, plan.dev)}
+    other = _other_gemms(execution)
+    if not plan.cuda and onednn_available():  # what the choice of GEMMs gives, apart from the rest
+        variants[f"ours_{other}"] = _our_step(plan, replace(execution, matmul=other), batches)[2]
     if ours.fused:  # what the fused elementwise kernels give, apart from the rest
-        variants["ours_torch_kernels"] = our_step_with(
-            dataclasses.replace(execution, kernels="torch"))[2]
-    if cuda:
-        variants["hf_compiled"] = hf_step_with(torch.compile(hf))
-    elif not (quick or compiles(execution.compile, dev)) and _cpp_compiler():
+        variants["ours_torch_kernels"] = _our_step(plan, replace(execution, kernels="torch"),
+                                                   batches)[2]
+    if plan.cuda:
+        variants["hf_compiled"] = _hf_step(torch.compile(hf), hf_params, hf_opt, batches,
+                                           plan.dev)
+    elif not (plan.quick or compiles(execution.compile, plan.dev)) and _cpp_compiler():
         # The lever left on the CPU, measured beside the default (its compile takes ~30 s).
-        variants["ours_compiled"] = our_step_with(
-            dataclasses.replace(execution, compile="blocks"))[2]
+        variants["ours_compiled"] = _our_step(plan, replace(execution, compile="blocks"),
+                                              batches)[2]
+    return ours, hf, variants
 
-    # Memory: what each model saves for its backward (CPU), before any timing.
-    saved = {}
-    if not cuda:
-        b0 = batches[0]
-        saved["ours"] = _saved_bytes(
-            lambda: ours(b0[:, :-1], labels=labels[0], z_loss=train_cfg.z_loss)[0], ours_params)
-        saved["hf"] = _saved_bytes(
-            lambda: hf(input_ids=b0[:, :-1], labels=labels[0], shift_labels=labels[0],
-                       use_cache=False).loss, hf_params)
-        saved["hf_compiled"] = saved[f"ours_{other}"] = saved["ours_torch_kernels"] = None
-        ours.zero_grad(set_to_none=True)
-        hf.zero_grad(set_to_none=True)
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(dev)
+def _other_gemms(execution: ModelSection) -> str:
+    """The GEMM backend `execution` does not run, measured beside it."""
+    return "aten" if execution.matmul == "onednn" else "onednn"
 
-    first_loss: dict[str, float] = {}
-    warmup_s: dict[str, float] = {}
-    progress.report(f"warm-up of {', '.join(variants)}")
-    for name, fn in variants.items():  # warm-up (and compilation); same first batch for all
-        t0 = time.perf_counter()
-        for i in range(warmup):
-            loss = fn(i)
-            first_loss.setdefault(name, loss)
-        sync()
-        warmup_s[name] = time.perf_counter() - t0
 
-    load_before = _load()
-    # The peak is measured between rounds too: a contended moment can only lower it, so the
-    # best of them is the machine's (on CUDA it is the spec sheet's figure).
-    peak_rate, peak_source = peak_flops(dev, threads)
-    step_s: dict[str, list[float]] = {k: [] for k in variants}
-    cpu_s: dict[str, list[float]] = {k: [] for k in variants}
-    faults: dict[str, list[int]] = {k: [] for k in variants}
-    peak: dict[str, int] = dict.fromkeys(variants, 0)
-    over: dict[str, int] = dict.fromkeys(variants, 0)
-    i = warmup
-    for r in range(rounds):
-        progress.report("timed rounds", r + 1, rounds)
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in order:
-            fn = variants[name]
-            if cuda:
-                resident = torch.cuda.memory_allocated(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-            fn(i)  # settles the allocator after the other variant (see the module docstring)
-            sync()
-            w0, c0, f0 = time.perf_counter(), time.process_time(), _minor_faults()
-            for k in range(steps):
-                fn(i + 1 + k)
-            sync()
-            step_s[name].append((time.perf_counter() - w0) / steps)
-            cpu_s[name].append((time.process_time() - c0) / steps)
-            faults[name].append((_minor_faults() - f0) // steps)
-            if cuda:
-                p = torch.cuda.max_memory_allocated(dev)
-                peak[name] = max(peak[name], p)
-                over[name] = max(over[name], p - resident)
-        i += steps + 1
-        if not cuda:
-            peak_rate = max(peak_rate, peak_flops(dev, threads)[0])
-    load_after = _load()
+def _our_step(plan: _Plan, section: ModelSection, batches: _Batches,
+              ) -> tuple[Olmo3, AdamW, Callable[[int], float]]:
+    """Our model (seed weights) executed per `section`, its optimizer and its step."""
+    dev = plan.dev
+    model = Olmo3(plan.cfg)
+    init_weights(model, plan.seed)
+    model = prepare_model(model, section, dev)
+    model.train()
+    opt = build_optimizer(model, OPTIM)
+    reducer = GradReducer(list(model.parameters()), None, exact=False, total_micro_batches=1)
 
-    fpt = flops_per_token(cfg, seq_len)
-    out: dict[str, Any] = {
-        "bench": "train-throughput", "device": str(dev), "preset": preset,
-        "settings": {
-            "d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
-            "head_dim": cfg.head_dim, "mlp_hidden": cfg.mlp_hidden,
-            "tokenizer_vocab": cfg.tokenizer_vocab, "vocab_size": cfg.vocab_size,
-            "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types),
-            "params": param_count(cfg), "seq_len": seq_len, "micro_batch": micro_batch,
-            "tokens_per_step": tokens, "threads": torch.get_num_threads() if not cuda else None,
-            "dtype": "bf16 autocast, fp32 master weights" if cuda else "float32",
-            "optimizer": {"name": "AdamW", "lr": optim_cfg.lr,
-                          "betas": list(optim_cfg.betas), "eps": optim_cfg.eps,
-                          "weight_decay": optim_cfg.weight_decay,
-                          "embeddings_decayed": optim_cfg.decay_embeddings,
-                          "impl": "fused"},
-            "clip": train_cfg.clip, "z_loss_ours": train_cfg.z_loss,
-            "ours_sliding_attention": _sliding_kind(ours, seq_len, dev)
-            if seq_len > cfg.sliding_window else "causal (seq_len <= window)",
-            "ours_compiled_blocks": compiles(execution.compile, dev),
-            "ours_matmul": ours.matmul,
-            "choices": {k: dataclasses.asdict(c) for k, c in choices.items()},
-            "ours_kernels": "fused" if ours.fused else "torch",
-            "hf_attn_implementation": "sdpa", "transformers": _transformers_version(),
-            "torch": torch.__version__, "warmup_steps": warmup, "rounds": rounds,
-            "steps_per_round": steps,
-        },
-        "flops_per_token": fpt, "peak_flops": peak_rate, "peak_source": peak_source,
-        "load_before": load_before, "load_after": load_after, "cpus": os.cpu_count(),
-    }
-    for name in variants:
-        med = statistics.median(step_s[name])
-        out[name] = {
+    def step(i: int) -> float:
+        out = train_step(model, opt, reducer, [(0, batches.tokens[i % POOL])], 1, TRAIN.z_loss,
+                         TRAIN.clip, dev)
+        return out.losses[0][1]  # the cross-entropy (HF's loss has no z-loss)
+    return model, opt, step
+
+
+def _hf_step(model: nn.Module, params: list[torch.Tensor], opt: torch.optim.Optimizer,
+             batches: _Batches, dev: torch.device) -> Callable[[int], float]:
+    """The loop a user writes around HF's `model` (`params` and `opt`: the uncompiled one's)."""
+    def step(i: int) -> float:
+        b, labels = batches.tokens[i % POOL], batches.labels[i % POOL]
+        with autocast_for(dev):
+            out = model(input_ids=b[:, :-1], labels=labels, shift_labels=labels, use_cache=False)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, TRAIN.clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(out.loss.detach())
+    return step
+
+
+def _saved_activations(ours: Olmo3, hf: nn.Module, batches: _Batches, other: str,
+                       ) -> dict[str, int | None]:
+    """The bytes each model saves for its backward in one forward of the first batch (none
+    for the variants that share a model's code)."""
+    b0, labels = batches.tokens[0], batches.labels[0]
+    saved: dict[str, int | None] = {
+        "ours": _saved_bytes(lambda: ours(b0[:, :-1], labels=labels, z_loss=TRAIN.z_loss)[0],
+                             list(ours.parameters())),
+        "hf": _saved_bytes(lambda: hf(input_ids=b0[:, :-1], labels=labels, shift_labels=labels,
+                                      use_cache=False).loss, list(hf.parameters()))}
+    saved["hf_compiled"] = saved[f"ours_{other}"] = saved["ours_torch_kernels"] = None
+    ours.zero_grad(set_to_none=True)
+    hf.zero_grad(set_to_none=True)
+    return saved
+
+
+@dataclass
+class _Measured:
+    """What the warm-up and the timed rounds measure per variant, the peak FLOP/s and the load
+    average (`saved`: the CPU's saved activations, `_saved_activations`)."""
+
+    step_s: dict[str, list[float]]  # each round's wall seconds per step
+    cpu_s: dict[str, list[float]]  # each round's CPU seconds per step (all threads)
+    faults: dict[str, list[int]]  # each round's minor page faults per step
+    peak: dict[str, int]  # CUDA: the allocator's peak during the variant's steps
+    over: dict[str, int]  # CUDA: that peak above what was resident when its step began
+    first_loss: dict[str, float] = field(default_factory=dict)
+    warmup_s: dict[str, float] = field(default_factory=dict)
+    saved: dict[str, int | None] = field(default_factory=dict)
+    peak_rate: float = 0.0
+    peak_source: str = ""
+    load_before: list[float] | None = None
+    load_after: list[float] | None = None
+
+    @classmethod
+    def of(cls, variants: dict[str, Callable[[int], float]]) -> _Measured:
+        return cls({k: [] for k in variants}, {k: [] for k in variants},
+                   {k: [] for k in variants}, dict.fromkeys(variants, 0),
+                   dict.fromkeys(variants, 0))
+
+    def warm_up(self, plan: _Plan, variants: dict[str, Callable[[int], float]]) -> None:
+        """`plan.warmup` steps of each variant (and its compilation), all from the same first
+        batch: their first losses and seconds."""
+        progress.report(f"warm-up of {', '.join(variants)}")
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            for i in range(plan.warmup):
+                loss = fn(i)
+                self.first_loss.setdefault(name, loss)
+            _sync(plan.dev)
+            self.warmup_s[name] = time.perf_counter() - t0
+
+    def time_rounds(self, plan: _Plan, variants: dict[str, Callable[[int], float]]) -> None:
+        """`plan.rounds` rounds, each a turn of every variant in an order that alternates."""
+        self.load_before = _load()
+        # The peak is measured between rounds too: a contended moment can only lower it, so
+        # the best of them is the machine's (on CUDA it is the spec sheet's figure).
+        self.peak_rate, self.peak_source = peak_flops(plan.dev, plan.threads)
+        i = plan.warmup
+        for r in range(plan.rounds):
+            progress.report("timed rounds", r + 1, plan.rounds)
+            for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
+                self._turn(plan, name, variants[name], i)
+            i += plan.steps + 1
+            if not plan.cuda:
+                self.peak_rate = max(self.peak_rate, peak_flops(plan.dev, plan.threads)[0])
+        self.load_after = _load()
+
+    def _turn(self, plan: _Plan, name: str, fn: Callable[[int], float], i: int) -> None:
+        """One variant's turn in a round: one untimed step from batch `i`, then `plan.steps`
+        timed ones."""
+        dev = plan.dev
+        if plan.cuda:
+            resident = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        fn(i)  # settles the allocator after the other variant (see the module docstring)
+        _sync(dev)
+        w0, c0, f0 = time.perf_counter(), time.process_time(), _minor_faults()
+        for k in range(plan.steps):
+            fn(i + 1 + k)
+        _sync(dev)
+        self.step_s[name].append((time.perf_counter() - w0) / plan.steps)
+        self.cpu_s[name].append((time.process_time() - c0) / plan.steps)
+        self.faults[name].append((_minor_faults() - f0) // plan.steps)
+        if plan.cuda:
+            p = torch.cuda.max_memory_allocated(dev)
+            self.peak[name] = max(self.peak[name], p)
+            self.over[name] = max(self.over[name], p - resident)
+
+    def figures(self, name: str, plan: _Plan, flops_per_token: float) -> dict[str, Any]:
+        """`name`'s report: medians over rounds, the best round, MFU, memory, first loss."""
+        tokens, med = plan.tokens, statistics.median(self.step_s[name])
+        return {
             "tokens_per_s": tokens / med, "step_s": med,
-            "tokens_per_s_best": tokens / min(step_s[name]),
-            "step_s_all": [round(x, 4) for x in step_s[name]],
-            "cpu_s_per_step": statistics.median(cpu_s[name]),
-            "faulted_bytes_per_step": int(statistics.median(faults[name])) * PAGE,
-            "mfu": fpt * tokens / med / peak_rate if peak_rate else None,
-            "peak_memory_bytes": peak[name] if cuda else None,
-            "step_memory_bytes": over[name] if cuda else None,
-            "saved_activation_bytes": saved.get(name),
-            "first_loss": first_loss[name],
-            "warmup_s": warmup_s[name],
+            "tokens_per_s_best": tokens / min(self.step_s[name]),
+            "step_s_all": [round(x, 4) for x in self.step_s[name]],
+            "cpu_s_per_step": statistics.median(self.cpu_s[name]),
+            "faulted_bytes_per_step": int(statistics.median(self.faults[name])) * PAGE,
+            "mfu": flops_per_token * tokens / med / self.peak_rate if self.peak_rate else None,
+            "peak_memory_bytes": self.peak[name] if plan.cuda else None,
+            "step_memory_bytes": self.over[name] if plan.cuda else None,
+            "saved_activation_bytes": self.saved.get(name),
+            "first_loss": self.first_loss[name],
+            "warmup_s": self.warmup_s[name],
         }
-    def paired(faster: str, baseline: str) -> list[float]:
-        """Per round, how many times `faster`'s step time fits in `baseline`'s."""
-        return [b / f for f, b in zip(step_s[faster], step_s[baseline], strict=True)]
 
-    out["ratio"] = statistics.median(paired("ours", "hf"))
-    out["ratio_rounds"] = [round(x, 4) for x in paired("ours", "hf")]
+    def paired(self, faster: str, baseline: str) -> list[float]:
+        """Per round, how many times `faster`'s step time fits in `baseline`'s."""
+        return [b / f for f, b in zip(self.step_s[faster], self.step_s[baseline], strict=True)]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _report(plan: _Plan, choices: dict[str, Choice], execution: ModelSection, ours: Olmo3,
+            m: _Measured) -> dict[str, Any]:
+    """The benchmark's JSON: settings, peak and load, each variant's figures, the ratios."""
+    fpt = flops_per_token(plan.cfg, plan.seq_len)
+    out: dict[str, Any] = {
+        "bench": "train-throughput", "device": str(plan.dev), "preset": plan.preset,
+        "settings": _settings(plan, choices, execution, ours),
+        "flops_per_token": fpt, "peak_flops": m.peak_rate, "peak_source": m.peak_source,
+        "load_before": m.load_before, "load_after": m.load_after, "cpus": os.cpu_count(),
+    }
+    for name in m.step_s:
+        out[name] = m.figures(name, plan, fpt)
+    out["ratio"] = statistics.median(m.paired("ours", "hf"))
+    out["ratio_rounds"] = [round(x, 4) for x in m.paired("ours", "hf")]
     out["ratio_of_medians"] = out["ours"]["tokens_per_s"] / out["hf"]["tokens_per_s"]
     out["ratio_best"] = out["ours"]["tokens_per_s_best"] / out["hf"]["tokens_per_s_best"]
     out["cpu_ratio"] = out["hf"]["cpu_s_per_step"] / out["ours"]["cpu_s_per_step"]
-    if cuda:
-        out["ratio_vs_compiled"] = statistics.median(paired("ours", "hf_compiled"))
-    if f"ours_{other}" in variants:
-        out[f"ratio_{other}"] = statistics.median(paired(f"ours_{other}", "hf"))
-    if "ours_torch_kernels" in variants:
-        out["ratio_torch_kernels"] = statistics.median(paired("ours_torch_kernels", "hf"))
-    if "ours_compiled" in variants:
-        out["ratio_compiled"] = statistics.median(paired("ours_compiled", "hf"))
-    out["target_ratio"] = TARGET_RATIO if (preset == "small" and not cuda) else None
+    other = _other_gemms(execution)
+    for key, faster, baseline in (("ratio_vs_compiled", "ours", "hf_compiled"),
+                                  (f"ratio_{other}", f"ours_{other}", "hf"),
+                                  ("ratio_torch_kernels", "ours_torch_kernels", "hf"),
+                                  ("ratio_compiled", "ours_compiled", "hf")):
+        if faster in m.step_s and baseline in m.step_s:
+            out[key] = statistics.median(m.paired(faster, baseline))
+    out["target_ratio"] = TARGET_RATIO if (plan.preset == "small" and not plan.cuda) else None
     return out
+
+
+def _settings(plan: _Plan, choices: dict[str, Choice], execution: ModelSection,
+              ours: Olmo3) -> dict[str, Any]:
+    """What was measured: the model, the batch, the optimizer, how ours executed."""
+    cfg, seq_len, dev = plan.cfg, plan.seq_len, plan.dev
+    return {
+        "d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+        "head_dim": cfg.head_dim, "mlp_hidden": cfg.mlp_hidden,
+        "tokenizer_vocab": cfg.tokenizer_vocab, "vocab_size": cfg.vocab_size,
+        "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types),
+        "params": param_count(cfg), "seq_len": seq_len, "micro_batch": plan.micro_batch,
+        "tokens_per_step": plan.tokens,
+        "threads": torch.get_num_threads() if not plan.cuda else None,
+        "dtype": "bf16 autocast, fp32 master weights" if plan.cuda else "float32",
+        "optimizer": {"name": "AdamW", "lr": OPTIM.lr, "betas": list(OPTIM.betas),
+                      "eps": OPTIM.eps, "weight_decay": OPTIM.weight_decay,
+                      "embeddings_decayed": OPTIM.decay_embeddings, "impl": "fused"},
+        "clip": TRAIN.clip, "z_loss_ours": TRAIN.z_loss,
+        "ours_sliding_attention": _sliding_kind(ours, seq_len, dev)
+        if seq_len > cfg.sliding_window else "causal (seq_len <= window)",
+        "ours_compiled_blocks": compiles(execution.compile, dev),
+        "ours_matmul": ours.matmul,
+        "choices": {k: asdict(c) for k, c in choices.items()},
+        "ours_kernels": "fused" if ours.fused else "torch",
+        "hf_attn_implementation": "sdpa", "transformers": _transformers_version(),
+        "torch": torch.__version__, "warmup_steps": plan.warmup, "rounds": plan.rounds,
+        "steps_per_round": plan.steps,
+    }
 
 
 def _sliding_kind(model: Olmo3, seq_len: int, dev: torch.device) -> str:

@@ -30,11 +30,11 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"relaytrain: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(summary.to_dict()))
     else:
-        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-              f"held-out loss {summary['final_heldout_loss']:.4f}")
-        print(f"  metrics:     {summary['metrics']}")
-        print(f"  checkpoints: {summary['checkpoints']} (step {summary['checkpoint_step']})")
+        print(f"done: {summary.steps} steps, final loss {summary.final_loss:.4f}, "
+              f"held-out loss {summary.final_heldout_loss:.4f}")
+        print(f"  metrics:     {summary.metrics}")
+        print(f"  checkpoints: {summary.checkpoints} (step {summary.checkpoint_step})")
         print(f"  plot:        relaytrain plot {cfg.run_dir}")
     return 0

@@ -1,5 +1,8 @@
-"""What `auto` means for the settings chosen for speed (`model.matmul`, `model.kernels`,
-`model.attention`) on this host: measured, not guessed.
+"""How `auto` is decided for the settings chosen for speed (`model.matmul`, `model.kernels`,
+`model.attention`) on this host: measured, not guessed. The machinery below the choice's entry
+point (`train.auto_backends.choose_backends`): the contest's alternating timed rounds, the
+per-host cache, keep-on-resume; and the GEMMs' contest, here because the model resolves
+`matmul: auto` itself when used outside a run (`Olmo3.configure`).
 
 Why: which of two backends is faster depends on the processor, not on its architecture: on an
 AMD EPYC with AVX-512, MKL runs AVX2 kernels and oneDNN's GEMMs were 2x faster; on an Intel
@@ -26,9 +29,6 @@ because the load differed when each started (on an AMD EPYC whose oneDNN product
 as fast when it is quiet, a loaded measurement chose aten, and a run resumed under another
 measurement left the uninterrupted run's bits). A resumed run keeps what its checkpoint
 records for a host of the same key (`keep_on_resume`).
-
-One process decides for a whole run (the controller) and passes the concrete backends to
-every worker, so all workers use the same ones even where a first measurement would race.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ and the step reporter (runtime/reporter.py). Workers only compute.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 import time
@@ -23,7 +22,6 @@ from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
 from relaytrain.errors import ConfigError, UserError, warn
 from relaytrain.model.accounting import flops_per_token
-from relaytrain.model.backend_choice import Choice
 from relaytrain.parallel.pipeline.schedules import asynchronous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
@@ -31,7 +29,8 @@ from relaytrain.runtime.failures import WorkerFailure
 from relaytrain.runtime.faults import FaultInjector, end_storage_outage, plan_faults
 from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped
-from relaytrain.train.auto_backends import choose_backends
+from relaytrain.runtime.summary import RunSummary
+from relaytrain.train.auto_backends import settle_backends
 from relaytrain.train.execution import pick_device
 from relaytrain.train.metrics import peak_flops
 
@@ -59,12 +58,16 @@ class Controller:
         self.dataset = TokenDataset.open(cfg.data.path)
         check_order(self.dataset, cfg.data.order)
         self.model_cfg = cfg.model_config(self.dataset.vocab_size)
-        # Decided once here and passed down (and recorded in config.yaml): every worker of the
-        # run uses the same GEMMs, kernels and attention, which per-worker measurements would
-        # not guarantee; the fused kernels are built (once per host) here, before any worker.
-        self.cfg, self._settings = cfg, cfg.model  # the settings as given, `auto` included
-        self.backends = self._choose_backends(None)
-        self.cfg = cfg = self._with_backends(cfg)
+        self.store = CheckpointStore(cfg.checkpoint_url, keep_last=cfg.checkpoint.keep_last)
+        self.catalogue = CheckpointCatalogue(self.store, self._manifest_meta,
+                                             on_failed_write=lambda step: self.faults.unblock(step))
+        resume = self._resume_manifest(cfg)
+        self.start = 0 if resume is None else int(resume["step"])
+        # The run's config is settled once, here, before anything reads it: `auto` replaced by
+        # the backends chosen for the run (those the checkpoint recorded, where its host chose
+        # them), which every worker runs; the fused kernels are built (once per host) here.
+        cfg, self.backends = settle_backends(cfg, self.model_cfg, resume)
+        self.cfg = cfg
         n_train = self.dataset.split("train").num_instances(cfg.seq_len)
         if n_train < cfg.train.global_batch:
             raise UserError(f"data.path {cfg.data.path!r} has {n_train} training instances of "
@@ -73,22 +76,19 @@ class Controller:
         self.n_train = n_train
         self.eval_ids = eval_ids(open_eval_sets(self.dataset, cfg.eval.sets), cfg.seq_len,
                                  cfg.eval.instances) if cfg.eval.every > 0 else {}
-        self.store = CheckpointStore(cfg.checkpoint_url, keep_last=cfg.checkpoint.keep_last)
         self.faults = FaultInjector(plan_faults(cfg.faults, cfg.seed, cfg.train.max_steps,
                                                 cfg.world_size), cfg.faults.slow_seconds)
-        self.catalogue = CheckpointCatalogue(self.store, self._manifest_meta,
-                                             on_failed_write=self.faults.unblock)
         self.reporter = StepReporter(cfg, self.dataset.fingerprint, n_train, quiet,
                                      last_checkpoint=lambda: self.catalogue.last_committed)
         self.engine: Engine | None = None  # started by run()
         self.recovery: Recovery | None = None  # needs the engine
 
     # ---- the loop --------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunSummary:
         """Train to train.max_steps, recovering from worker failures; the run's summary."""
         t_run = time.perf_counter()
-        start = self._prepare_run_dir()
-        cfg = self.cfg  # its backend as resumed
+        cfg, start = self.cfg, self.start
+        self._prepare_run_dir()
         self.reporter.open(start, cfg.data_parallel)
         self.engine = make_engine(cfg)
         try:
@@ -165,47 +165,49 @@ class Controller:
         return max(1, end - step)
 
     def _summary(self, start: int, setup_s: float, peak: float, peak_src: str,
-                 wall: float) -> dict[str, Any]:
+                 wall: float) -> RunSummary:
         cfg, recovery, reporter = self.cfg, self.recovery, self.reporter
-        return {"run_dir": cfg.run_dir, "steps": cfg.train.max_steps, "resumed_from": start,
-                "final_loss": reporter.last.get("loss"), "final_heldout_loss": reporter.heldout,
-                "checkpoint_step": self.catalogue.last_committed, "setup_s": setup_s,
-                "peak_flops": peak, "peak_source": peak_src,
-                **{k: dataclasses.asdict(c) for k, c in self.backends.items()},
-                "recoveries": recovery.log,
-                "goodput": reporter.productive_s / wall, "wall_s": wall, "dp": recovery.dp,
-                "generation": recovery.generation,
-                "pids": {w: self.engine.pid(w) for w in recovery.members},
-                "initial_pids": recovery.initial_pids,
-                "metrics": os.path.join(cfg.run_dir, "metrics.jsonl"),
-                "checkpoints": self.store.url}
+        return RunSummary(
+            run_dir=cfg.run_dir, steps=cfg.train.max_steps, resumed_from=start,
+            final_loss=reporter.last.get("loss"), final_heldout_loss=reporter.heldout,
+            checkpoint_step=self.catalogue.last_committed, setup_s=setup_s, peak_flops=peak,
+            peak_source=peak_src, **self.backends, recoveries=recovery.log,
+            goodput=reporter.productive_s / wall, wall_s=wall, dp=recovery.dp,
+            generation=recovery.generation,
+            pids={w: self.engine.pid(w) for w in recovery.members},
+            initial_pids=recovery.initial_pids,
+            metrics=os.path.join(cfg.run_dir, "metrics.jsonl"), checkpoints=self.store.url)
 
     # ---- run directory ---------------------------------------------------------------------
-    def _prepare_run_dir(self) -> int:
-        """Create or reopen the run directory; the step to resume from (0: a fresh run)."""
-        os.makedirs(self.cfg.run_dir, exist_ok=True)
+    def _resume_manifest(self, cfg: RunConfig) -> dict[str, Any] | None:
+        """The manifest of the checkpoint the run resumes from (None: a fresh run), read before
+        the run's config is settled (it records the backends the run chose); refused where
+        `cfg` may not continue it."""
         if storage.scheme(self.store.url) == "file" and end_storage_outage(self.store.url):
             warn(f"{self.store.url} was left unavailable by an injected storage outage of a "
                  "run that was killed; restored it")
-        start = 0
-        manifest = self.catalogue.newest_good_manifest(self.cfg.checkpoint.start_over)
-        if manifest is not None:
-            if manifest.get("config"):
-                check_resume_compatible(manifest["config"], self.cfg)
-            fp = manifest.get("data", {}).get("fingerprint")
-            if fp and fp != self.dataset.fingerprint:
-                raise UserError(f"data.path {self.cfg.data.path!r} is not the data this run was "
-                                f"trained on (fingerprint {self.dataset.fingerprint[:12]} != "
-                                f"{fp[:12]}); point data.path at the original prepared data")
-            self._resume_backends(manifest)
-            start = int(manifest["step"])
-            if start >= self.cfg.train.max_steps:
-                raise UserError(f"run_dir {self.cfg.run_dir!r} already reached step {start}; "
-                                f"raise train.max_steps above {start} to continue")
-        self.catalogue.last_committed = start
+        manifest = self.catalogue.newest_good_manifest(cfg.checkpoint.start_over)
+        if manifest is None:
+            return None
+        if manifest.get("config"):
+            check_resume_compatible(manifest["config"], cfg)
+        fp = manifest.get("data", {}).get("fingerprint")
+        if fp and fp != self.dataset.fingerprint:
+            raise UserError(f"data.path {cfg.data.path!r} is not the data this run was "
+                            f"trained on (fingerprint {self.dataset.fingerprint[:12]} != "
+                            f"{fp[:12]}); point data.path at the original prepared data")
+        start = int(manifest["step"])
+        if start >= cfg.train.max_steps:
+            raise UserError(f"run_dir {cfg.run_dir!r} already reached step {start}; "
+                            f"raise train.max_steps above {start} to continue")
+        return manifest
+
+    def _prepare_run_dir(self) -> None:
+        """Create or reopen the run directory, with the run's settled config."""
+        os.makedirs(self.cfg.run_dir, exist_ok=True)
+        self.catalogue.last_committed = self.start
         with open(os.path.join(self.cfg.run_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(self.cfg.to_dict(), f, sort_keys=False)
-        return start
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _save(self, step: int) -> float:
@@ -236,26 +238,6 @@ class Controller:
             self.catalogue.finish(reports, wait)
         else:
             self.catalogue.record(reports)
-
-    def _choose_backends(self, recorded: dict | None) -> dict[str, Choice]:
-        cfg = self.cfg
-        try:
-            return choose_backends(self._settings, self.model_cfg, pick_device(cfg.train.device),
-                                   cfg.runtime.threads_per_worker, cfg.train.micro_batch,
-                                   cfg.seq_len, recorded=recorded)
-        except ValueError as e:
-            setting = str(e).partition("=")[0]
-            raise ConfigError(f"config key 'model.{setting}': {e}") from None
-
-    def _resume_backends(self, manifest: dict) -> None:
-        """The backends the checkpoint's run chose, where `auto` chose them on this host
-        (`backend_choice.keep_on_resume`), for this run and its config.yaml."""
-        self.backends = self._choose_backends(manifest)
-        self.cfg = self._with_backends(self.cfg)
-
-    def _with_backends(self, cfg: RunConfig) -> RunConfig:
-        return dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, **{k: c.backend for k, c in self.backends.items()}))
 
     def _manifest_meta(self, step: int) -> dict[str, Any]:
         return {"model": self.model_cfg.to_dict(), "config": self.cfg.to_dict(),

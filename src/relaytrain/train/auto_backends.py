@@ -1,29 +1,37 @@
-"""`auto` for every setting chosen for speed, resolved once for a run: the GEMMs
-(`model.matmul`), the elementwise kernels (`model.kernels`) and the sliding layers' attention
-(`model.attention`), each measured on this host where it is a choice (`model.backend_choice`).
+"""The backends a run uses for the settings chosen for speed: the GEMMs (`model.matmul`), the
+elementwise kernels (`model.kernels`) and the sliding layers' attention (`model.attention`),
+`auto` measured on this host. One entry point, `choose_backends` (the settings, the model,
+the device and what the contests need in; the chosen backends out), used by the controller
+through `settle_backends` and by the benchmarks; read top to bottom: the GEMMs, then the
+kernels, then the attention, each contest run with the backends chosen before it.
 
-Why measured on the model's blocks at the run's micro-batch: the fused CPU kernels make one
-pass over memory where torch's ops make several, and the chunked sliding attention computes
-only each query's window where the dense mask computes every pair; what that saves against
-what the kernels themselves cost depends on the processor, its caches and the shapes. The
-kernels are timed on a stage of the model (its layers up to its first full one, as many
-sliding layers to a full one as the model has, and the LM head with its softmax: forward and
-backward), the attention on one sliding layer, each
-with the backends already chosen before it (GEMMs, then kernels, then attention). Compiled
-blocks and GPUs are not measured: compiled code fuses the elementwise work itself and traces
-the dense mask, and on a GPU only torch's ops and FlexAttention apply.
+`model.backend_choice` holds the machinery below it: the per-host cache, the alternating timed
+rounds, keep-on-resume, and the GEMMs' contest itself (the model resolves `matmul: auto` on its
+own when used directly, outside a run).
+
+Why the kernels and attention are measured on the model's blocks at the run's micro-batch: the
+fused CPU kernels make one pass over memory where torch's ops make several, and the chunked
+sliding attention computes only each query's window where the dense mask computes every pair;
+what that saves against what the kernels themselves cost depends on the processor, its caches
+and the shapes. The kernels are timed on a stage of the model (its layers up to its first
+full one, as many sliding layers to a full one as the model has, and the LM head with its
+softmax: forward and backward), the attention on one sliding layer. Compiled blocks and GPUs
+are not measured: compiled code fuses the elementwise work itself and traces the dense mask,
+and on a GPU only torch's ops and FlexAttention apply.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from relaytrain.config import ModelSection
+from relaytrain.config import ModelSection, RunConfig
+from relaytrain.errors import ConfigError
 from relaytrain.model import backend_choice, cpu_kernels
 from relaytrain.model.backend_choice import (
     Choice,
@@ -35,9 +43,27 @@ from relaytrain.model.backend_choice import (
 from relaytrain.model.config import FULL, SLIDING, Olmo3Config
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
-from relaytrain.train.execution import compiles, freed_memory_retained
+from relaytrain.train.execution import compiles, freed_memory_retained, pick_device
 
 MAX_TOKENS = 4096  # tokens per timed forward: the run's micro-batch, fewer sequences past this
+
+
+def settle_backends(cfg: RunConfig, model_cfg: Olmo3Config,
+                    recorded: Mapping[str, Any] | None = None,
+                    ) -> tuple[RunConfig, dict[str, Choice]]:
+    """A run's config with its backends settled, and the choices: `choose_backends` for the
+    run's device, threads per worker, micro-batch and sequence length, where `recorded` is the
+    manifest of the checkpoint it resumes from. Decided once, by the controller, so every worker
+    runs the same backends (which per-worker measurements would not guarantee) and config.yaml
+    records them; ConfigError naming the key of a setting that cannot run here."""
+    try:
+        chosen = choose_backends(cfg.model, model_cfg, pick_device(cfg.train.device),
+                                 cfg.runtime.threads_per_worker, cfg.train.micro_batch,
+                                 cfg.seq_len, recorded=recorded)
+    except ValueError as e:
+        setting = str(e).partition("=")[0]
+        raise ConfigError(f"config key 'model.{setting}': {e}") from None
+    return replace(cfg, model=settled(cfg.model, chosen)), chosen
 
 
 def choose_backends(section: ModelSection, cfg: Olmo3Config, device: torch.device,
@@ -53,51 +79,70 @@ def choose_backends(section: ModelSection, cfg: Olmo3Config, device: torch.devic
         return keep_on_resume(choice, (recorded or {}).get(choice.setting))
 
     matmul = kept(choose_matmul(section.matmul, cfg, device, threads, key=key, cache=cache))
-    compiled = compiles(section.compile, device)
-    shape = (max(1, min(micro_batch, MAX_TOKENS // seq_len)), seq_len)
-    host = key or backend_choice.host_key(threads)
-    where = f"{host} | matmul {matmul.backend} | {_dims(cfg)} | {shape}"
-    kernels = kept(_kernels(section.kernels, cfg, device, threads, shape, matmul.backend,
-                            compiled, where, cache))
-    attention = kept(_attention(section.attention, cfg, device, threads, shape, matmul.backend,
-                                kernels.backend, compiled, f"{where} | kernels {kernels.backend}",
-                                cache))
+    blocks = _Blocks(cfg, device, threads, (max(1, min(micro_batch, MAX_TOKENS // seq_len)),
+                                            seq_len), compiles(section.compile, device), cache)
+    where = (f"{key or backend_choice.host_key(threads)} | matmul {matmul.backend} | "
+             f"{_dims(cfg)} | {blocks.shape}")
+    kernels = kept(_kernels(section.kernels, blocks, matmul.backend, where))
+    attention = kept(_attention(section.attention, blocks, matmul.backend, kernels.backend,
+                                f"{where} | kernels {kernels.backend}"))
     return {"matmul": matmul, "kernels": kernels, "attention": attention}
 
 
-def _kernels(setting: str, cfg: Olmo3Config, device: torch.device, threads: int,
-             shape: tuple[int, int], matmul: str, compiled: bool, key: str,
-             cache: Path | None) -> Choice:
-    fused = cpu_kernels.resolve(setting, device)  # checks the setting; warns where unbuilt
+def settled(section: ModelSection, chosen: Mapping[str, Choice]) -> ModelSection:
+    """`section` with the chosen backends in place of its settings (`auto` among them)."""
+    return replace(section, **{k: c.backend for k, c in chosen.items()})
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """Where the kernels and attention contests run: the model's blocks on `device` at
+    `threads` torch threads, micro-batches of `shape`, compiled or not, cached in `cache`."""
+
+    cfg: Olmo3Config
+    device: torch.device
+    threads: int
+    shape: tuple[int, int]
+    compiled: bool
+    cache: Path | None
+
+    def contest(self, setting: str, key: str, sliding_only: bool,
+                candidates: dict[str, tuple[str, str, str]]) -> Choice:
+        """`auto` for `setting`, the cache's answer for `key` or measured: one forward and
+        backward of a stage of the model (`_stage`) per round under each candidate's
+        (matmul, kernels, attention), in alternating rounds."""
+        stage = _stage(self.cfg, sliding_only)
+        return decide(setting, key, lambda: _measure(
+            {name: _timed_round(stage, self.shape, *backends)
+             for name, backends in candidates.items()}, self.threads), self.cache)
+
+
+def _kernels(setting: str, blocks: _Blocks, matmul: str, key: str) -> Choice:
+    fused = cpu_kernels.resolve(setting, blocks.device)  # checks the setting; warns if unbuilt
     if setting != "auto":
         return Choice("kernels", setting, "setting")
-    if device.type != "cpu":
+    if blocks.device.type != "cpu":
         return Choice("kernels", "torch", "device")
     if not fused:
         return Choice("kernels", "torch", "fused kernels not built here")
-    if compiled:  # compiled blocks run their own code; the fused softmax stays the head's
+    if blocks.compiled:  # compiled blocks run their own code; the fused softmax stays the head's
         return Choice("kernels", "fused", "compiled blocks")
-    stage = _stage(cfg, sliding_only=False)
-    return decide("kernels", key, lambda: _measure(
-        {k: _timed_round(stage, shape, matmul, k, "chunks") for k in ("torch", "fused")},
-        threads), cache)
+    return blocks.contest("kernels", key, sliding_only=False, candidates={
+        k: (matmul, k, "chunks") for k in ("torch", "fused")})
 
 
-def _attention(setting: str, cfg: Olmo3Config, device: torch.device, threads: int,
-               shape: tuple[int, int], matmul: str, kernels: str, compiled: bool, key: str,
-               cache: Path | None) -> Choice:
+def _attention(setting: str, blocks: _Blocks, matmul: str, kernels: str, key: str) -> Choice:
+    cfg = blocks.cfg
     if setting != "auto":
         return Choice("attention", setting, "setting")
-    if device.type == "cuda":
+    if blocks.device.type == "cuda":
         return Choice("attention", "flex", "device")
-    if compiled:
+    if blocks.compiled:
         return Choice("attention", "sdpa", "compiled blocks")
-    if SLIDING not in cfg.layer_types or shape[1] <= cfg.sliding_window:
+    if SLIDING not in cfg.layer_types or blocks.shape[1] <= cfg.sliding_window:
         return Choice("attention", "sdpa", "no sliding window at this sequence length")
-    stage = _stage(cfg, sliding_only=True)
-    return decide("attention", key, lambda: _measure(
-        {a: _timed_round(stage, shape, matmul, kernels, a) for a in ("sdpa", "chunks")},
-        threads), cache)
+    return blocks.contest("attention", key, sliding_only=True, candidates={
+        a: (matmul, kernels, a) for a in ("sdpa", "chunks")})
 
 
 def _measure(rounds: dict[str, Callable[[], float]], threads: int

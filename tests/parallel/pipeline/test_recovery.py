@@ -11,6 +11,7 @@ import json
 import pytest
 
 from relaytrain.runtime.controller import Controller
+from relaytrain.runtime.summary import RunSummary
 from tests.runtime.conftest import (
     assert_bit_identical,
     assert_only_failed_ranks_replaced,
@@ -28,7 +29,7 @@ COMMON = ("runtime.engine=ray", "parallel.pp=2", f"parallel.span={CUT}", "train.
           "runtime.collective_timeout=120", "elastic.replace_timeout=30")
 
 
-def _run(run_dir, data, schedule: str, dp: int, *extra: str) -> dict:
+def _run(run_dir, data, schedule: str, dp: int, *extra: str) -> RunSummary:
     return Controller(tiny_config(run_dir, data, *COMMON, f"parallel.schedule={schedule}",
                                   f"parallel.dp={dp}", *extra)).run()
 
@@ -65,7 +66,7 @@ def test_a_killed_stage_worker_is_replaced_and_the_run_is_bit_identical(
     assert_bit_identical(faulty, clean, range(1, 10))
     # Every other stage worker is the process it was (PID and start time, as it reported).
     gens = assert_only_failed_ranks_replaced(faulty)
-    assert len(gens) == 2 and len(gens[1]["workers"]) == 2 * dp and summary["generation"] == 1
+    assert len(gens) == 2 and len(gens[1]["workers"]) == 2 * dp and summary.generation == 1
     b = step_records(faulty)
     stale = [max(b[s]["pipeline"]["0"]["staleness"]) for s in b]
     # the recovered span was asynchronous indeed (or not)
