@@ -3,7 +3,7 @@
 #
 # Two test processes: one leaves a core idle about a third of the time (Ray runs wait on
 # workers starting, storage tests on their servers), two finish in about two thirds of the time
-# (measured on this project's 2-core host; README "Measured"). Each takes whole files, so a
+# (measured on this project's 2-core host; docs/MEASURED.md). Each takes whole files, so a
 # module's fixtures (a Ray cluster, a reference run) are made once. Tests whose deadline is
 # close to their own work (marker `alone`) then run by themselves, so another test's load never
 # eats into it.

@@ -93,7 +93,7 @@ def test_fast_mode_agrees_within_float_noise(tmp_path, corpus_data, ray_cluster)
     _run(two, corpus_data, 2, "train.max_steps=6")
     a, b = step_records(one), step_records(two)
     diff = max(abs(a[s]["loss"] - b[s]["loss"]) for s in a)
-    assert diff < 1e-5  # float32 summation order only: far below this (README "Measured")
+    assert diff < 1e-5  # float32 summation order only: far below this (docs/MEASURED.md)
 
 
 def test_resume_at_another_dp_size_continues_the_same_batches(tmp_path, corpus_data,

@@ -16,7 +16,7 @@ beside the raw read into one reused buffer (the disk's bandwidth); a restore int
 of the whole file into new memory, which pays the same page faults. The report says whether
 each of save, restore in place and restore into new tensors reaches `TARGET` of its baseline,
 and prints the new tensors' ratio to the reused-buffer read too: on a virtual machine that
-ratio is mostly the cost of faulting new memory in, which no reader avoids (README "Measured":
+ratio is mostly the cost of faulting new memory in, which no reader avoids (docs/MEASURED.md:
 checkpoint save / restore). On an object store the baseline
 puts and gets one object per checkpoint part through the same fsspec client (endpoints and
 credentials from the environment, as for training runs), and restores are measured both ways

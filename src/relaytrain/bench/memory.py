@@ -6,7 +6,7 @@ dp 2 (same workers, same batch), and exact mode's cost with and without sharding
 The step is `bench train-throughput`'s, at the preset's full context: sequences of 256 tokens in
 micro-batches of 8, two micro-batches per worker at dp 2 (FSDP2's cost is per micro-batch and
 per parameter, so a toy micro-batch inflates it: at 128 x 4 tokens, fsdp 2 took 1.37-1.41x the
-time of dp 2, README "Measured"). The two layouts of that ratio run twice, alternating, and each
+time of dp 2, docs/MEASURED.md). The two layouts of that ratio run twice, alternating, and each
 counts its faster run: a minute of a busy host otherwise decides it (one run each gave 0.85x
 and 1.24x)."""
 

@@ -31,7 +31,7 @@ CAUSES = {"died": "kill (SIGKILL)", "hung": "hang (SIGSTOP)",
 
 # Tiny steps between faults: time for the promoted standby (or spare) to be replaced by a new
 # warm one, as between real failures. A new worker process warms up in about 28 steps' time on
-# a 2-core host (README "Measured": recovery time); at 30 apart the next fault found it still
+# a 2-core host (docs/MEASURED.md: recovery time); at 30 apart the next fault found it still
 # warming and waited for it.
 FAULT_SPACING = 60
 

@@ -41,7 +41,7 @@ each, in an order that alternates between rounds, and the ratio is the median of
 ratios (a load change hits both sides of a round alike); tokens/s are medians over rounds. Each
 variant's turn starts with one untimed step: the first step after the other model ran pays for
 the memory and cache state that model left behind, a cost neither has when it trains alone
-(README "Measured"). Also reported: the best round of each (interference only
+(docs/MEASURED.md). Also reported: the best round of each (interference only
 ever slows a step down, so the best is the least disturbed) and their ratio, the CPU seconds
 each step burned (all threads), the memory each step page-faulted in (minor faults x page
 size), and the load average before and after. HF's step faults in memory every step, ours

@@ -240,7 +240,7 @@ class CheckpointStore:
         state). A stored tensor, or the `rows` asked of one when a single file holds them all,
         of the same name, dtype and shape as one of them (contiguous, on the CPU) is read
         straight into that tensor's memory and returned as it: no fresh memory to fault in
-        and no copy afterwards (README "Measured": restore in place); rows assembled from
+        and no copy afterwards (docs/MEASURED.md: restore in place); rows assembled from
         several files are copied into it once all are verified. The bytes read in place land
         before their file is verified, so after a `CheckpointError` the tensors the read
         reached hold part of a corrupt file: the caller overwrites them (another checkpoint, a

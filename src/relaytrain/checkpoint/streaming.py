@@ -15,7 +15,7 @@ The digest detects corruption (a flipped bit, a truncated or swapped file); it i
 against someone who can write the checkpoint, who could rewrite its manifest too. So new files
 record XXH3-128 (`DIGEST`), which hashes at memory speed where sha256 runs at about a GB/s a
 core even with SHA-NI: on a 2-core host, sha256 alone cost a restore from GCS more CPU time
-than the transfer (README "Measured"). Files recorded with sha256 (checkpoints written before)
+than the transfer (docs/MEASURED.md). Files recorded with sha256 (checkpoints written before)
 verify as they were.
 """
 
@@ -85,7 +85,7 @@ def copy_bytes(dst: Any, src: Any) -> None:
 
     Why: a slice assignment between memoryviews holds the GIL for the whole copy, and a copy
     into new tensors also page-faults them in; meanwhile the object-store client's event loop,
-    receiving the next responses, waits for the GIL (README "Measured": checkpoint save /
+    receiving the next responses, waits for the GIL (docs/MEASURED.md: checkpoint save /
     restore on the local S3 and GCS emulators)."""
     np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
@@ -281,7 +281,7 @@ def range_size(fs: Any) -> int:
     whole object for each, so small ranges are slow there), while each response arrives as one
     new buffer on the client's event-loop thread, and glibc maps a buffer larger than its
     largest dynamic threshold (32 MiB) afresh each time and unmaps it when freed: 32 MiB ranges
-    page-faulted every 4 KiB of a restore in (README "Measured": checkpoint save / restore on
+    page-faulted every 4 KiB of a restore in (docs/MEASURED.md: checkpoint save / restore on
     the local S3 and GCS emulators). So the range is what the client's authors chose for their
     service (s3fs 50 MiB; gcsfs 5 MiB, raised to 16 MiB for fewer requests)."""
     return max(MIN_RANGE, _block_size(fs))
@@ -313,7 +313,7 @@ def fetch_into(fs: Any, path: str, start: int, views: Sequence[memoryview]) -> N
     copied into `views` piece by piece as it arrives, over gcsfs's own session, credentials and
     URL (`_streamed_get`): the client's CPU for a restore from the GCS emulator went from 0.38
     to 0.26 s, and the restore into new tensors from 0.69-0.86x to 0.80-1.20x the raw GET
-    (README "Measured": checkpoint save / restore on the local S3 and GCS emulators). Any
+    (docs/MEASURED.md: checkpoint save / restore on the local S3 and GCS emulators). Any
     failure there (a transient error, a gcsfs that has changed) and every other client take
     `cat_file`, with the client's own retries and errors; the bytes are verified against the
     manifest either way."""
@@ -376,7 +376,7 @@ class RangedReader:
     they belong in) or `readinto` (a stream: the reader's own buffers, copied out). Every
     request in flight costs the client a buffer and CPU to receive it (one event loop receives
     them all); one request per core (2 to 8) was the fastest measured against both local
-    emulators (README "Measured": checkpoint save / restore on the local S3 and GCS emulators)."""
+    emulators (docs/MEASURED.md: checkpoint save / restore on the local S3 and GCS emulators)."""
 
     def __init__(self, fs: Any, path: str, size: int):
         self._fs, self._path, self._size = fs, path, size

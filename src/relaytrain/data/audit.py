@@ -45,7 +45,7 @@ HEADER_KEYS = (*ORDER_KEYS, "micro_batch", "dp", "data_path")
 NGRAM = 32
 NGRAM_SAMPLES = 256
 # Distinct documents share some 32-grams naturally (a few percent on the demo corpus, mostly
-# generated codec tables and boilerplate: README "Measured"); a held-out set that holds (near)
+# generated codec tables and boilerplate: docs/MEASURED.md); a held-out set that holds (near)
 # copies of training documents shows up as a large share, up to 100%.
 MAX_OVERLAP = 0.2
 HASH_MULT = np.uint64(0x100000001B3)

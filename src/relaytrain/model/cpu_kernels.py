@@ -5,7 +5,7 @@ Why: on the CPU, a training step's time outside its GEMMs and attention goes to 
 ops, each a separate pass over memory: an RMSNorm took about ten passes forward and backward,
 the SwiGLU five tensors' worth of silu, mul and silu_backward, the head's softmax gradient
 four passes over each chunk of logits (log_softmax, exp_, mul_). Compiled blocks fuse them, but
-compiling costs every worker process seconds at start (README "Measured"), replacements
+compiling costs every worker process seconds at start (docs/MEASURED.md), replacements
 included. These kernels (`cpu_kernels.cpp`) read their inputs and write their outputs once,
 and are compiled once per host (where torch keeps extensions it builds: `build_dir`), keyed by
 the source, the CPU's vector ISA and the torch version, and loaded from there in a millisecond
@@ -13,7 +13,7 @@ by every later process. A sliding layer through torch's flash kernels (`model.sl
 scores chunks of 32 queries against every key any of them reaches and copies and adds each
 chunk's results; `window_attention` scores each query against its own window's keys, takes
 grouped kv heads as they are, and returns its output in the layout the output projection
-reads: a sliding layer's forward and backward in 0.6x the time (README "Measured").
+reads: a sliding layer's forward and backward in 0.6x the time (docs/MEASURED.md).
 
 Numerics: SwiGLU and RoPE round exactly as torch's ops they replace (the same vectorised exp,
 the same products and sums in the same order; `tests/model/test_cpu_kernels.py` checks them

@@ -25,7 +25,7 @@ Two entry points compute the same numbers (to float rounding, `tests/train/test_
   Chunk size: on a GPU it bounds the memory (`GPU_CHUNK_ELEMENTS`). On the CPU the head is
   matmul-bound, so the chunk is as small as keeps the matmuls efficient (`CPU_CHUNK_ELEMENTS`):
   512 tokens of the `small` preset's 8,192 logits, as fast as scoring the whole batch at once
-  with MKL's GEMMs and the fastest size through oneDNN's (README "Measured").
+  with MKL's GEMMs and the fastest size through oneDNN's (docs/MEASURED.md).
 - `lm_loss(logits, labels, ...)`, for callers that have the logits (evaluation, parity): the
   same log-softmax and gradient over a whole [tokens, vocab] tensor.
 """

@@ -3,7 +3,7 @@
 Why: torch's fp32 GEMM on the CPU is MKL's, and MKL runs its AVX2 kernels on AMD processors
 even where they have AVX-512. oneDNN, which torch ships for its own mkldnn ops and Inductor's
 CPU backend, picks kernels by instruction set, so on such hosts it runs the same products at
-about twice MKL's rate (README "Measured"; `relaytrain bench train-throughput` measures the
+about twice MKL's rate (docs/MEASURED.md; `relaytrain bench train-throughput` measures the
 step both ways).
 
 The products are the same fp32 IEEE products either way (no reduced precision); only their
@@ -46,7 +46,7 @@ def _inner(a: Tensor, b: Tensor) -> Tensor:
 
     An op of our own, opaque to torch.compile: Inductor lowers the mkldnn op itself only for
     frozen (constant) weights, and compiled blocks train theirs. The call's overhead is small
-    beside the products it wraps (README "Measured")."""
+    beside the products it wraps (docs/MEASURED.md)."""
     return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 
 

@@ -6,7 +6,7 @@ the rest away, so a sliding layer cost as much as a causal one (at T = 256 and a
 window, the `small` preset). Here each chunk of `CHUNK` queries attends to the keys its window
 reaches (`spans`, a pure function), with the same flash kernels forward and backward (their
 per-row log-sum-exp kept between the two): O(T * (CHUNK + window)) scores instead of T^2
-(README "Measured"). The result equals the dense mask's to float rounding (the kernel's blocks
+(docs/MEASURED.md). The result equals the dense mask's to float rounding (the kernel's blocks
 of keys start at other positions), and, like it, depends on nothing but T and the window.
 With the fused CPU kernels, sliding layers whose head dims they take run their own window
 kernel instead (`cpu_kernels.window_attention`).

@@ -65,7 +65,7 @@ class GradReducer:
 
         Parameter by parameter and in place, the same arithmetic as on one flat float64 copy of
         the whole gradient, without that copy and its temporaries, which were page-faulted in
-        afresh at every micro-batch and dominated the fold's time (README "Measured")."""
+        afresh at every micro-batch and dominated the fold's time (docs/MEASURED.md)."""
         if not self.exact:
             return
         assert self._acc is not None

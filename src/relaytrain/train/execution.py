@@ -77,7 +77,7 @@ def retain_freed_memory() -> bool:
     and glibc returns the top of its heap to the OS once more than its trim threshold is free
     and maps blocks above a moving threshold afresh. A training step frees and re-allocates
     the same buffers every step, so each step page-faulted them in again, a sizeable share of
-    a `small` step's time (README "Measured"; `bench train-throughput` reports faulted/step).
+    a `small` step's time (docs/MEASURED.md; `bench train-throughput` reports faulted/step).
     With fixed thresholds the process keeps its steady-state peak, which it reaches every
     step anyway. Process-wide; a no-op returning False where the C library is not glibc.
     """

@@ -70,7 +70,7 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> AdamW:
     """AdamW; embeddings are not decayed unless `decay_embeddings` (the Olmo 3 recipe).
 
     The fused kernel on every device: one kernel per parameter group instead of a dozen passes
-    over the state (faster than `foreach` on the CPU too, README "Measured"); deterministic."""
+    over the state (faster than `foreach` on the CPU too, docs/MEASURED.md); deterministic."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -167,7 +167,7 @@ class Transport:
     """Messages with the neighbouring stages. Sends are asynchronous and complete by `drain`.
     gloo moves a message only once its receive is posted (a rendezvous: a blocking receive made
     when the data is needed pays the whole transfer, even if the sender finished long before;
-    README "Measured"), so `expect` takes a span's receives in order and keeps the
+    docs/MEASURED.md), so `expect` takes a span's receives in order and keeps the
     next one from each neighbour posted: it arrives during the compute before it is needed.
     `waited` accumulates the seconds spent blocked. Tags keep the two directions and the
     micro-batches apart."""

@@ -93,7 +93,7 @@ def warm_kernels(model: nn.Module, micro_batch: int, seq_len: int, z_loss: float
     Why: a process's first products of a shape build their kernels (oneDNN JIT-compiles
     each primitive: 1.1-1.3 s for the tiny preset on an AMD EPYC, against 0.02-0.04 s for
     a step after), so a spare or the standby promoted after a failure would pay that in the
-    first step of the recovery (README "Measured": recovery time)."""
+    first step of the recovery (docs/MEASURED.md: recovery time)."""
     tokens = torch.zeros(micro_batch, seq_len + 1, dtype=torch.long)
     _forward_backward(model, tokens, z_loss, 1, device)
     model.zero_grad(set_to_none=True)
