@@ -53,6 +53,10 @@ better of torch's GEMM and oneDNN's, the best of one measurement per round).
 Memory: on CUDA the allocator's peak during each variant's steps (and above what was resident
 when its step began); on the CPU, which keeps no allocator statistics, the bytes each model
 saves for its backward in one forward (activations, parameters excluded).
+
+One file past ~550 lines on purpose: it is one scripted measurement (the plan, the variants,
+their interleaved rounds, the report of what was measured), each step a function of its own,
+and a third of the file is this account of what is measured and why.
 """
 
 from __future__ import annotations
