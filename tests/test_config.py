@@ -206,3 +206,25 @@ def test_a_change_to_the_model_is_refused_in_one_line():
         check_resume_compatible(saved_config(), load_config(None, ["run_dir=x",
                                                                    "model.n_layers=3"]))
     assert "\n" not in str(err.value)
+
+
+def test_data_seed_defaults_to_the_seed_and_is_checked():
+    assert load_config(None, ["seed=7"]).data_seed == 7
+    assert load_config(None, ["seed=7", "data.seed=34521"]).data_seed == 34521
+    with pytest.raises(ConfigError, match=r"'data.seed': got -1, expected an integer >= 0"):
+        load_config(None, ["data.seed=-1"])
+
+
+def test_a_checkpoint_from_before_data_seed_existed_resumes_as_the_seeds_order():
+    saved = saved_config("seed=5")
+    del saved["data"]["seed"]  # a manifest's config written before the key
+    assert config_from_dict(saved).data_seed == 5
+    check_resume_compatible(saved, load_config(None, ["run_dir=x", "seed=5"]))
+    check_resume_compatible(saved, load_config(None, ["run_dir=x", "seed=5", "data.seed=5"]))
+    check_resume_compatible(saved_config("seed=5", "data.seed=5"),
+                            load_config(None, ["run_dir=x", "seed=5"]))
+    with pytest.raises(ConfigError, match=r"'data.seed': .* trained with 5, got 34521"):
+        check_resume_compatible(saved, load_config(None, ["run_dir=x", "seed=5",
+                                                          "data.seed=34521"]))
+    with pytest.raises(ConfigError, match=r"'seed': .* trained with 5, got 6"):
+        check_resume_compatible(saved, load_config(None, ["run_dir=x", "seed=6"]))

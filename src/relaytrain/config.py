@@ -55,6 +55,9 @@ class DataSection:
     # relay: relaytrain's order (order.py); olmo-core: OLMo-core's order and DP slicing on an
     # indexed OLMo-core mix (olmo_order.py), instances of seq_len tokens cut per file
     order: Literal["relay", "olmo-core"] = "relay"
+    # The data order's seed, apart from `seed` (initialisation), so a run can take another
+    # run's order (AI2's 34521, say) with its own weights; None: `seed`.
+    seed: int | None = None
 
 
 @dataclass
@@ -212,6 +215,11 @@ class RunConfig:
     @property
     def seq_len(self) -> int:
         return self.data.seq_len or self.model_config().max_seq_len
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the training data order (`data.seed`, else `seed`)."""
+        return self.seed if self.data.seed is None else self.data.seed
 
     @property
     def checkpoint_url(self) -> str:
@@ -442,8 +450,9 @@ RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "trai
 
 def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
     """A resumed run must keep what defines its curve: model, data order, optimizer, seed."""
-    old, new = flatten(saved), flatten(cfg.to_dict())
-    for key in sorted(set(old) | set(new)):
+    old, new = (_settled(flatten(c)) for c in (saved, cfg.to_dict()))
+    # `seed` first: under a default data.seed, changing it changes data.seed too
+    for key in sorted(set(old) | set(new), key=lambda k: (k != "seed", k)):
         if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
             continue
         if old.get(key) != new.get(key):
@@ -452,6 +461,14 @@ def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
                 f"config key '{key}': the run directory's checkpoints were trained with "
                 f"{old.get(key)!r}, got {new.get(key)!r}; only {may} may change on resume "
                 "(or use a new run_dir)")
+
+
+def _settled(flat: dict[str, Any]) -> dict[str, Any]:
+    """`data.seed` as the seed it stands for: absent (a run from before the key) or null is
+    `seed`, so either resumes as the same data order."""
+    if flat.get("data.seed") is None:
+        flat["data.seed"] = flat.get("seed")
+    return flat
 
 
 def _deep_copy(d: Any) -> Any:
@@ -495,7 +512,7 @@ def validate(cfg: RunConfig) -> None:
 
         need(onednn_available(), "config key 'model.matmul': got 'onednn', but this torch "
              "build has no oneDNN (mkldnn) kernels; expected auto or aten")
-    need(cfg.seed >= 0, f"config key 'seed': got {cfg.seed}, expected an integer >= 0")
+    _validate_seeds(cfg, need)
     t = cfg.train
     need(t.max_steps >= 1, f"config key 'train.max_steps': got {t.max_steps}, expected >= 1")
     need(t.micro_batch >= 1, f"config key 'train.micro_batch': got {t.micro_batch}, "
@@ -542,6 +559,12 @@ def validate(cfg: RunConfig) -> None:
          "expected >= 1")
     _validate_eval_sets(cfg.eval.sets, need)
     _validate_faults(cfg, need)
+
+
+def _validate_seeds(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    need(cfg.seed >= 0, f"config key 'seed': got {cfg.seed}, expected an integer >= 0")
+    need(cfg.data_seed >= 0, f"config key 'data.seed': got {cfg.data.seed}, expected an "
+         "integer >= 0 (or null: the run's seed)")
 
 
 def _validate_eval_sets(sets: dict[str, Any], need: Callable[[bool, str], None]) -> None:

@@ -28,6 +28,7 @@ from tests.runtime.conftest import tiny_config
 from .conftest import EOS, write_corpus, write_tokens
 
 SEED, B, M, SEQ = 11, 8, 2, 1024  # the test corpus gives 27 instances: ~3.4 steps per epoch
+DATA_SEED = 34521  # a data order of another run's (AI2's), apart from the seed
 
 
 class WorldSeededLoader(Loader):
@@ -45,24 +46,25 @@ class Run:
     returned to each rank, optionally corrupted by `mutate(step, parts)`."""
 
     def __init__(self, run_dir: Path, data: Path, loader: type[Loader] = Loader,
-                 order: str = "relay", seq: int = SEQ) -> None:
+                 order: str = "relay", seq: int = SEQ, data_seed: int = SEED) -> None:
         self.dir, self.data, self.loader_cls = run_dir, data, loader
-        self.order, self.seq = order, seq
+        self.order, self.seq, self.data_seed = order, seq, data_seed
         self.dataset = TokenDataset.open(data)
         self.split = self.dataset.split("train")
         self.ledger = LedgerWriter(run_dir)
         self.loaders: list[Loader] = []
 
     def header(self, dp: int) -> dict:
-        return header_record(seed=SEED, global_batch=B, micro_batch=M, seq_len=self.seq,
-                             n_instances=self.split.num_instances(self.seq),
+        return header_record(seed=SEED, data_seed=self.data_seed, global_batch=B, micro_batch=M,
+                             seq_len=self.seq, n_instances=self.split.num_instances(self.seq),
                              fingerprint=self.dataset.fingerprint, data_path=str(self.data),
                              dp=dp, order=self.order)
 
     def start(self, dp: int) -> Run:
         """A start, resume, recovery or resize: fresh loaders and a header."""
         extra = {"order": self.order} if self.order != "relay" else {}
-        self.loaders = [self.loader_cls(self.split, self.seq, SEED, B, M, r, dp, **extra)
+        self.loaders = [self.loader_cls(self.split, self.seq, self.data_seed, B, M, r, dp,
+                                        **extra)
                         for r in range(dp)]
         self.ledger.write(self.header(dp))
         return self
@@ -286,6 +288,45 @@ def test_a_restart_with_another_seed_is_caught(prepared, tmp_path, capsys):
     assert "changed seed from 11 to 12" in report["first_failure"]["message"]
 
 
+def test_a_run_on_its_own_data_seed_passes_and_a_restart_with_another_is_caught(
+        prepared, tmp_path, capsys):
+    """The audit replays the order of the header's data_seed (not the seed) and holds every
+    restart to it; the seed alone stays the same."""
+    code, report = Run(tmp_path / "ok", prepared, data_seed=DATA_SEED).start(2).steps(
+        1, 4).start(1).steps(5, 7).audit(capsys)
+    assert code == 0 and report["ok"], report["results"]
+    assert f"data seed {DATA_SEED}" in report["results"]["config"]["detail"]
+    run = Run(tmp_path / "bad", prepared, data_seed=DATA_SEED).start(1).steps(1, 2)
+    run.ledger.write({**run.header(1), "data_seed": SEED})
+    code, report = run.steps(3, 4).audit(capsys)
+    assert code == 1 and failed(report) == {"config"}
+    assert f"changed data_seed from {DATA_SEED} to {SEED}" in report["first_failure"]["message"]
+
+
+def test_a_ledger_from_before_data_seed_is_audited_with_the_seeds_order(prepared, tmp_path,
+                                                                        capsys):
+    run = Run(tmp_path, prepared).start(2).steps(1, 3)
+    run.ledger.close()
+    ledger = tmp_path / "ledger.jsonl"
+    old = [{k: v for k, v in json.loads(line).items() if k != "data_seed"}
+           for line in ledger.read_text().splitlines()]
+    ledger.write_text("".join(json.dumps(r) + "\n" for r in old))
+    report = audit(tmp_path)
+    assert report.ok, [c.detail for c in report.checks if not c.ok]
+
+
+def test_a_real_run_with_a_data_seed_apart_from_its_seed_passes_the_audit(
+        tmp_path, corpus_data, capsys):
+    """The worker's loader, the reporter's ledger header and the audit agree on data.seed."""
+    run = tmp_path / "run"
+    Controller(tiny_config(run, corpus_data, "eval.every=0", "train.max_steps=3",
+                           f"data.seed={DATA_SEED}")).run()
+    header = json.loads((run / "ledger.jsonl").read_text().splitlines()[0])
+    assert (header["seed"], header["data_seed"]) == (0, DATA_SEED)
+    code, report = audit_json(run, capsys)
+    assert code == 0 and report["ok"], report["results"]
+
+
 def test_auditing_against_other_data_is_caught(prepared, corpus, tmp_path, capsys):
     prepare([str(corpus)], tmp_path / "other", "bpe:300", heldout_frac=0.3)
     Run(tmp_path / "run", prepared).start(1).steps(1, 2).ledger.close()
@@ -334,6 +375,16 @@ def test_an_olmo_core_order_run_resized_over_epochs_passes(olmo_mix, tmp_path, c
     # epochs 0, 1 and 2, the first two complete
     assert (report["epochs"], report["complete_epochs"]) == (3, 2)
     assert "not applicable" in report["results"]["heldout_documents"]["detail"]
+
+
+def test_an_olmo_core_order_run_on_its_own_data_seed_passes(olmo_mix, tmp_path, capsys):
+    run = Run(tmp_path / "run", olmo_mix, order="olmo-core", seq=OLMO_SEQ, data_seed=DATA_SEED)
+    run.start(2).steps(1, 3).start(1).steps(4, 7)
+    ids = [ld.get(0).ids.tolist() for ld in run.loaders]
+    code, report = run.audit(capsys)
+    assert code == 0 and report["ok"], report["results"]
+    with Loader(run.split, OLMO_SEQ, SEED, B, M, 0, 1, order="olmo-core") as seeds:
+        assert seeds.get(0).ids.tolist() != ids[0]  # another order than the seed's
 
 
 def test_relays_contiguous_rank_slicing_of_an_olmo_core_batch_is_caught(olmo_mix, tmp_path,

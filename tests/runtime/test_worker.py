@@ -75,3 +75,29 @@ def test_a_warmed_up_worker_ran_its_kernels_at_the_runs_shape_and_kept_nothing_o
     for name, p in w.state.model.named_parameters():
         assert p.grad is None, name
         assert torch.equal(p.detach(), expected[name].detach()), name
+
+
+def _order_and_weights(tmp_path, corpus_data, *seeds: str) -> tuple[list, dict]:
+    """The ids of the first two global batches a worker of that config trains on, and its
+    initial weights."""
+    cfg = tiny_config(tmp_path, corpus_data, "runtime.engine=inline", *seeds)
+    w = Worker(cfg, TokenDataset.open(corpus_data).vocab_size)
+    w.setup(0, Placement(rank=0, world=1, dp_rank=0, dp=1))
+    w.build(0)
+    ids = [w.loader.get(k).ids.tolist() for k in (0, 1)]
+    weights = {n: p.detach().clone() for n, p in w.state.model.named_parameters()}
+    w.close()
+    return ids, weights
+
+
+def test_data_seed_drives_the_order_alone_and_seed_the_initial_weights(tmp_path, corpus_data):
+    """data.seed takes another run's data order with this run's initialisation; seed the
+    reverse; no data.seed is the seed's order."""
+    base_ids, base_w = _order_and_weights(tmp_path, corpus_data, "seed=3")
+    same_ids, same_w = _order_and_weights(tmp_path, corpus_data, "seed=3", "data.seed=3")
+    data_ids, data_w = _order_and_weights(tmp_path, corpus_data, "seed=3", "data.seed=34521")
+    init_ids, init_w = _order_and_weights(tmp_path, corpus_data, "seed=4", "data.seed=3")
+    assert same_ids == base_ids == init_ids and data_ids != base_ids
+    for name, p in base_w.items():
+        assert torch.equal(same_w[name], p) and torch.equal(data_w[name], p), name
+    assert any(not torch.equal(init_w[name], p) for name, p in base_w.items())

@@ -4,7 +4,7 @@ The ledger records the ids each DP rank actually trained on; the audit recompute
 order independently and checks, over the committed steps (the last record of a step wins after
 a rollback):
 
-- config: every (re)start used the same seed, global batch, seq_len and data;
+- config: every (re)start used the same seed, data seed, global batch, seq_len and data;
 - data: the data dir is the one the run trained on;
 - no_gaps: every step 1..last is present;
 - shards_disjoint: within a step, no instance is on two ranks (or twice on one);
@@ -40,7 +40,7 @@ from relaytrain.errors import DataError
 
 CHECKS = ("config", "data", "no_gaps", "shards_disjoint", "continuity", "shards_complete",
           "exactly_once", "heldout_documents", "heldout_ngrams")
-ORDER_KEYS = ("seed", "global_batch", "seq_len", "n_instances", "fingerprint")
+ORDER_KEYS = ("seed", "data_seed", "global_batch", "seq_len", "n_instances", "fingerprint")
 HEADER_KEYS = (*ORDER_KEYS, "micro_batch", "dp", "data_path")
 # Distinct documents share some 32-grams naturally (a few percent on the demo corpus, mostly
 # generated codec tables and boilerplate: docs/MEASURED.md); a held-out set that holds (near)
@@ -139,9 +139,10 @@ def _parse(records: list[dict[str, Any]], path: Path,
         where = f"{path} record {lineno}"
         kind = rec.get("kind")
         if kind == "header":
+            rec = {"data_seed": rec.get("seed"), **rec}  # before data.seed, the seed's order
             missing = [k for k in HEADER_KEYS if k not in rec]
             _need(not missing, where, f"header lacks {', '.join(missing)}")
-            _need(all(isinstance(rec[k], int) and rec[k] >= (0 if k == "seed" else 1)
+            _need(all(isinstance(rec[k], int) and rec[k] >= (0 if "seed" in k else 1)
                       for k in HEADER_KEYS if k not in ("fingerprint", "data_path")),
                   where, "header values must be positive integers")
             segments.append(_Segment(rec, max(committed, default=0)))
@@ -218,7 +219,8 @@ def _check_config(segments: list[_Segment]) -> CheckResult:
         if h["global_batch"] % (h["dp"] * h["micro_batch"]):
             c.fail(f"the header there cannot split global batch {h['global_batch']} over "
                    f"dp={h['dp']} x micro_batch={h['micro_batch']}", seg.after_step + 1)
-    return c.result(f"{len(segments)} headers agree on seed, global batch, seq_len and data")
+    return c.result(f"{len(segments)} headers agree on seed, data seed {first['data_seed']}, "
+                    "global batch, seq_len and data")
 
 
 def _check_data(first: dict[str, Any], ds: TokenDataset) -> CheckResult:
@@ -272,7 +274,8 @@ class _Layout:
     """Where the run's pure order (header "order": relay or olmo-core) puts each instance."""
 
     def __init__(self, header: dict[str, Any]) -> None:
-        seed, self.B, self.n = header["seed"], header["global_batch"], header["n_instances"]
+        seed, self.B, self.n = (header["data_seed"], header["global_batch"],
+                                header["n_instances"])
         self.olmo = header.get("order", "relay") == "olmo-core"
         if self.olmo:
             self._olmo = OlmoOrder(seed, self.n, self.B)

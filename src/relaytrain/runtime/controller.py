@@ -244,9 +244,9 @@ class Controller:
                 **{k: {"backend": c.backend, "key": c.key} for k, c in self.backends.items()},
                 "data": {"batch_index": step, "fingerprint": self.dataset.fingerprint,
                          "n_instances": self.n_train, "seq_len": self.cfg.seq_len},
-                # Nothing draws from global RNG state: init, data order and evaluation derive
-                # from (seed, purpose, step), so the seed is the whole RNG state.
-                "rng": {"seed": self.cfg.seed},
+                # Nothing draws from global RNG state: init derives from (seed, purpose), the
+                # data order from (data seed, epoch), so the two seeds are the whole RNG state.
+                "rng": {"seed": self.cfg.seed, "data_seed": self.cfg.data_seed},
                 "topology": {"dp": self.cfg.parallel.dp, "fsdp": self.cfg.parallel.fsdp,
                              "pp": self.cfg.parallel.pp}}
 

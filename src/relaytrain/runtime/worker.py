@@ -73,8 +73,8 @@ class Worker:
         if self.loader is not None:
             self.loader.close()
         t = self.cfg.train
-        self.loader = Loader(self.train_split, self.cfg.seq_len, self.cfg.seed, t.global_batch,
-                             t.micro_batch, placement.dp_rank, placement.dp,
+        self.loader = Loader(self.train_split, self.cfg.seq_len, self.cfg.data_seed,
+                             t.global_batch, t.micro_batch, placement.dp_rank, placement.dp,
                              prefetch=self.cfg.data.prefetch, order=self.cfg.data.order)
         if placement.world > 1:
             print(f"[rank {placement.rank}] joined generation {generation}: dp rank "
