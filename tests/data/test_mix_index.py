@@ -204,3 +204,45 @@ def test_a_weighted_mixture_is_indexed_from_a_sources_file(
     assert main([*args[:-1], str(tmp_path / "bad")]) == 2
     assert "the target ratios sum to 0.9, not 1 (web 0.7, code 0.2)" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+SMALL_VOCAB = 50_000  # under 65,536: `data index` guesses uint16
+
+
+def small_vocab_tokens(eos: int) -> np.ndarray:
+    """2,000 ids of a small vocabulary in 50 documents, each ending with `eos`."""
+    rng = np.random.default_rng(5)
+    toks = rng.integers(1, SMALL_VOCAB - 1, size=2000)
+    toks[np.sort(rng.choice(1999, size=49, replace=False))] = eos
+    toks[-1] = eos
+    return toks
+
+
+@pytest.mark.parametrize("eos", [0, SMALL_VOCAB - 1])
+def test_uint32_ids_of_a_small_vocabulary_read_as_guessed_uint16_are_refused_naming_dtype(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        eos: int) -> None:
+    """Read as uint16, every other id is a high half of 0: with EOS 0 each token would end a
+    document (1,000 documents where there are 50), with another EOS the file ends with 0.
+    An explicit --dtype is taken as given; a genuine uint16 file is indexed as before."""
+    monkeypatch.setattr(mix_index, "CHUNK", 6)  # reads of 3 uint16s: reads start at odd ids too
+    toks = small_vocab_tokens(eos)
+    wide, narrow = tmp_path / "wide.npy", tmp_path / "narrow.npy"
+    toks.astype("<u4").tofile(wide)
+    toks.astype("<u2").tofile(narrow)
+
+    def index(path: Path, out: str, *extra: str) -> int:
+        return main(["data", "index", "--files", str(path), "--vocab-size", str(SMALL_VOCAB),
+                     "--eos-id", str(eos), "--out", str(tmp_path / out), "--json", *extra])
+
+    assert index(wide, "guessed") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "wide.npy: every other uint16 is 0" in err, err
+    assert "pass --dtype uint32" in err and not (tmp_path / "guessed").exists()
+    for path, out, extra in ((wide, "wide", ["--dtype", "uint32"]), (narrow, "narrow", [])):
+        assert index(path, out, *extra) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert (summary["train_tokens"], summary["train_documents"]) == (2000, 50)
+        assert summary["dtype"] == ("uint32" if extra else "uint16")
+        split = TokenDataset.open(tmp_path / out).split("train")
+        np.testing.assert_array_equal(split.instances([0, 1], 16).reshape(-1), toks[:32])

@@ -60,7 +60,8 @@ def add_parser(sub: Any) -> None:
     index.add_argument("--eos-id", type=int, default=None, help="without --tokenizer")
     index.add_argument("--pad-id", type=int, default=None, help="without --tokenizer")
     index.add_argument("--dtype", choices=["uint16", "uint32"], default=None,
-                       help="token id width (default: uint16 up to 65,536 ids, else uint32)")
+                       help="token id width (default: uint16 up to 65,536 ids, else uint32; "
+                       "a file that reads as uint32 ids under the guess is refused)")
     index.add_argument("--out", required=True, metavar="DIR")
     index.add_argument("--workers", type=int, default=0, help="files scanned at once (0: cores)")
     index.add_argument("--json", action="store_true")

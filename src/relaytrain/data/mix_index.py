@@ -40,16 +40,25 @@ from relaytrain.storage import filesystem, redact
 INDEX = "index.json"
 JOURNAL = "index.journal"
 CHUNK = 16 << 20  # bytes per read
+# A file of uint32 ids below 65,536 read as uint16 (the width guessed from the vocabulary, as
+# OLMo-core guesses it) has every other uint16, the ids' high halves, 0: with EOS 0 each token
+# ends a "document". Genuine uint16 text has a zero at every one of WIDTH_PAIRS odd positions
+# only if nearly all its tokens are 0: with id 0 at a rate p, p ** 64 (1e-128 for EOS 0 and
+# 100-token documents; 5e-20 even at p = 1/2). A shorter file cannot tell. Only a guessed width
+# is checked, and refused rather than warned of: `--dtype uint16` still indexes such a file.
+WIDTH_PAIRS = 64
 
 
-def scan_file(path: str, dtype: str, vocab_size: int, eos_id: int) -> dict[str, Any]:
+def scan_file(path: str, dtype: str, vocab_size: int, eos_id: int,
+              guessed: bool = False) -> dict[str, Any]:
     """Stream `path` once: its token and document (EOS) counts and sha256, or a DataError naming
-    the file and its first bad token."""
+    the file and its first bad token (or, when `dtype` was `guessed`, the wrong width)."""
     tokens = file_tokens(path, dtype)
     dt = DTYPES[dtype]
     digest = hashlib.sha256()
     documents = seen = 0
     last = None
+    high_zero = guessed and dt.itemsize == 2  # every odd uint16 so far is 0
     fs, inner = filesystem(path)
     with fs.open(inner, "rb", block_size=CHUNK) as f:
         while block := f.read(CHUNK - CHUNK % dt.itemsize):
@@ -61,11 +70,18 @@ def scan_file(path: str, dtype: str, vocab_size: int, eos_id: int) -> dict[str, 
                                 f"token {seen + int(over[0])} is >= the vocabulary size "
                                 f"{vocab_size}; the data was tokenized with another tokenizer")
             documents += int(np.count_nonzero(ids == eos_id))
+            high_zero = high_zero and not ids[1 - seen % 2::2].any()
             seen += ids.size
             last = int(ids[-1])
     if seen != tokens:
         raise DataError(f"token file {redact(path)}: read {seen} tokens, its size says {tokens}; "
                         "the file changed while it was indexed")
+    if high_zero and tokens >= 2 * WIDTH_PAIRS:
+        raise DataError(f"token file {redact(path)}: every other uint16 is 0 (read so, its "
+                        f"{tokens:,} tokens hold {documents:,} documents), the pattern of uint32 "
+                        f"ids read as uint16; the width was guessed from the vocabulary of "
+                        f"{vocab_size:,} ids: pass --dtype uint32 (or --dtype uint16 if the file "
+                        "really is uint16)")
     if last is not None and last != eos_id:
         raise DataError(f"token file {redact(path)}: ends with token {last}, not the EOS id "
                         f"{eos_id}; the data's EOS differs from the tokenizer's (or the file is "
@@ -118,6 +134,7 @@ def index_mix(splits: dict[str, Sequence[MixFile]], out: str | os.PathLike[str],
         splits = {**splits, "train": [MixFile(s.name, p) for s in mixture.sources
                                       for p in s.paths]}
     out = Path(out)
+    guessed = dtype is None
     dtype = dtype or dtype_for_vocab(vocab_size)
     if dtype not in DTYPES:
         raise DataError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
@@ -140,7 +157,8 @@ def index_mix(splits: dict[str, Sequence[MixFile]], out: str | os.PathLike[str],
         with open(out / JOURNAL, "a", encoding="utf-8") as journal, \
                 ThreadPoolExecutor(max(1, workers or os.cpu_count() or 1)) as pool:
             for path, scan in zip(todo, pool.map(
-                    lambda p: scan_file(p, dtype, vocab_size, eos_id), todo), strict=True):
+                    lambda p: scan_file(p, dtype, vocab_size, eos_id, guessed), todo),
+                    strict=True):
                 key = _journal_key(path, dtype, vocab_size, eos_id)
                 done[key] = scan
                 journal.write(json.dumps({"key": key, "scan": scan}) + "\n")
