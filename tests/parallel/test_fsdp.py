@@ -27,6 +27,7 @@ from relaytrain.parallel.fsdp import (
 )
 from relaytrain.parallel.reduce import from_limbs, to_limbs
 from relaytrain.train.optim import build_optimizer
+from relaytrain.train.step import autocast_for
 
 
 def _integer_reduce_scatter(rank: int, world: int, port: int) -> None:
@@ -99,20 +100,29 @@ def _seen_in_forward(module: torch.nn.Module, seen: dict[str, object], key: str)
     module.register_forward_pre_hook(hook)
 
 
-def _policy_on_gloo(rank: int, world: int, port: int) -> None:
+def _policy_check(rank: int, world: int, port: int, kind: str) -> None:
+    """One rank of the policy test: gloo on the CPU (bf16 forced), or NCCL on CUDA under the
+    autocast training uses, with `auto`'s dtype."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg, cpu = PRESETS["tiny"].with_vocab(128), torch.device("cpu")
+    dist.init_process_group("gloo" if kind == "cpu" else "nccl", rank=rank, world_size=world)
+    device = torch.device(kind, rank if kind == "cuda" else None)
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    cfg = PRESETS["tiny"].with_vocab(128)
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(rank))
-    for generation, dtype in enumerate((torch.bfloat16, torch.float32)):
-        model, seen = Olmo3(cfg), {}
+    tokens, group = tokens.to(device), dist.group.WORLD
+    low = param_dtype("auto" if kind == "cuda" else "bf16", device, exact=False)
+    assert low == torch.bfloat16
+    for generation, dtype in enumerate((low, torch.float32)):
+        model, seen = Olmo3(cfg).to(device), {}
         init_weights(model, 0)
-        shard_model(model, list(model.layers.values()), dist.group.WORLD, cpu, generation, dtype)
+        shard_model(model, list(model.layers.values()), group, device, generation, dtype)
         masters = {n: p.full_tensor() for n, p in model.named_parameters()}
         _seen_in_forward(model.layers["0"], seen, "block")
         _seen_in_forward(model.norm, seen, "norm")
         optimizer = build_optimizer(model, OptimSection())
-        total, _, _ = model(tokens[:, :-1], tokens[:, 1:])
+        with autocast_for(device):
+            total, _, _ = model(tokens[:, :-1], tokens[:, 1:])
         assert total.dtype == torch.float32
         total.backward()
         for key, prefix in (("block", "layers.0."), ("norm", "norm.")):
@@ -123,7 +133,7 @@ def _policy_on_gloo(rank: int, world: int, port: int) -> None:
         assert seen["block"][1][1:] == [torch.float32] * 2  # RoPE's cos and sin: not cast
         grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
         assert all(g.dtype == torch.float32 for g in grads.values())
-        if dtype == torch.bfloat16:  # two ranks' bf16 gradients summed in fp32, not in bf16
+        if dtype == low and world > 1:  # the ranks' bf16 gradients summed in fp32, not bf16
             g = grads["layers.0.mlp.up_proj.weight"]
             assert not torch.equal(g, g.to(torch.bfloat16).float())
         optimizer.step()
@@ -131,14 +141,16 @@ def _policy_on_gloo(rank: int, world: int, port: int) -> None:
             assert p[1].dtype == torch.float32 and p[1].to_local().dtype == torch.float32
         assert all(v.dtype == torch.float32 for state in optimizer.state.values()
                    for v in state.values())
-    stage = build_stage(cfg, 0, 2, [range(0, 1), range(1, 2)])
-    shard_model(stage, list(stage.layers.values()), dist.group.WORLD, cpu, 2, torch.bfloat16)
-    assert stage(tokens).dtype == torch.float32  # sent between stages as ACTIVATION_DTYPE
-    stage, seen = build_stage(cfg, 1, 2, [range(0, 1), range(1, 2)]), {}
-    shard_model(stage, list(stage.layers.values()), dist.group.WORLD, cpu, 3, torch.bfloat16)
+    stage = build_stage(cfg, 0, 2, [range(0, 1), range(1, 2)]).to(device)
+    shard_model(stage, list(stage.layers.values()), group, device, 2, low)
+    with autocast_for(device):
+        assert stage(tokens).dtype == torch.float32  # sent between stages as ACTIVATION_DTYPE
+    stage, seen = build_stage(cfg, 1, 2, [range(0, 1), range(1, 2)]).to(device), {}
+    shard_model(stage, list(stage.layers.values()), group, device, 3, low)
     _seen_in_forward(stage.layers["1"], seen, "block")
-    stage(torch.randn(2, 16, cfg.d_model), tokens[:, 1:])
-    assert seen["block"][1][0] == torch.bfloat16  # a stage computes as the whole model does
+    with autocast_for(device):
+        stage(torch.randn(2, 16, cfg.d_model, device=device), tokens[:, 1:])
+    assert seen["block"][1][0] == low  # a stage computes as the whole model does
     dist.destroy_process_group()
 
 
@@ -147,7 +159,16 @@ def test_parameters_are_gathered_in_the_policy_s_dtype_and_state_and_gradients_s
     """bf16 forced on the CPU (gloo all-gathers it), then fp32, on two ranks: the forward
     computes with the fp32 masters rounded once to the gather dtype; the sharded parameters,
     gradients and AdamW moments are fp32, and bf16 gradients are reduce-scattered in fp32."""
-    mp.spawn(_policy_on_gloo, args=(2, _free_port()), nprocs=2)
+    mp.spawn(_policy_check, args=(2, _free_port(), "cpu"), nprocs=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(120)
+def test_on_cuda_auto_gathers_bf16_under_autocast():
+    """The same on CUDA (scripts/gpu_check.sh runs it): `auto`'s bf16 over NCCL, on two GPUs
+    where there are two (one rank otherwise: FSDP2 still gathers and casts)."""
+    world = min(2, torch.cuda.device_count())
+    mp.spawn(_policy_check, args=(world, _free_port(), "cuda"), nprocs=world)
 
 
 class _Unit:
