@@ -90,6 +90,26 @@ def test_exact_sharding_on_a_torch_without_custom_reduce_scatter_is_refused(monk
     load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2"])
 
 
+def test_exact_mode_refuses_bf16_gathers_in_one_line():
+    """Exact mode's bits are the unsharded run's, from fp32 weights (parallel/fsdp.py)."""
+    with pytest.raises(ConfigError, match=r"^config key 'parallel.fsdp_param_dtype': got "
+                                          r"'bf16' with determinism=exact.*expected auto or "
+                                          r"fp32 \(or determinism=fast\)$"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2",
+                                          "determinism=exact", "parallel.fsdp_param_dtype=bf16"])
+    with pytest.raises(ConfigError, match="'parallel.fsdp_param_dtype': got 'fp16', expected "
+                                          "'auto' | 'bf16' | 'fp32'"):
+        load_config("configs/tiny.yaml", ["parallel.fsdp_param_dtype=fp16"])
+    for dtype in ("auto", "fp32"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2",
+                                          "determinism=exact",
+                                          f"parallel.fsdp_param_dtype={dtype}"])
+    cfg = load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2",
+                                            "parallel.fsdp_param_dtype=bf16"])
+    assert cfg.parallel.fsdp_param_dtype == "bf16"
+    assert load_config("configs/tiny.yaml").parallel.fsdp_param_dtype == "auto"
+
+
 @pytest.mark.parametrize("schedule", ["pipedream", "paci"])
 def test_sharded_pipeline_stages_run_the_flush_schedules_only(schedule):
     with pytest.raises(ConfigError, match=f"'parallel.fsdp': got 2 with parallel.pp=2 and the "

@@ -122,6 +122,9 @@ class ParallelSection:
     # Workers each replica's parameters, gradients and optimizer state are sharded over
     # (FSDP2, ZeRO-3; parallel/fsdp.py). 1: every worker holds the whole model.
     fsdp: int = 1
+    # dtype FSDP2 gathers parameters in and computes with (sharded state and gradient
+    # reductions stay fp32); auto: bf16 on CUDA in fast mode (Olmo 3's recipe), else fp32
+    fsdp_param_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     pp: int = 1
     schedule: ScheduleName = "1f1b"
     stage_layers: list[int] | None = None  # layers per stage; None: balanced by cost
@@ -532,8 +535,8 @@ def validate(cfg: RunConfig) -> None:
          f"'parallel.fsdp': got {p.fsdp} with parallel.pp={p.pp} and the asynchronous "
          f"schedule '{p.schedule}'; sharded stages run the flush schedules "
          f"({', '.join(FLUSH_SCHEDULES)}), or use parallel.fsdp=1")
-    if p.fsdp > 1 and cfg.determinism == "exact":
-        _validate_exact_sharding(p.fsdp, m, need)
+    if cfg.determinism == "exact":
+        _validate_exact_sharding(p, m, need)
     need(cfg.micro_batches % cfg.data_parallel == 0,
          f"config key 'parallel.dp': got dp {p.dp} x fsdp {p.fsdp}, but the "
          f"{cfg.micro_batches} micro-batches of a global batch (train.global_batch / "
@@ -578,14 +581,21 @@ def _validate_eval_sets(sets: dict[str, Any], need: Callable[[bool, str], None])
              "`data index`)")
 
 
-def _validate_exact_sharding(fsdp: int, m: Olmo3Config,
+def _validate_exact_sharding(p: ParallelSection, m: Olmo3Config,
                              need: Callable[[bool, str], None]) -> None:
-    """Exact mode's bits hold only for shardings whose chunks are whole CPU vectors."""
+    """Exact mode's bits hold only with fp32 gathers (the unsharded run's weights) and for
+    shardings whose chunks are whole CPU vectors."""
+    need(p.fsdp_param_dtype != "bf16", "config key 'parallel.fsdp_param_dtype': got 'bf16' "
+         "with determinism=exact, whose bits are the unsharded run's (fp32 weights under "
+         "autocast); expected auto or fp32 (or determinism=fast)")
+    if p.fsdp == 1:
+        return
     import torch
     from torch.distributed.fsdp import FSDPModule
 
     from relaytrain.parallel.shards import VECTOR_VALUES, misaligned, parameter_shapes
 
+    fsdp = p.fsdp
     # exact mode's integer reduce-scatter plugs into FSDP2's custom-comm hook (torch 2.9)
     need(hasattr(FSDPModule, "set_custom_reduce_scatter"), "config key 'parallel.fsdp': got "
          f"{fsdp} with determinism=exact, which needs torch >= 2.9 (FSDP2's custom "

@@ -174,11 +174,13 @@ def test_rmsnorm_normalises_in_fp32_and_returns_the_input_dtype():
     torch.testing.assert_close(norm(x), ref.bfloat16(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_and_rope_gradients_are_autograd_of_the_reference_formulas(dtype):
+@pytest.mark.parametrize("dtype, weight_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16)])  # the last: FSDP2's bf16 gathers (parallel/fsdp.py)
+def test_norm_and_rope_gradients_are_autograd_of_the_reference_formulas(dtype, weight_dtype):
     """The hand-written backwards of RMSNorm and RoPE against autograd through the formulas."""
     g = torch.Generator().manual_seed(0)
-    norm = RMSNorm(16, eps=1e-6)
+    norm = RMSNorm(16, eps=1e-6).to(weight_dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(16, generator=g) + 0.5)
     w_ref = norm.weight.detach().clone().requires_grad_()
@@ -189,7 +191,7 @@ def test_norm_and_rope_gradients_are_autograd_of_the_reference_formulas(dtype):
     xf = x_ref.float()
     (w_ref * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))).to(dtype).backward(up)
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
-    assert x.grad.dtype == dtype
+    assert x.grad.dtype == dtype and norm.weight.grad.dtype == weight_dtype
     torch.testing.assert_close(x.grad, x_ref.grad, **tol)
     torch.testing.assert_close(norm.weight.grad, w_ref.grad, **tol)
 

@@ -1,5 +1,6 @@
 """Exact mode under sharding: the integer reduce-scatter sums every rank's micro-batches exactly,
-in slices."""
+in slices. The precision policy (`parallel.fsdp_param_dtype`): gathers in bf16 or fp32, fp32
+state and reductions, on real gloo ranks."""
 
 import os
 import socket
@@ -8,14 +9,25 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from relaytrain.config import OptimSection
+from relaytrain.model.config import PRESETS
+from relaytrain.model.init import init_weights
+from relaytrain.model.olmo3 import Olmo3
+from relaytrain.model.stages import build_stage
 from relaytrain.parallel.fsdp import (
     SLICE_VALUES,
     ShardedGradReducer,
     _IntegerReduceScatter,
+    mixed_precision,
+    param_dtype,
+    shard_model,
     sum_gradients,
 )
 from relaytrain.parallel.reduce import from_limbs, to_limbs
+from relaytrain.train.optim import build_optimizer
+from relaytrain.train.step import autocast_for
 
 
 def _integer_reduce_scatter(rank: int, world: int, port: int) -> None:
@@ -43,15 +55,120 @@ def _integer_reduce_scatter(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.timeout(60)
 def test_the_integer_reduce_scatter_sums_every_rank_s_micro_batches_exactly_in_slices():
     """Exact mode's reduce-scatter, on real gloo ranks: the integer sum of every rank's and
     micro-batch's gradient, delivered at the last micro-batch, the same whether the limbs are
     formed all at once or slice by slice (they take 32 bytes a value while formed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_integer_reduce_scatter, args=(3, port), nprocs=3)
+    mp.spawn(_integer_reduce_scatter, args=(3, _free_port()), nprocs=3)
+
+
+def test_auto_gathers_bf16_on_cuda_in_fast_mode_only():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert param_dtype("auto", cuda, exact=False) == torch.bfloat16  # Olmo 3's recipe
+    assert param_dtype("auto", cuda, exact=True) == torch.float32  # the unsharded run's bits
+    assert param_dtype("auto", cpu, exact=False) == torch.float32
+    for device in (cuda, cpu):
+        assert param_dtype("bf16", device, exact=False) == torch.bfloat16
+        assert param_dtype("fp32", device, exact=False) == torch.float32
+
+
+def test_the_bf16_policy_reduces_in_fp32_and_casts_only_at_the_root():
+    """fp32 gathers are FSDP2's default policy (no casts: exact mode's bits); bf16 reduces in
+    fp32, and only the root casts: a pipeline stage's fp32 activations in, fp32 out."""
+    assert mixed_precision(torch.float32, root=True) == MixedPrecisionPolicy()
+    assert mixed_precision(torch.float32, root=False) == MixedPrecisionPolicy()
+    root, block = (mixed_precision(torch.bfloat16, root=r) for r in (True, False))
+    assert (root.param_dtype, root.reduce_dtype, root.output_dtype, root.cast_forward_inputs) \
+        == (torch.bfloat16, torch.float32, torch.float32, True)
+    assert (block.param_dtype, block.reduce_dtype, block.output_dtype,
+            block.cast_forward_inputs) == (torch.bfloat16, torch.float32, None, False)
+
+
+def _seen_in_forward(module: torch.nn.Module, seen: dict[str, object], key: str) -> None:
+    """Record in `seen[key]` the parameters `module` computes with (FSDP2's gathered ones) and
+    the dtypes of its inputs, at its first forward."""
+    def hook(mod: torch.nn.Module, args: tuple) -> None:
+        seen.setdefault(key, ({n: p.detach().clone() for n, p in mod.named_parameters()},
+                              [a.dtype for a in args if torch.is_tensor(a)]))
+    module.register_forward_pre_hook(hook)
+
+
+def _policy_check(rank: int, world: int, port: int, kind: str) -> None:
+    """One rank of the policy test: gloo on the CPU (bf16 forced), or NCCL on CUDA under the
+    autocast training uses, with `auto`'s dtype."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo" if kind == "cpu" else "nccl", rank=rank, world_size=world)
+    device = torch.device(kind, rank if kind == "cuda" else None)
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    cfg = PRESETS["tiny"].with_vocab(128)
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(rank))
+    tokens, group = tokens.to(device), dist.group.WORLD
+    low = param_dtype("auto" if kind == "cuda" else "bf16", device, exact=False)
+    assert low == torch.bfloat16
+    for generation, dtype in enumerate((low, torch.float32)):
+        model, seen = Olmo3(cfg).to(device), {}
+        init_weights(model, 0)
+        shard_model(model, list(model.layers.values()), group, device, generation, dtype)
+        masters = {n: p.full_tensor() for n, p in model.named_parameters()}
+        _seen_in_forward(model.layers["0"], seen, "block")
+        _seen_in_forward(model.norm, seen, "norm")
+        optimizer = build_optimizer(model, OptimSection())
+        with autocast_for(device):
+            total, _, _ = model(tokens[:, :-1], tokens[:, 1:])
+        assert total.dtype == torch.float32
+        total.backward()
+        for key, prefix in (("block", "layers.0."), ("norm", "norm.")):
+            gathered, inputs = seen[key]
+            for name, p in gathered.items():  # the fp32 masters, rounded once to `dtype`
+                assert torch.equal(p, masters[prefix + name].to(dtype)), (key, name)
+            assert inputs[0] == dtype  # the residual stream
+        assert seen["block"][1][1:] == [torch.float32] * 2  # RoPE's cos and sin: not cast
+        grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
+        assert all(g.dtype == torch.float32 for g in grads.values())
+        if dtype == low and world > 1:  # the ranks' bf16 gradients summed in fp32, not bf16
+            g = grads["layers.0.mlp.up_proj.weight"]
+            assert not torch.equal(g, g.to(torch.bfloat16).float())
+        optimizer.step()
+        for p in model.named_parameters():
+            assert p[1].dtype == torch.float32 and p[1].to_local().dtype == torch.float32
+        assert all(v.dtype == torch.float32 for state in optimizer.state.values()
+                   for v in state.values())
+    stage = build_stage(cfg, 0, 2, [range(0, 1), range(1, 2)]).to(device)
+    shard_model(stage, list(stage.layers.values()), group, device, 2, low)
+    with autocast_for(device):
+        assert stage(tokens).dtype == torch.float32  # sent between stages as ACTIVATION_DTYPE
+    stage, seen = build_stage(cfg, 1, 2, [range(0, 1), range(1, 2)]).to(device), {}
+    shard_model(stage, list(stage.layers.values()), group, device, 3, low)
+    _seen_in_forward(stage.layers["1"], seen, "block")
+    with autocast_for(device):
+        stage(torch.randn(2, 16, cfg.d_model, device=device), tokens[:, 1:])
+    assert seen["block"][1][0] == low  # a stage computes as the whole model does
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_parameters_are_gathered_in_the_policy_s_dtype_and_state_and_gradients_stay_fp32():
+    """bf16 forced on the CPU (gloo all-gathers it), then fp32, on two ranks: the forward
+    computes with the fp32 masters rounded once to the gather dtype; the sharded parameters,
+    gradients and AdamW moments are fp32, and bf16 gradients are reduce-scattered in fp32."""
+    mp.spawn(_policy_check, args=(2, _free_port(), "cpu"), nprocs=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(120)
+def test_on_cuda_auto_gathers_bf16_under_autocast():
+    """The same on CUDA (scripts/gpu_check.sh runs it): `auto`'s bf16 over NCCL, on two GPUs
+    where there are two (one rank otherwise: FSDP2 still gathers and casts)."""
+    world = min(2, torch.cuda.device_count())
+    mp.spawn(_policy_check, args=(world, _free_port(), "cuda"), nprocs=world)
 
 
 class _Unit:

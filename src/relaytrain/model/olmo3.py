@@ -60,7 +60,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x_hat, r, weight = ctx.saved_tensors
-        g = grad.float()
+        g, weight = grad.float(), weight.float()  # a bf16 weight (FSDP2's bf16 gathers) too
         d = weight.shape[0]
         g_x_hat = g * x_hat
         grad_w = grad_x = None

@@ -15,6 +15,13 @@ these hooks do the gathering and reducing (train/pipeline_stage.py).
 Gradients are sums, not means: the loss is pre-scaled by 1 / (micro-batches in the global
 batch) everywhere in relaytrain, so FSDP2's division is turned off.
 
+Precision (`parallel.fsdp_param_dtype`, `param_dtype`): the sharded parameters, their gradients
+and AdamW's moments are fp32 always. On CUDA in fast mode the parameters are gathered in bf16
+and the forward and backward compute with them (Olmo 3's recipe, FSDP2's MixedPrecisionPolicy:
+half the all-gather traffic and gathered memory); each unit's bf16 gradient is reduce-scattered
+in fp32. Exact mode, and the CPU, gather fp32 (no policy: FSDP2 as it was): exact mode's bits
+are the unsharded run's, which computes under autocast from fp32 weights (docs/DETERMINISM.md).
+
 `fast` sums in float32 as FSDP2 does. `exact` keeps parallel/reduce.py's promise under
 sharding: each micro-batch's unsharded gradient becomes int64 limbs, reduce-scattered as
 integers (both limbs in one collective) and summed over this rank's micro-batches in an integer
@@ -37,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from relaytrain.parallel.reduce import any_rank, exceeds, from_limbs, overflow_limit, to_limbs
@@ -52,17 +59,48 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 SLICE_VALUES = 2**24
 
 
+# `parallel.fsdp_param_dtype`'s explicit settings.
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def param_dtype(setting: str, device: torch.device, exact: bool) -> torch.dtype:
+    """The dtype FSDP2 gathers parameters in (`parallel.fsdp_param_dtype`). `auto`: bf16 on
+    CUDA, as Olmo 3's recipe; fp32 on the CPU, which runs without autocast (its fused kernels
+    are fp32 ones), and in exact mode, whose bits are the unsharded run's (config.py refuses
+    an explicit bf16 there)."""
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" and not exact else torch.float32
+    return PARAM_DTYPES[setting]
+
+
+def mixed_precision(dtype: torch.dtype, root: bool) -> MixedPrecisionPolicy:
+    """A unit's policy for parameters gathered in `dtype`, gradients reduced in fp32.
+
+    fp32: FSDP2's default (no casts at all). Otherwise the root casts a pipeline stage's fp32
+    input activation to `dtype` and its output back to fp32 (the dtype stages exchange,
+    train/pipeline_stage.py: both casts exact, so a stage computes as the whole model does);
+    a block casts none of its inputs (the residual stream is `dtype` already, and RoPE's
+    cos/sin stay fp32)."""
+    if dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None,
+                                cast_forward_inputs=root)
+
+
 def shard_model(model: nn.Module, blocks: list[nn.Module], group: dist.ProcessGroup,
-                device: torch.device, generation: int) -> list[FSDPModule]:
+                device: torch.device, generation: int,
+                dtype: torch.dtype = torch.float32) -> list[FSDPModule]:
     """Shard `model` over `group` in place: each of `blocks`, then the root (what is left:
-    embedding, final norm, head). Returns the FSDP units.
+    embedding, final norm, head), gathering parameters in `dtype` (`param_dtype`). Returns
+    the FSDP units.
 
     The mesh is named for the `generation`, so that no mesh equals an earlier generation's
     (DTensor caches sharding decisions by mesh; that generation's process groups are gone)."""
     mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=(f"shard{generation}",))
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mixed_precision(dtype, root=False))
+    fully_shard(model, mesh=mesh, mp_policy=mixed_precision(dtype, root=True))
     units: list[FSDPModule] = [*blocks, model]  # type: ignore[list-item]
     for unit in units:
         sum_gradients(unit)

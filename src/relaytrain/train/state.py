@@ -110,10 +110,13 @@ class TrainState:
         self.model = prepare_model(model, self.cfg.model, self.device)
         self.units = []
         if shard_group is not None:
-            from relaytrain.parallel.fsdp import shard_model  # parallel/shards.py: why
+            # imported only when sharding: parallel/shards.py says why
+            from relaytrain.parallel.fsdp import param_dtype, shard_model
 
+            dtype = param_dtype(self.cfg.parallel.fsdp_param_dtype, self.device,
+                                self.cfg.determinism == "exact")
             self.units = shard_model(self.model, list(self.model.layers.values()), shard_group,
-                                     self.device, generation)
+                                     self.device, generation, dtype)
         self.sharded = shard_group is not None
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
         self.layout = layout
