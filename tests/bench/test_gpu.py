@@ -1,14 +1,21 @@
 """`relaytrain bench gpu`: the one GPU command's plumbing, run as its CPU dry run (tiny sizes,
-seconds), its refusal without CUDA, and the 7B memory plan's arithmetic."""
+seconds), its refusal without CUDA, and the 7B and 32B memory plans' arithmetic."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from relaytrain.bench.gpu import SECTIONS, bench_gpu, format_report, memory_plan  # noqa: E402
+from relaytrain.bench.gpu import (  # noqa: E402
+    SECTIONS,
+    bench_gpu,
+    format_report,
+    memory_plan,
+    memory_table,
+)
 from relaytrain.errors import UserError  # noqa: E402
 from relaytrain.model.config import PRESETS  # noqa: E402
 
@@ -59,3 +66,26 @@ def test_the_7b_plan_sharded_8_ways_fits_an_80_gb_gpu_in_fast_and_exact_mode():
         assert state <= 1.1 * 16 * whole["params"] / 8
         assert plan["peak"] < 80e9
     assert memory_plan(PRESETS["olmo3-7b"], 8192, 1, exact=True)["peak"] > 141e9  # unsharded
+
+
+def test_the_32b_plan_needs_16_gpus_fast_and_32_exact_on_80_gb():
+    cfg = PRESETS["olmo3-32b"]
+    fits = {(f, exact): memory_plan(cfg, 8192, 1, fsdp=f, exact=exact)["peak"] < 80e9
+            for f in (8, 16, 32) for exact in (False, True)}
+    assert fits == {(8, False): False, (8, True): False, (16, False): True, (16, True): False,
+                    (32, False): True, (32, True): True}
+    plan = memory_plan(cfg, 8192, 1, fsdp=16)
+    assert plan["weights_fp32"] + plan["grads_fp32"] + plan["adamw_fp32"] == \
+        16 * plan["params"] // 16
+    assert plan["checkpoints"] == 64 * 8192 * 5120 * 4
+
+
+def test_the_docs_memory_tables_are_what_memory_table_computes():
+    """docs/MEASURED.md's tables are memory_table's output, none typed by hand."""
+    text = (Path(__file__).parents[2] / "docs" / "MEASURED.md").read_text()
+    for preset, fsdps in (("olmo3-7b", (8,)), ("olmo3-32b", (8, 16, 32))):
+        for f in fsdps:  # the rows add up to the backward's peak, as the table says
+            for exact in (False, True):
+                plan = memory_plan(PRESETS[preset], 8192, 1, fsdp=f, exact=exact)
+                assert plan["peak"] == plan["backward_peak"]
+        assert memory_table(PRESETS[preset], 8192, 1, fsdps) in text

@@ -89,7 +89,8 @@ def window_reference(q, k, v, window, scale):
 
 @built
 @pytest.mark.parametrize(("t", "window", "heads", "kv_heads"), [
-    (70, 5, 2, 2), (70, 40, 4, 2), (33, 100, 2, 1), (64, 1, 2, 2), (257, 64, 2, 2)])
+    (70, 5, 2, 2), (70, 40, 4, 2), (33, 100, 2, 1), (64, 1, 2, 2), (257, 64, 2, 2),
+    (70, 40, 10, 2)])  # the last: five query heads to a kv head, as olmo3-32b
 @pytest.mark.parametrize("layout", ["heads first", "tokens first"])
 def test_window_attention_equals_the_dense_mask_forward_and_backward(t, window, heads,
                                                                      kv_heads, layout):

@@ -36,7 +36,7 @@ def test_names_map_onto_the_real_hf_model_one_to_one():
         hf_to_ours_name("model.layers.0.input_layernorm.weight")
 
 
-@pytest.mark.parametrize("cfg", [CFG, PRESETS["olmo3-7b"]])
+@pytest.mark.parametrize("cfg", [CFG, PRESETS["olmo3-7b"], PRESETS["olmo3-32b"]])
 def test_config_round_trips_through_hf(cfg):
     hf = to_hf_config(cfg)
     assert hf.vocab_size == cfg.tokenizer_vocab and hf.head_dim == cfg.head_dim

@@ -117,6 +117,40 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
             "backward_peak": backward_peak, "peak": max(forward_peak, backward_peak)}
 
 
+GPU_80GB = 80e9  # an H100's or A100's memory, the bar of the memory tables
+_TABLE_ROWS = (  # a row of `memory_table`: its label and the plan's keys it adds up
+    ("fp32 weights + gradients + AdamW moments (1/fsdp each)",
+     ("weights_fp32", "grads_fp32", "adamw_fp32")),
+    ("gathered whole: the root (embedding, head) all step, a block and the next",
+     ("gathered_fp32",)),
+    ("a unit's whole gradient + its reduce-scatter input", ("reduce_in_flight",)),
+    ("int64 gradient accumulator (1/fsdp)", ("exact_accumulator",)),
+    ("a gradient slice as limbs while it is reduced (32 B a value)", ("exact_transient",)),
+    ("block checkpoints + recompute + loss chunk",
+     ("checkpoints", "recompute_estimate", "loss_chunk")),
+    ("**planned peak** (backward)", ("peak",)),
+)
+
+
+def memory_table(cfg: Olmo3Config, seq_len: int, micro_batch: int,
+                 fsdps: tuple[int, ...]) -> str:
+    """`memory_plan` of each sharding in `fsdps`, fast and exact, as the Markdown table
+    docs/MEASURED.md shows (GB = 1e9 bytes; a test holds the docs to it)."""
+    plans = [memory_plan(cfg, seq_len, micro_batch, fsdp=f, exact=e)
+             for f in fsdps for e in (False, True)]
+    head = "".join(f" fsdp {p['fsdp']} {'exact' if p['exact'] else 'fast'} |" for p in plans)
+    lines = [f"| GB per GPU |{head}", "| --- |" + " ---: |" * len(plans)]
+    for label, keys in _TABLE_ROWS:
+        cells = [sum(p[k] for k in keys) for p in plans]
+        text = [f"{c / 1e9:.1f}" if c else "—" for c in cells]
+        if label.startswith("**"):
+            text = [f"**{t}**" for t in text]
+        lines.append(f"| {label} | " + " | ".join(text) + " |")
+    fits = ["yes" if p["peak"] < GPU_80GB else "no" for p in plans]
+    lines.append(f"| fits an 80 GB GPU | {' | '.join(fits)} |")
+    return "\n".join(lines)
+
+
 def bench_gpu(device: str = "cuda", quick: bool = False, out: str | None = None,
               only: list[str] | None = None) -> dict[str, Any]:
     """Run the sections (all, or `only`), writing `<out>/gpu.json` after each."""

@@ -1,8 +1,11 @@
 """Olmo 3 architecture hyper-parameters and the named presets.
 
-The preset dimensions of `olmo3-7b` are the published ones; `olmo3-1b` is the 1.48B config used
-by the GPU benchmark (issue 9), `olmo3-190m` follows OLMo-core's 190M class, and `small`/`tiny`
-are for CPU training and tests. `vocab_size=None` means "take it from the prepared data".
+The dimensions of `olmo3-7b` and `olmo3-32b` are OLMo-core's (`TransformerConfig.olmo3_7B`,
+`olmo3_32B`, with the dolma2 tokenizer padded to 128: tests/model/test_presets.py builds them
+with OLMo-core's own code); `olmo3-1b` is the 1.48B config used by the GPU benchmark (issue 9),
+`olmo3-190m` follows OLMo-core's 190M class, and `small`/`tiny` are for CPU training and tests
+(`tiny-gqa`: `tiny` with grouped-query attention, 2 kv heads for 4 query heads, for the HF
+parity check). `vocab_size=None` means "take it from the prepared data".
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ PRESETS: dict[str, Olmo3Config] = {
         vocab_size=100352, tokenizer_vocab=100278, max_seq_len=8192, sliding_window=4096,
         eos_token_id=100257, pad_token_id=100277,
     ),
+    "olmo3-32b": Olmo3Config(
+        d_model=5120, n_layers=64, n_heads=40, n_kv_heads=8, head_dim=128, mlp_hidden=27648,
+        vocab_size=100352, tokenizer_vocab=100278, max_seq_len=8192, sliding_window=4096,
+        eos_token_id=100257, pad_token_id=100277,
+    ),
     "olmo3-1b": Olmo3Config(
         d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128, mlp_hidden=8192,
         vocab_size=100352, tokenizer_vocab=100278, max_seq_len=4096, sliding_window=4096,
@@ -100,3 +108,4 @@ PRESETS: dict[str, Olmo3Config] = {
         max_seq_len=64, sliding_window=16, rope_theta=10_000.0,
     ),
 }
+PRESETS["tiny-gqa"] = dataclasses.replace(PRESETS["tiny"], n_kv_heads=2)

@@ -5,6 +5,8 @@ run in fp32 on the CPU, and are compared on logits, loss, the gradient of every 
 the loss of every step of a short AdamW training run on identical random batches. The default
 preset mixes sliding-window and full layers and the sequence is longer than the window, so the
 window mask is exercised; the vocabulary is padded (500 -> 512) so padding is exercised too.
+`tiny-gqa` is the same with grouped-query attention (2 kv heads serving 4 query heads), as
+`olmo3-32b` has.
 
 HF runs with `attn_implementation="sdpa"`, the kernels we call, and the two then agree bit for
 bit on the CPU (with "eager" they differ by float reassociation, ~1e-6, within the bars). Both
@@ -154,6 +156,7 @@ def run_parity(preset: str = "tiny", steps: int = 20, seq_len: int | None = None
     return {
         "preset": preset, "seq_len": seq_len, "steps": steps, "seed": seed, "batch": BATCH,
         "tokenizer_vocab": cfg.tokenizer_vocab, "vocab_size": cfg.vocab_size,
+        "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
         "layer_types": list(cfg.layer_types), "sliding_window": cfg.sliding_window,
         "window_exercised": SLIDING in cfg.layer_types and seq_len > cfg.sliding_window,
         "hf_attn_implementation": "sdpa", "dtype": "float32", "device": "cpu",
