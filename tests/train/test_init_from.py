@@ -113,7 +113,8 @@ def bad(tmp_path, url: str, *overrides: str) -> str:
 
 
 def test_each_bad_source_is_one_line_naming_the_key(tmp_path):
-    url, _ = source(tmp_path)
+    url, src = source(tmp_path)
+    model = CheckpointStore(url).read_manifest(2)["model"]
     assert "does not exist" in bad(tmp_path, str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     assert "no committed checkpoint" in bad(tmp_path, str(tmp_path / "empty"))
@@ -128,6 +129,11 @@ def test_each_bad_source_is_one_line_naming_the_key(tmp_path):
     part.write_bytes(bytes(data))
     assert "does not match the manifest" in bad(tmp_path, str(broken))
     assert "holds another model (n_layers=2" in bad(tmp_path, url, "model.n_layers=3")
+    partial = CheckpointStore(str(tmp_path / "partial"))
+    kept = {k: t for k, t in src.items() if "lm_head" not in k}
+    partial.commit(2, {"stage0": partial.write_part(2, "stage0", kept)}, {"model": model})
+    assert "lacks the weights of 1 parameter(s) of the model, e.g. 'lm_head.weight'" in bad(
+        tmp_path, partial.url)
     dcp = tmp_path / "olmo-core" / "step1000"
     (dcp / "model_and_optim").mkdir(parents=True)
     (dcp / "model_and_optim" / ".metadata").write_bytes(b"\x80\x04")

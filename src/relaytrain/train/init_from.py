@@ -26,7 +26,13 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from relaytrain import storage
-from relaytrain.checkpoint.keys import MODEL_PREFIX, OPTIM_PREFIX, model_key, tensor_param
+from relaytrain.checkpoint.keys import (
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    model_key,
+    model_tensors,
+    tensor_param,
+)
 from relaytrain.checkpoint.pieces import Rows
 from relaytrain.checkpoint.reading import Into, KeyFilter, load_dir, stored_keys
 from relaytrain.checkpoint.store import locate_checkpoint
@@ -34,6 +40,7 @@ from relaytrain.checkpoint.streaming import DIGEST, digest_hex, hash_stream
 from relaytrain.config import InitSection
 from relaytrain.errors import CheckpointError, ConfigError, UserError, warn
 from relaytrain.model.config import Olmo3Config
+from relaytrain.model.olmo3 import Olmo3
 
 # The dimensions that fix the weights' shapes: a source must have the run's. Others (RoPE,
 # sliding window, sequence length) may change between stages, as Olmo 3's long-context one does.
@@ -51,13 +58,15 @@ class Found:
     digest: str
     moments: bool  # the source holds AdamW's moments and step counts
     dims: dict[str, Any]
+    params: set[str]  # the parameters it holds weights of
 
 
 @dataclass(frozen=True)
 class SourceKind:
     name: str
     holds: Callable[[fsspec.AbstractFileSystem, str], bool]  # does this directory hold one?
-    resolve: Callable[[str], Found]  # found and verified, or CheckpointError
+    # found and verified (`init.optimizer` says whether its moments are wanted), else an error
+    resolve: Callable[[str, bool], Found]
     # this worker's tensors (`model.*`, `optim.*`) of the origin: those `keys` selects, of the
     # sharded ones the `rows` asked; read `into` the live tensors where they fit
     read: Callable[[dict[str, Any], KeyFilter, Rows, Into | None], dict[str, torch.Tensor]]
@@ -77,13 +86,14 @@ def _relay_holds(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     return True  # the last kind: whatever it is not, `locate_checkpoint` says
 
 
-def _relay_resolve(url: str) -> Found:
+def _relay_resolve(url: str, optimizer: bool) -> Found:
     fs, d, manifest = locate_checkpoint(url)
     if not isinstance(manifest.get("model"), dict):
         raise CheckpointError(f"{url}: its manifest records no model config")
     keys = stored_keys(fs, d, manifest)
     return Found(_location(fs, d), int(manifest["step"]), _manifest_digest(manifest),
-                 any(k.startswith(OPTIM_PREFIX) for k in keys), manifest["model"])
+                 any(k.startswith(OPTIM_PREFIX) for k in keys), manifest["model"],
+                 set(model_tensors(dict.fromkeys(keys))))
 
 
 def _relay_read(origin: dict[str, Any], keys: KeyFilter, rows: Rows, into: Into | None
@@ -101,30 +111,38 @@ def _hf_holds(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     return fs.exists(f"{path}/config.json") and bool(fs.glob(f"{path}/*.safetensors"))
 
 
-def _hf_resolve(url: str) -> Found:
+def _hf_resolve(url: str, optimizer: bool) -> Found:
     from relaytrain.model.hf import read_hf
 
     fs, path = storage.filesystem(url)
     path = path.rstrip("/")
     if storage.scheme(url) != "file":
         raise CheckpointError("an HF directory is read from a local path; download it first")
-    cfg, _ = read_hf(Path(path), meta=True)  # config and every tensor's name and shape
+    cfg, shapes = read_hf(Path(path), meta=True)  # config, every tensor's name and shape
     # config.json and every weights file, hashed in name order (read once, never kept)
     parts = [b"config.json:" + fs.cat_file(f"{path}/config.json")]
     for f in sorted(fs.glob(f"{path}/*.safetensors")):
         with fs.open(f, "rb") as src:
             size, digest = hash_stream(src)
         parts.append(f"{posixpath.basename(f)}:{size}:{digest}".encode())
-    return Found(path, None, f"{DIGEST}:{digest_hex(DIGEST, *parts)}", False, cfg.to_dict())
+    return Found(path, None, f"{DIGEST}:{digest_hex(DIGEST, *parts)}", False, cfg.to_dict(),
+                 set(shapes))
 
 
 def _hf_read(origin: dict[str, Any], keys: KeyFilter, rows: Rows, into: Into | None
              ) -> dict[str, torch.Tensor]:
     from relaytrain.model.hf import read_hf
 
+    weights = read_hf(Path(origin["location"]))[1]
+    return _share({model_key(n): t for n, t in weights.items()}, keys, rows)
+
+
+def _share(tensors: dict[str, torch.Tensor], keys: KeyFilter, rows: Rows
+           ) -> dict[str, torch.Tensor]:
+    """A worker's share of whole tensors a source gave (by our keys): those `keys` selects,
+    of each the `rows` asked."""
     out = {}
-    for name, t in read_hf(Path(origin["location"]))[1].items():
-        key = model_key(name)
+    for key, t in tensors.items():
         if keys(key):
             first, stop = rows.get(key, (0, t.shape[0]))
             out[key] = t[first:stop]
@@ -136,9 +154,10 @@ def _olmo_core_holds(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     return fs.exists(f"{path}/.metadata") or fs.exists(f"{path}/model_and_optim/.metadata")
 
 
-def _olmo_core_resolve(url: str) -> Found:
-    # NOT YET: the OLMo-core reader (`read_olmo_core`) lands with another part of issue 40;
-    # it plugs in here (resolve: its step, dims and digest; read: its tensors by our keys).
+def _olmo_core_resolve(url: str, optimizer: bool) -> Found:
+    # NOT YET: the OLMo-core reader (`read_olmo_core(url, optimizer)`) lands with another
+    # part of issue 40. It plugs in here: resolve gives Found(its step, digest, whether it holds
+    # moments, its dims); read gives `_share(its tensors by our keys, keys, rows)`.
     raise ConfigError(f"config key 'init.from': {storage.redact(url)} is an OLMo-core "
                       "checkpoint (a torch distributed checkpoint's .metadata); OLMo-core "
                       "checkpoints: not yet")
@@ -173,7 +192,7 @@ def resolve(init: InitSection, model_cfg: Olmo3Config) -> dict[str, Any]:
     assert url is not None
     kind = _kind_of(url)
     try:
-        found = kind.resolve(url)
+        found = kind.resolve(url, init.optimizer)
     except ConfigError:
         raise
     except Exception as e:  # whatever the source holds instead: one line, naming the key
@@ -187,6 +206,11 @@ def resolve(init: InitSection, model_cfg: Olmo3Config) -> dict[str, Any]:
         run = ", ".join(f"{f}={want[f]}" for f in differ)
         raise ConfigError(f"config key 'init.from': {storage.redact(url)} holds another "
                           f"model ({got}; the run's model has {run})")
+    with torch.device("meta"):
+        missing = sorted({n for n, _ in Olmo3(model_cfg).named_parameters()} - found.params)
+    if missing:
+        raise ConfigError(f"config key 'init.from': {storage.redact(url)} lacks the weights "
+                          f"of {len(missing)} parameter(s) of the model, e.g. {missing[0]!r}")
     took = [WEIGHTS]
     if init.optimizer and found.moments:
         took.append(MOMENTS)
