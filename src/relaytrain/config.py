@@ -188,6 +188,18 @@ class LogSection:
 
 
 @dataclass
+class InitSection:
+    # A new run's weights (and with `optimizer` AdamW's moments and step count) from another
+    # run: a relaytrain checkpoint (step, root or run directory), an HF Olmo 3 directory or an
+    # OLMo-core checkpoint (train/init_from.py). Ignored when the run resumes its own checkpoint.
+    from_: str | None = field(default=None, metadata={"key": "from"})
+    optimizer: bool = False
+    # Recorded by the controller, never given: what was loaded (source, kind, location, step,
+    # digest, what was taken); a value given is replaced.
+    origin: dict[str, Any] | None = None
+
+
+@dataclass
 class RunConfig:
     run_dir: str = ""
     seed: int = 0
@@ -203,6 +215,7 @@ class RunConfig:
     elastic: ElasticSection = field(default_factory=ElasticSection)
     faults: FaultsSection = field(default_factory=FaultsSection)
     log: LogSection = field(default_factory=LogSection)
+    init: InitSection = field(default_factory=InitSection)
 
     # ---- derived values -------------------------------------------------------------------
     def model_config(self, tokenizer_vocab: int | None = None) -> Olmo3Config:
@@ -245,9 +258,14 @@ class RunConfig:
         return _to_plain(self)
 
 
+def _key(f: dataclasses.Field) -> str:
+    """A field's config key: its name, or (a Python keyword such as `from`) its metadata's."""
+    return f.metadata.get("key", f.name)
+
+
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {_key(f): _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, tuple | list):
         return [_to_plain(v) for v in obj]
     if isinstance(obj, dict):
@@ -340,17 +358,18 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': got {data!r}, "
                           "expected a mapping")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key(f): f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
             raise ConfigError(f"unknown config key '{prefix}{key}'; accepted keys here: "
                               f"{', '.join(sorted(fields))}")
-        tp = hints[key]
+        name = fields[key]
+        tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value if value is not None else {}, f"{prefix}{key}.")
+            kwargs[name] = _build(tp, value if value is not None else {}, f"{prefix}{key}.")
         else:
-            kwargs[key] = _coerce(f"{prefix}{key}", value, tp)
+            kwargs[name] = _coerce(f"{prefix}{key}", value, tp)
     return cls(**kwargs)
 
 
@@ -448,7 +467,7 @@ RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "trai
                      "parallel.", "runtime.", "elastic.", "faults.", "log.", "checkpoint.",
                      "eval.", "data.prefetch", "data.path", "run_dir", "model.attention",
                      "model.checkpointing", "model.compile", "model.matmul",
-                     "model.kernels")
+                     "model.kernels", "init.")
 
 
 def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
@@ -472,6 +491,12 @@ def _settled(flat: dict[str, Any]) -> dict[str, Any]:
     if flat.get("data.seed") is None:
         flat["data.seed"] = flat.get("seed")
     return flat
+
+
+def init_section(saved: dict[str, Any]) -> InitSection:
+    """The `init` section of a config stored in a checkpoint (the defaults if it has none):
+    a resumed run keeps recording where it started from."""
+    return _build(InitSection, saved.get("init") or {}, "init.")
 
 
 def _deep_copy(d: Any) -> Any:
@@ -560,8 +585,8 @@ def validate(cfg: RunConfig) -> None:
          f"{cfg.elastic.min_workers}, expected >= 1")
     need(cfg.eval.instances >= 1, f"config key 'eval.instances': got {cfg.eval.instances}, "
          "expected >= 1")
-    _validate_eval_sets(cfg.eval.sets, need)
-    _validate_faults(cfg, need)
+    for part in (_validate_eval_sets, _validate_faults, _validate_init):  # one section each
+        part(cfg, need)
 
 
 def _validate_seeds(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
@@ -570,8 +595,8 @@ def _validate_seeds(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
          "integer >= 0 (or null: the run's seed)")
 
 
-def _validate_eval_sets(sets: dict[str, Any], need: Callable[[bool, str], None]) -> None:
-    for name, path in sets.items():
+def _validate_eval_sets(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    for name, path in cfg.eval.sets.items():
         need(isinstance(name, str) and EVAL_SET_NAME.fullmatch(name) is not None
              and name != OWN_EVAL_SET, f"config key 'eval.sets': set name {name!r} must be "
              f"letters, digits, '_' or '-' (and not '{OWN_EVAL_SET}', the run's own "
@@ -607,6 +632,16 @@ def _validate_exact_sharding(p: ParallelSection, m: Olmo3Config,
          f"parameter {bad and bad[0]!r} would be cut into chunks of {bad and bad[1]} values, "
          f"not whole vectors of {VECTOR_VALUES} (the CPU optimizer's), so the bits would "
          f"depend on the layout; expected one of {good} (or determinism=fast)")
+
+
+def _validate_init(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    """What the keys say; whether the source is there and fits is the controller's
+    (train/init_from.py `resolve`, before it writes anything)."""
+    init = cfg.init
+    need(init.from_ != "", "config key 'init.from' is empty; give a checkpoint's path or URL, "
+         "or leave it out")
+    need(not init.optimizer or init.from_ is not None, "config key 'init.optimizer': got true "
+         "without init.from; name the checkpoint whose optimizer state to load")
 
 
 def _validate_faults(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

@@ -21,12 +21,13 @@ WORDS = ("alpha beta gamma delta train model token layer norm rope window cache 
          "batch epoch seed ledger audit shard replica").split()
 
 
-def make_corpus(root: Path) -> str:
-    """Prepare ~40k tokens of word salad with a little structure under `root`; its path."""
+def make_corpus(root: Path, seed: int = 0) -> str:
+    """Prepare ~40k tokens of word salad with a little structure under `root`; its path.
+    Another `seed` gives other text (another run's data)."""
     src = root / "corpus"
     src.mkdir()
     for i in range(80):
-        r = random.Random(i)
+        r = random.Random(seed * 1000 + i)
         lines = [" ".join(r.choice(WORDS[: 8 + i % 12]) for _ in range(12)) for _ in range(40)]
         (src / f"doc{i:03d}.txt").write_text("\n".join(lines) + "\n")
     out = root / "prepared"

@@ -207,6 +207,12 @@ def _read_rows(fs: fsspec.AbstractFileSystem, path: str, info: dict, keys: KeyFi
     return {key: (first, dest[key]) for key, _, _, first, *_ in wanted}
 
 
+def stored_keys(fs: fsspec.AbstractFileSystem, d: str, manifest: dict) -> set[str]:
+    """The tensor names step directory `d` holds, from its files' headers (nothing else read)."""
+    return {k for name, info in manifest["files"].items()
+            for k in _header_keys(fs, f"{d}/{name}", info)}
+
+
 def _header_keys(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> list[str]:
     """Tensor names in a safetensors file, from two small ranged reads of its JSON header."""
     try:

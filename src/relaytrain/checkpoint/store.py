@@ -396,24 +396,58 @@ def open_checkpoint(path_or_url: str, keys: KeyFilter | None = None
     `RUN_DIR/checkpoints`; a root means its newest good step; a step directory (or its
     manifest.json) means exactly that step. Raises `CheckpointError` if nothing loads.
     """
+    fs, path, store = _named(path_or_url)
+    if store is None:
+        return load_dir(fs, path, keys)
+    got = store.load_latest_good(keys)
+    if got is None:
+        raise CheckpointError(store._nothing_loadable())
+    return got
+
+
+def locate_checkpoint(path_or_url: str) -> tuple[fsspec.AbstractFileSystem, str, dict]:
+    """(file system, step directory, manifest) of the checkpoint `path_or_url` names, as for
+    `open_checkpoint`, its every file verified (a root's or run directory's newest step that
+    verifies; broken ones are skipped with a warning) and nothing loaded: `init.from`."""
+    fs, path, store = _named(path_or_url)
+    if store is None:
+        manifest = read_manifest(fs, path)
+        for name, info in manifest["files"].items():
+            verify_file(fs, f"{path}/{name}", info)
+        return fs, path, manifest
+    broken = []
+    for step, _ in store._newest_committed():
+        try:
+            manifest = store.verify(step)
+        except CheckpointError as e:
+            broken.append(f"step {step}: {e}")
+            continue
+        for message in broken:
+            warnings.warn(f"skipping checkpoint {message}", CheckpointWarning, stacklevel=2)
+        return store.fs, store._step_dir(step), manifest
+    if broken:
+        raise CheckpointError(f"no checkpoint under {storage.redact(store.url)} verifies "
+                              f"({'; '.join(broken)})")
+    raise CheckpointError(store._nothing_loadable())
+
+
+def _named(path_or_url: str) -> tuple[fsspec.AbstractFileSystem, str, CheckpointStore | None]:
+    """What a path names: one step directory (file system, its path, None), or the store of a
+    run directory or checkpoints root (file system, path, the store)."""
     url = path_or_url.rstrip("/")
     if url.endswith("/" + MANIFEST):
         url = url[: -len(MANIFEST) - 1]
     fs, path = storage.filesystem(url)
     path = path.rstrip("/")
     if fs.exists(f"{path}/{MANIFEST}"):
-        return load_dir(fs, path, keys)
+        return fs, path, None
     if STEP_DIR.fullmatch(posixpath.basename(path)) and fs.isdir(path):
         raise CheckpointError(f"{path_or_url} was never committed: it has no {MANIFEST}")
     configured = (_configured_url(fs, f"{path}/config.yaml")
                   if fs.exists(f"{path}/config.yaml") else None)
     if configured or fs.isdir(run_checkpoint_url(path)):
         url = run_checkpoint_url(url, configured)
-    store = CheckpointStore(url)
-    got = store.load_latest_good(keys)
-    if got is None:
-        raise CheckpointError(store._nothing_loadable())
-    return got
+    return fs, path, CheckpointStore(url)
 
 
 def _fsync_dir(path: str) -> None:

@@ -77,6 +77,7 @@ class AuditReport:
     resumes: int = 0
     resizes: int = 0
     torn_tail: bool = False
+    origin: dict[str, Any] | None = None  # where step 0 came from (`init.from`; None: seed)
     ngram: dict[str, Any] = field(default_factory=dict)  # the run's own held-out split's
     eval_ngrams: dict[str, dict[str, Any]] = field(default_factory=dict)  # per named set
     checks: list[CheckResult] = field(default_factory=list)
@@ -211,16 +212,24 @@ def _check_config(segments: list[_Segment]) -> CheckResult:
     first = segments[0].header
     for seg in segments:
         h = seg.header
-        changed = [k for k in ORDER_KEYS if h[k] != first[k]]
+        changed = [k for k in (*ORDER_KEYS, "init") if h.get(k) != first.get(k)]
         if changed:
             k = changed[0]
-            c.fail(f"the header of the restart there changed {k} from {first[k]!r} to "
-                   f"{h[k]!r}", seg.after_step + 1)
+            c.fail(f"the header of the restart there changed {k} from {first.get(k)!r} to "
+                   f"{h.get(k)!r}", seg.after_step + 1)
         if h["global_batch"] % (h["dp"] * h["micro_batch"]):
             c.fail(f"the header there cannot split global batch {h['global_batch']} over "
                    f"dp={h['dp']} x micro_batch={h['micro_batch']}", seg.after_step + 1)
     return c.result(f"{len(segments)} headers agree on seed, data seed {first['data_seed']}, "
-                    "global batch, seq_len and data")
+                    "global batch, seq_len and data; step 0 from "
+                    f"{describe_origin(first.get('init'))}")
+def describe_origin(origin: dict[str, Any] | None) -> str:
+    """Where a run's step 0 came from, as the ledger header records it (`init.from`)."""
+    if not origin:
+        return "the seed"
+    step = f" step {origin['step']}" if origin.get("step") is not None else ""
+    return (f"init.from {origin.get('kind')} {origin.get('from')}{step} "
+            f"({'+'.join(origin.get('took', []))}, {origin.get('digest')})")
 
 
 def _check_data(first: dict[str, Any], ds: TokenDataset) -> CheckResult:
@@ -497,6 +506,7 @@ def audit(run_dir: str | Path, *, data_path: str | None = None,
     report = AuditReport(str(run_dir), "", torn_tail=ledger.torn_tail)
     segments, recorded = _parse(ledger.records, run_dir / LEDGER_FILE, report)
     first = segments[0].header
+    report.origin = first.get("init")
     ds = TokenDataset.open(_data_path(run_dir, first, data_path))
     report.data_path = str(ds.path)
     report.checks = [_check_config(segments), _check_data(first, ds),

@@ -207,9 +207,10 @@ def from_hf_config(d: Mapping[str, Any]) -> Olmo3Config:
 # relaytrain convert
 
 
-def read_hf(src: Path) -> tuple[Olmo3Config, dict[str, Tensor]]:
-    """Config and our-named weights of an HF Olmo 3 directory (all `*.safetensors` in it)."""
-    from safetensors.torch import load_file
+def read_hf(src: Path, meta: bool = False) -> tuple[Olmo3Config, dict[str, Tensor]]:
+    """Config and our-named weights of an HF Olmo 3 directory (all `*.safetensors` in it),
+    checked against the config; with `meta`, tensors on the meta device of the stored shapes,
+    from the files' headers alone (`init.from` checks a source before any worker loads it)."""
 
     if not src.is_dir():
         raise CheckpointError(f"HF model directory {str(src)!r} does not exist; expected a "
@@ -226,10 +227,24 @@ def read_hf(src: Path) -> tuple[Olmo3Config, dict[str, Tensor]]:
         raise CheckpointError(f"{str(src)!r} has no *.safetensors weights")
     hf: dict[str, Tensor] = {}
     for f in files:
-        hf.update(load_file(f))
+        hf.update(_safetensors_shapes(f) if meta else _load_file(f))
     tensors = hf_to_ours_state(hf, cfg)
     check_state(tensors, cfg, f"HF checkpoint {str(src)!r}")
     return cfg, tensors
+
+
+def _load_file(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def _safetensors_shapes(path: Path) -> dict[str, Tensor]:
+    """A safetensors file's tensors as meta tensors of their shapes (its header only)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}  # noqa: SIM118
 
 
 def read_relay(src: str) -> tuple[Olmo3Config, dict[str, Tensor]]:

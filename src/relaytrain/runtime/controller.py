@@ -7,6 +7,7 @@ and the step reporter (runtime/reporter.py). Workers only compute.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import time
@@ -16,7 +17,7 @@ import yaml
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import RunConfig, check_resume_compatible
+from relaytrain.config import RunConfig, check_resume_compatible, init_section
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
@@ -32,6 +33,7 @@ from relaytrain.runtime.reporter import StepReporter, TrainingStopped
 from relaytrain.runtime.summary import RunSummary
 from relaytrain.train.auto_backends import settle_backends
 from relaytrain.train.execution import pick_device
+from relaytrain.train.init_from import resolve as resolve_init
 from relaytrain.train.metrics import peak_flops
 
 __all__ = ["Controller", "TrainingStopped"]
@@ -63,6 +65,7 @@ class Controller:
                                              on_failed_write=lambda step: self.faults.unblock(step))
         resume = self._resume_manifest(cfg)
         self.start = 0 if resume is None else int(resume["step"])
+        cfg = self._settle_init(cfg, resume)
         # The run's config is settled once, here, before anything reads it: `auto` replaced by
         # the backends chosen for the run (those the checkpoint recorded, where its host chose
         # them), which every worker runs; the fused kernels are built (once per host) here.
@@ -202,6 +205,20 @@ class Controller:
                             f"raise train.max_steps above {start} to continue")
         return manifest
 
+    def _settle_init(self, cfg: RunConfig, resume: dict[str, Any] | None) -> RunConfig:
+        """`cfg` with `init.origin` settled: a new run with `init.from` resolves it (found,
+        verified, of the run's dimensions: train/init_from.py), before anything is written; a
+        resumed run keeps the origin its checkpoint recorded, and ignores `init.from`."""
+        init = dataclasses.replace(cfg.init, origin=None)
+        if resume is not None:
+            if init.from_ is not None:
+                warn(f"config key 'init.from' is ignored: run_dir {cfg.run_dir!r} resumes its "
+                     f"own checkpoint step {self.start}")
+            init = init_section(resume.get("config") or {})
+        elif init.from_ is not None:
+            init = dataclasses.replace(init, origin=resolve_init(init, self.model_cfg))
+        return dataclasses.replace(cfg, init=init)
+
     def _prepare_run_dir(self) -> None:
         """Create or reopen the run directory, with the run's settled config."""
         os.makedirs(self.cfg.run_dir, exist_ok=True)
@@ -247,6 +264,8 @@ class Controller:
                 # Nothing draws from global RNG state: init derives from (seed, purpose), the
                 # data order from (data seed, epoch), so the two seeds are the whole RNG state.
                 "rng": {"seed": self.cfg.seed, "data_seed": self.cfg.data_seed},
+                # where step 0's state came from (`init.from`); None: the seed
+                "init": self.cfg.init.origin,
                 "topology": {"dp": self.cfg.parallel.dp, "fsdp": self.cfg.parallel.fsdp,
                              "pp": self.cfg.parallel.pp}}
 

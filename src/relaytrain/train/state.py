@@ -31,6 +31,7 @@ from relaytrain.parallel.shards import (
     shard_pieces,
 )
 from relaytrain.train.execution import prepare_model
+from relaytrain.train.init_from import read_origin
 from relaytrain.train.optim import (
     MOMENTS,
     AdamW,
@@ -84,7 +85,8 @@ class TrainState:
         run, pieces of this worker's rows from the snapshots of the peers holding them), else
         this worker's own snapshot if it is of `step` (a shard's, only if its rows are this
         worker's now: the controller gives pieces otherwise), else checkpoint `step` from
-        storage, else (step 0) the seed."""
+        storage, else (step 0) the run's `init.from` origin if it has one (train/init_from.py),
+        else the seed."""
         if self.model is None or step == 0 or self.layout != layout:
             # A new module; a worker re-forming with the same layout keeps its own, since
             # every restored value is overwritten below (that makes recovery cheap).
@@ -180,6 +182,8 @@ class TrainState:
             self.load_tensors(tensors, local=bool(where))
         elif step > 0:
             self.load_tensors(self._read_checkpoint(step), local=True, owned=True)
+        elif self.cfg.init.origin is not None:
+            self.load_tensors(self._read_checkpoint(None), local=True, owned=True)
 
     def _own_rows(self) -> Rows:
         """The rows this worker holds of each sharded tensor of the state (none unsharded)."""
@@ -204,15 +208,18 @@ class TrainState:
         out.update({key: assemble(key, ps, rows[key]) for key, ps in parts.items()})
         return out
 
-    def _read_checkpoint(self, step: int) -> dict[str, torch.Tensor]:
-        """This worker's tensors of checkpoint `step`: its stage's, and of sharded ones only
-        its own rows (only the blocks holding them are read). What one file holds all of is
+    def _read_checkpoint(self, step: int | None) -> dict[str, torch.Tensor]:
+        """This worker's tensors of checkpoint `step` (None: the run's `init.from` origin, its
+        weights and the optimizer state it took): its stage's, and of sharded ones only its
+        own rows (only the blocks holding them are read). What one file holds all of is
         read straight into the parameter or optimizer state it restores (the store's `into`):
         a failed read leaves them partly overwritten, and a build that fails is followed by
         another restore before any step (`build` overwrites every value)."""
         assert self.model is not None
         names = {n for n, _ in self.model.named_parameters()}
         live = {k: local_tensor(t) for k, t in self.state_tensors().items()}
+        if step is None:
+            return read_origin(self.cfg.init.origin, names, self._own_rows(), into=live)
         _, tensors = self.store.read(step, keys=lambda k: tensor_param(k) in names,
                                      rows=self._own_rows(), into=live)
         return tensors

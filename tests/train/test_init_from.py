@@ -1,0 +1,140 @@
+"""`init.from` without a process group: a source of each kind is found, verified and checked
+against the run's model; a state built at step 0 (the start, and a recovery before the first
+checkpoint) holds the source's weights, and its moments only when asked; every bad source is one
+ConfigError naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from relaytrain.checkpoint.keys import MODEL_PREFIX, OPTIM_PREFIX, model_tensors
+from relaytrain.checkpoint.store import CheckpointStore
+from relaytrain.config import InitSection, RunConfig, load_config
+from relaytrain.errors import ConfigError
+from relaytrain.model.hf import read_hf, write_hf
+from relaytrain.train.init_from import read_origin, resolve
+from tests.train.test_state import VOCAB, WHOLE, assert_same, config, state_of, trained
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def source(tmp_path, steps: int = 2) -> tuple[str, dict[str, torch.Tensor]]:
+    """A committed checkpoint (root) of a state trained `steps` steps, and its tensors."""
+    cfg = config(tmp_path / "source")
+    state = trained(cfg, steps)
+    tensors = {k: t.clone() for k, t in state.state_tensors().items()}
+    store = CheckpointStore(str(tmp_path / "source" / "checkpoints"))
+    store.commit(steps, {"stage0": store.write_part(steps, "stage0", tensors)},
+                 {"model": state.model_cfg.to_dict(), "config": cfg.to_dict()})
+    return store.url, tensors
+
+
+def started_from(cfg: RunConfig, url: str, optimizer: bool = False) -> RunConfig:
+    """`cfg` as the controller settles it for `init.from=url`."""
+    init = InitSection(from_=url, optimizer=optimizer)
+    origin = resolve(init, cfg.model_config(VOCAB))
+    return dataclasses.replace(cfg, init=dataclasses.replace(init, origin=origin))
+
+
+def held(state) -> dict[str, torch.Tensor]:
+    return {k: t.clone() for k, t in state.state_tensors().items()}
+
+
+def test_step_0_holds_the_sources_weights_and_fresh_moments_at_start_and_recovery(tmp_path):
+    url, src = source(tmp_path)
+    cfg = started_from(config(tmp_path / "run"), url)
+    origin = cfg.init.origin
+    assert (origin["kind"], origin["step"], origin["took"]) == ("relaytrain", 2, ["weights"])
+    assert origin["location"].endswith("step_00000002") and origin["digest"].startswith("xxh3")
+    state = state_of(cfg)
+    for _ in range(2):  # the start, then a recovery before the run's first checkpoint
+        state.build(0, None, WHOLE)
+        got = held(state)
+        assert_same(got, {k: t for k, t in src.items() if k.startswith(MODEL_PREFIX)})
+    seeded = state_of(config(tmp_path / "seeded"))
+    seeded.build(0, None, WHOLE)
+    assert not torch.equal(held(seeded)["model.embed.weight"], src["model.embed.weight"])
+
+
+def test_init_optimizer_takes_adamws_moments_and_step_counts(tmp_path):
+    url, src = source(tmp_path)
+    cfg = started_from(config(tmp_path / "run"), url, optimizer=True)
+    assert cfg.init.origin["took"] == ["weights", "moments"]
+    state = state_of(cfg)
+    state.build(0, None, WHOLE)
+    assert_same(held(state), src)
+    assert any(k.startswith(OPTIM_PREFIX) and k.endswith(".step") for k in src)
+
+
+def test_a_pipeline_stage_reads_its_own_tensors_and_a_shard_its_own_rows(tmp_path):
+    url, src = source(tmp_path)
+    cfg = started_from(config(tmp_path / "run"), url, optimizer=True)
+    stage = state_of(cfg)
+    stage.build(0, None, (1, 2, 1))
+    names = {n for n, _ in stage.model.named_parameters()}
+    assert "embed.weight" not in names and "lm_head.weight" in names
+    assert_same(model_tensors(held(stage)), {n: src["model." + n] for n in names})
+    rows = {"model.embed.weight": (3, 7), "optim.embed.weight.exp_avg": (0, 2)}
+    got = read_origin(cfg.init.origin, {"embed.weight"}, rows)
+    assert torch.equal(got["model.embed.weight"], src["model.embed.weight"][3:7])
+    assert torch.equal(got["optim.embed.weight.exp_avg"], src["optim.embed.weight.exp_avg"][:2])
+
+
+@pytest.mark.parametrize("rope", ["rope_parameters", "rope_scaling"])
+def test_an_hf_directory_of_either_config_format_gives_its_weights(tmp_path, rope):
+    _, src = source(tmp_path)
+    cfg = config(tmp_path / "run")
+    hf = tmp_path / "hf"
+    write_hf(cfg.model_config(VOCAB), model_tensors(src), hf)
+    if rope == "rope_scaling":  # transformers < 5: one top-level rope_theta (+ rope_scaling)
+        d = json.loads((hf / "config.json").read_text())
+        theta = d.pop("rope_parameters")["full_attention"]["rope_theta"]
+        (hf / "config.json").write_text(json.dumps({**d, "rope_theta": theta,
+                                                    "rope_scaling": None}))
+    cfg = started_from(cfg, str(hf), optimizer=True)  # an HF directory has no moments
+    assert (cfg.init.origin["kind"], cfg.init.origin["took"]) == ("hf", ["weights"])
+    state = state_of(cfg)
+    state.build(0, None, WHOLE)
+    assert_same(model_tensors(held(state)), read_hf(hf)[1])
+
+
+def bad(tmp_path, url: str, *overrides: str) -> str:
+    cfg = load_config("configs/tiny.yaml", [f"run_dir={tmp_path / 'run'}", *overrides])
+    with pytest.raises(ConfigError) as e:
+        resolve(InitSection(from_=url), cfg.model_config(VOCAB))
+    message = str(e.value)
+    assert message.startswith("config key 'init.from': ") and "\n" not in message, message
+    return message
+
+
+def test_each_bad_source_is_one_line_naming_the_key(tmp_path):
+    url, src = source(tmp_path)
+    model = CheckpointStore(url).read_manifest(2)["model"]
+    assert "does not exist" in bad(tmp_path, str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    assert "no committed checkpoint" in bad(tmp_path, str(tmp_path / "empty"))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("not a checkpoint")
+    assert "not a loadable relaytrain checkpoint" in bad(tmp_path, str(tmp_path / "notes"))
+    broken = tmp_path / "broken"
+    shutil.copytree(url, broken)
+    part = broken / "step_00000002" / "stage0.safetensors"
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 1
+    part.write_bytes(bytes(data))
+    assert "does not match the manifest" in bad(tmp_path, str(broken))
+    assert "holds another model (n_layers=2" in bad(tmp_path, url, "model.n_layers=3")
+    partial = CheckpointStore(str(tmp_path / "partial"))
+    kept = {k: t for k, t in src.items() if "lm_head" not in k}
+    partial.commit(2, {"stage0": partial.write_part(2, "stage0", kept)}, {"model": model})
+    assert "lacks the weights of 1 parameter(s) of the model, e.g. 'lm_head.weight'" in bad(
+        tmp_path, partial.url)
+    dcp = tmp_path / "olmo-core" / "step1000"
+    (dcp / "model_and_optim").mkdir(parents=True)
+    (dcp / "model_and_optim" / ".metadata").write_bytes(b"\x80\x04")
+    assert "OLMo-core checkpoints: not yet" in bad(tmp_path, str(dcp))
