@@ -8,12 +8,17 @@ step directory's `model_and_optim/`); nothing of OLMo-core is re-implemented her
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import http.server
+import io
 import json
 import os
 import pickle
+import re
 import shutil
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,11 +179,60 @@ def test_reads_an_fsspec_url(saved: Saved) -> None:
     fs = fsspec.filesystem("memory")
     fs.put(str(saved.step_dir), "/olmo_core/step2", recursive=True)
     try:
-        c = read_olmo_core("memory://olmo_core/step2", optimizer=True)
+        # as the official scripts name AI2's: the step directory, with a trailing slash
+        c = read_olmo_core("memory://olmo_core/step2/", optimizer=True)
     finally:
         fs.rm("/olmo_core", recursive=True)
     assert_equal_to_olmo_core(c.tensors, saved, optimizer=True)
     assert c.step == STEPS
+
+
+class _Files(http.server.SimpleHTTPRequestHandler):
+    """Serves a directory over HTTP, as olmo-checkpoints.org serves AI2's: byte ranges
+    honoured (206), or, with `ranges` off, ignored (the whole file, 200)."""
+
+    ranges = True
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def send_head(self) -> io.BytesIO | None:
+        path = Path(self.translate_path(self.path))
+        if not path.is_file():
+            self.send_error(404)
+            return None
+        data = path.read_bytes()
+        m = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        if m and self.ranges:
+            start, end = int(m[1]), int(m[2])
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+            data = data[start:end + 1]
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        return io.BytesIO(data)
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_reads_an_http_url(saved: Saved, ranges: bool) -> None:
+    handler = type("Handler", (_Files,), {"ranges": ranges})
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(handler, directory=str(saved.step_dir.parent)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/step2/"
+    try:
+        if not ranges:
+            with pytest.raises(CheckpointError, match=r"cannot read the tensor at bytes \d+\.\.\d+ "
+                                                      r"of __0_\d.distcp \(OSError: asked for "):
+                read_olmo_core(url, optimizer=False)
+            return
+        c = read_olmo_core(url, optimizer=True)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert_equal_to_olmo_core(c.tensors, saved, optimizer=True)
 
 
 def test_next_step_equals_olmo_cores_own(saved: Saved) -> None:

@@ -277,6 +277,8 @@ def _read_chunk(fs: fsspec.AbstractFileSystem, dcp: str, info: _StorageInfo, url
                               "; only plain torch.save chunks are read")
     try:
         data = fs.cat_file(path, start=info.offset, end=info.offset + info.length)
+        if len(data) != info.length:  # a server that ignores ranges sends the whole file
+            raise OSError(f"asked for {info.length} bytes, got {len(data)}")
         t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"OLMo-core checkpoint {url!r}: cannot read the tensor at bytes "
