@@ -307,7 +307,15 @@ def test_a_corrupt_metadata_file_is_refused(saved: Saved, tmp_path: Path) -> Non
                                               "metadata file"):
         read_olmo_core(str(dcp), optimizer=False)
     metadata.write_bytes(pickle.dumps({"state_dict_metadata": {}}))
-    with pytest.raises(CheckpointError, match="holds a dict, not a torch distributed"):
+    with pytest.raises(CheckpointError, match="is not a torch distributed checkpoint's "
+                                              "metadata: it holds a dict, not a Metadata"):
+        read_olmo_core(str(dcp), optimizer=False)
+    # a chunk said to lie outside the directory (read by torch's own reader: trusted here)
+    md = FileSystemReader(str(saved.step_dir / DCP_DIR)).read_metadata()
+    next(iter(md.storage_data.values())).relative_path = "../../outside.distcp"
+    metadata.write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"storage entry .* is not a file of the "
+                                              "directory and a range"):
         read_olmo_core(str(dcp), optimizer=False)
 
 
@@ -320,6 +328,7 @@ def rewrite_metadata(dcp: Path, drop: str | None = None, add: str | None = None)
         del md.storage_data[next(k for k in md.storage_data if k.fqn == drop)]
     if add is not None:
         md.storage_data[MetadataIndex(add, key.offset)] = md.storage_data[key]
+        md.state_dict_metadata[add] = md.state_dict_metadata[key.fqn]
     (dcp / ".metadata").write_bytes(pickle.dumps(md))
 
 

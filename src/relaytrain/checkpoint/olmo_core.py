@@ -127,7 +127,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(data: bytes, where: str) -> Any:
-    """The DCP `Metadata` pickled in `data` (the `.metadata` file at `where`)."""
+    """The DCP `Metadata` pickled in `data` (the `.metadata` file at `where`), its entries
+    checked to be what a reader relies on."""
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointError as e:
@@ -135,10 +136,36 @@ def read_metadata(data: bytes, where: str) -> Any:
     except Exception as e:  # a truncated or corrupt pickle raises anything
         raise CheckpointError(f"{where} is not a readable torch distributed checkpoint "
                               f"metadata file ({type(e).__name__}: {e})") from None
-    if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "storage_data", None), dict):
-        raise CheckpointError(f"{where} holds a {type(md).__name__}, not a torch distributed "
-                              "checkpoint's Metadata with its storage_data")
+    problem = _metadata_problem(md)
+    if problem:
+        raise CheckpointError(f"{where} is not a torch distributed checkpoint's metadata: "
+                              f"{problem}")
     return md
+
+
+def _metadata_problem(md: Any) -> str | None:
+    """What is wrong with an unpickled `.metadata`, or None: a `Metadata` whose storage entries
+    are chunk locations (a plain file name of the directory, a byte range) and whose tensors
+    have their `TensorStorageMetadata`."""
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict) or \
+            not isinstance(md.state_dict_metadata, dict):
+        return f"it holds a {type(md).__name__}, not a Metadata with its storage_data"
+    for index, info in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo) or \
+                not isinstance(info.relative_path, str) or \
+                not re.fullmatch(r"[\w-][\w.-]*", info.relative_path) or \
+                not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
+            return f"storage entry {index!r}: {info!r} is not a file of the directory and a range"
+        if index.offset is not None and not isinstance(
+                md.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
+            return f"tensor {index.fqn!r} has a chunk but no TensorStorageMetadata"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +176,8 @@ def read_olmo_core(url: str, optimizer: bool) -> OlmoCoreCheckpoint:
     """The weights of the OLMo-core checkpoint at `url`, and with `optimizer` AdamW's moments
     and step count (what OLMo-core's `load_optim_state=True` takes), under our names."""
     fs, root = storage.filesystem(url)
-    dcp = _find_dcp(fs, root, url)
+    where = storage.redact(url)  # what messages show of it
+    dcp = _find_dcp(fs, root, where)
     meta_path = posixpath.join(dcp, ".metadata")
     try:
         data = fs.cat_file(meta_path)
@@ -157,7 +185,7 @@ def read_olmo_core(url: str, optimizer: bool) -> OlmoCoreCheckpoint:
         raise CheckpointError(f"cannot read {storage.redact(meta_path)!r}: {e}") from None
     md = read_metadata(data, storage.redact(meta_path))
     chunks = _chunks_by_fqn(md)
-    n_layers = _n_layers(chunks, url)
+    n_layers = _n_layers(chunks, where)
     wanted = {f"model.{n}": model_key(olmo_core_to_ours_name(n)) for n in olmo_core_names(n_layers)}
     if optimizer:
         for n in olmo_core_names(n_layers):
@@ -167,13 +195,13 @@ def read_olmo_core(url: str, optimizer: bool) -> OlmoCoreCheckpoint:
     if missing:
         hint = "; it holds no optimizer state: use init.optimizer: false" if optimizer and \
             not any(k.startswith("optim.state.") for k in chunks) else ""
-        raise CheckpointError(f"OLMo-core checkpoint {url!r} lacks {len(missing)} tensor(s) of "
+        raise CheckpointError(f"OLMo-core checkpoint {where!r} lacks {len(missing)} tensor(s) of "
                               f"an Olmo 3 of {n_layers} blocks, e.g. {missing[0]!r}{hint}")
-    tensors = _read_tensors(fs, dcp, md, {ours: fqn for fqn, ours in wanted.items()}, chunks, url)
+    tensors = _read_tensors(fs, dcp, md, {ours: fqn for fqn, ours in wanted.items()}, chunks, where)
     for key, t in tensors.items():
         if key.endswith((".exp_avg", ".exp_avg_sq", ".step")):
             tensors[key] = t.float()  # our AdamW's state dtype (moments kept lower are exact up)
-    model = _dimensions(tensors, n_layers, fs, root, dcp, url)
+    model = _dimensions(tensors, n_layers, fs, root, dcp, where)
     step = None
     if optimizer:
         step = int(max(t.item() for k, t in tensors.items() if k.endswith(".step")))
@@ -183,19 +211,19 @@ def read_olmo_core(url: str, optimizer: bool) -> OlmoCoreCheckpoint:
                               what)
 
 
-def _find_dcp(fs: fsspec.AbstractFileSystem, root: str, url: str) -> str:
+def _find_dcp(fs: fsspec.AbstractFileSystem, root: str, where: str) -> str:
     """The DCP directory: `root` or its `model_and_optim/`, whichever holds `.metadata`."""
     for d in (root, posixpath.join(root, DCP_DIR)):
         if fs.exists(posixpath.join(d, ".metadata")):
             return d
     if not fs.exists(root):
-        raise CheckpointError(f"OLMo-core checkpoint {url!r} does not exist")
+        raise CheckpointError(f"OLMo-core checkpoint {where!r} does not exist")
     try:
         found = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False))
     except (OSError, NotADirectoryError):
         found = []
     shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "") if found else "nothing"
-    raise CheckpointError(f"{url!r} is not an OLMo-core checkpoint: no .metadata in it nor in "
+    raise CheckpointError(f"{where!r} is not an OLMo-core checkpoint: no .metadata in it nor in "
                           f"its {DCP_DIR}/ (found: {shown}); expected a torch distributed "
                           f"checkpoint directory (OLMo-core's stepN/ or stepN/{DCP_DIR}/)")
 
@@ -209,54 +237,54 @@ def _chunks_by_fqn(md: Any) -> dict[str, list[tuple[tuple[int, ...], _StorageInf
     return out
 
 
-def _n_layers(chunks: dict[str, Any], url: str) -> int:
+def _n_layers(chunks: dict[str, Any], where: str) -> int:
     """The number of blocks of the model the checkpoint holds; refuses what is not Olmo 3."""
     names = [k[len("model."):] for k in chunks if k.startswith("model.")]
     if not names:
-        raise CheckpointError(f"OLMo-core checkpoint {url!r} holds no model weights (model.*)")
+        raise CheckpointError(f"OLMo-core checkpoint {where!r} holds no model weights (model.*)")
     for n in names:
         try:
             olmo_core_to_ours_name(n)
         except ValueError:
-            raise CheckpointError(f"OLMo-core checkpoint {url!r} holds {n!r}, not a parameter of "
+            raise CheckpointError(f"OLMo-core checkpoint {where!r} holds {n!r}, not a parameter of "
                                   "an Olmo 3 transformer (embeddings, blocks.N.attention.w_q/"
                                   "w_k/w_v/w_out/q_norm/k_norm, attention_norm, feed_forward."
                                   "w1/w2/w3, feed_forward_norm, lm_head.norm/w_out)") from None
     blocks = [int(n.split(".")[1]) for n in names if n.startswith("blocks.")]
     if not blocks:
-        raise CheckpointError(f"OLMo-core checkpoint {url!r} holds no transformer blocks "
+        raise CheckpointError(f"OLMo-core checkpoint {where!r} holds no transformer blocks "
                               "(model.blocks.N.*)")
     return 1 + max(blocks)
 
 
 def _read_tensors(fs: fsspec.AbstractFileSystem, dcp: str, md: Any,
                   wanted: dict[str, str], chunks: dict[str, list[tuple[tuple[int, ...], Any]]],
-                  url: str) -> dict[str, torch.Tensor]:
+                  where: str) -> dict[str, torch.Tensor]:
     """Our key -> the whole tensor (`wanted`: our key -> its fqn), its chunks read in parallel
     and each copied into place as it arrives (a whole one taken as it is)."""
     jobs = [(key, offsets, info) for key, fqn in wanted.items() for offsets, info in chunks[fqn]]
     out: dict[str, torch.Tensor] = {}
     filled: dict[str, int] = {}
     with ThreadPoolExecutor(READ_THREADS) as pool:
-        loaded = pool.map(lambda job: _read_chunk(fs, dcp, job[2], url), jobs)
+        loaded = pool.map(lambda job: _read_chunk(fs, dcp, job[2], where), jobs)
         for (key, offsets, _), chunk in zip(jobs, loaded, strict=True):
             _place(out, key, offsets, chunk, md.state_dict_metadata[wanted[key]], wanted[key],
-                   url)
+                   where)
             filled[key] = filled.get(key, 0) + chunk.numel()
     for key, whole in out.items():
         if filled[key] != whole.numel():
-            raise CheckpointError(f"OLMo-core checkpoint {url!r}: the chunks of {wanted[key]} "
+            raise CheckpointError(f"OLMo-core checkpoint {where!r}: the chunks of {wanted[key]} "
                                   f"hold {filled[key]} of its {whole.numel()} elements")
     return out
 
 
 def _place(out: dict[str, torch.Tensor], key: str, offsets: tuple[int, ...],
-           chunk: torch.Tensor, meta: Any, fqn: str, url: str) -> None:
+           chunk: torch.Tensor, meta: Any, fqn: str, where: str) -> None:
     """`chunk` at `offsets` of the whole tensor `out[key]` (the chunk itself when whole),
     checked against the tensor's metadata (`TensorStorageMetadata`)."""
     if chunk.dtype != meta.properties.dtype or len(offsets) != chunk.dim() or any(
             o + n > s for o, n, s in zip(offsets, chunk.shape, meta.size, strict=True)):
-        raise CheckpointError(f"OLMo-core checkpoint {url!r}: a chunk of {fqn} ({chunk.dtype}, "
+        raise CheckpointError(f"OLMo-core checkpoint {where!r}: a chunk of {fqn} ({chunk.dtype}, "
                               f"{list(chunk.shape)} at {list(offsets)}) does not fit its "
                               f"metadata ({meta.properties.dtype}, {list(meta.size)})")
     if chunk.shape == meta.size:
@@ -267,12 +295,12 @@ def _place(out: dict[str, torch.Tensor], key: str, offsets: tuple[int, ...],
     out[key][tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape, strict=True))] = chunk
 
 
-def _read_chunk(fs: fsspec.AbstractFileSystem, dcp: str, info: _StorageInfo, url: str,
+def _read_chunk(fs: fsspec.AbstractFileSystem, dcp: str, info: _StorageInfo, where: str,
                 ) -> torch.Tensor:
     """One chunk: `torch.load(weights_only=True)` of its byte range."""
     path = posixpath.join(dcp, info.relative_path)
     if info.transform_descriptors:
-        raise CheckpointError(f"OLMo-core checkpoint {url!r}: {info.relative_path} was written "
+        raise CheckpointError(f"OLMo-core checkpoint {where!r}: {info.relative_path} was written "
                               f"through DCP stream transforms {list(info.transform_descriptors)}"
                               "; only plain torch.save chunks are read")
     try:
@@ -281,17 +309,17 @@ def _read_chunk(fs: fsspec.AbstractFileSystem, dcp: str, info: _StorageInfo, url
             raise OSError(f"asked for {info.length} bytes, got {len(data)}")
         t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"OLMo-core checkpoint {url!r}: cannot read the tensor at bytes "
+        raise CheckpointError(f"OLMo-core checkpoint {where!r}: cannot read the tensor at bytes "
                               f"{info.offset}..{info.offset + info.length} of "
                               f"{info.relative_path} ({type(e).__name__}: {e})") from None
     if not isinstance(t, torch.Tensor):
-        raise CheckpointError(f"OLMo-core checkpoint {url!r}: bytes {info.offset}.. of "
+        raise CheckpointError(f"OLMo-core checkpoint {where!r}: bytes {info.offset}.. of "
                               f"{info.relative_path} hold a {type(t).__name__}, not a tensor")
     return t
 
 
 def _dimensions(tensors: dict[str, torch.Tensor], n_layers: int, fs: fsspec.AbstractFileSystem,
-                root: str, dcp: str, url: str) -> dict[str, Any]:
+                root: str, dcp: str, where: str) -> dict[str, Any]:
     """Olmo3Config fields the weights show; the head split from OLMo-core's config.json."""
     embed = tensors[model_key("embed.weight")]
     out: dict[str, Any] = {"d_model": embed.shape[1], "vocab_size": embed.shape[0],
@@ -300,14 +328,14 @@ def _dimensions(tensors: dict[str, torch.Tensor], n_layers: int, fs: fsspec.Abst
     q = tensors[model_key(block + "attn.q_proj.weight")].shape[0]
     kv = tensors[model_key(block + "attn.k_proj.weight")].shape[0]
     if tensors[model_key(block + "attn.q_norm.weight")].shape[0] != q:
-        raise CheckpointError(f"OLMo-core checkpoint {url!r} has a per-head QK norm "
+        raise CheckpointError(f"OLMo-core checkpoint {where!r} has a per-head QK norm "
                               "(use_head_qk_norm); Olmo 3 normalises the whole projection")
     out["mlp_hidden"] = tensors[model_key(block + "mlp.gate_proj.weight")].shape[0]
     heads = _config_heads(fs, [root, posixpath.dirname(dcp)], out["d_model"])
     if heads is not None:
         n_heads, n_kv_heads, head_dim = heads
         if (n_heads * head_dim, n_kv_heads * head_dim) != (q, kv):
-            raise CheckpointError(f"OLMo-core checkpoint {url!r}: its config.json's {n_heads} "
+            raise CheckpointError(f"OLMo-core checkpoint {where!r}: its config.json's {n_heads} "
                                   f"heads ({n_kv_heads} kv) of {head_dim} do not match the "
                                   f"projections' widths {q} and {kv}")
         out.update(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
