@@ -47,7 +47,10 @@ from olmo_core.distributed.checkpoint import (  # noqa: E402
     load_model_and_optim_state,
     save_model_and_optim_state,
 )
-from olmo_core.nn.attention import AttentionBackendName  # noqa: E402
+from olmo_core.nn.attention import (  # noqa: E402
+    AttentionBackendName,
+    SlidingWindowAttentionConfig,
+)
 from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
 from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
@@ -58,12 +61,12 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-VOCAB, SEQ = 256, 16
+VOCAB, SEQ, WINDOW = 256, 16, 6
 LR, BETAS, WD = 3e-4, (0.9, 0.95), 0.1  # the Olmo 3 recipe's AdamW
 STEPS = 2  # optimizer steps before the save: non-zero moments, step count 2
 # OLMo-core's olmo3_1M with grouped-query attention (4 heads of 4, 2 kv heads, d_model 12)
 OURS = Olmo3Config(d_model=12, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=4, mlp_hidden=256,
-                   vocab_size=VOCAB, rms_eps=1e-6, rope_theta=500_000.0)
+                   vocab_size=VOCAB, rms_eps=1e-6, rope_theta=500_000.0, sliding_window=WINDOW)
 DIMENSIONS = {"d_model": 12, "vocab_size": VOCAB, "n_layers": 4, "mlp_hidden": 256,
               "n_heads": 4, "n_kv_heads": 2, "head_dim": 4}
 
@@ -71,8 +74,11 @@ DIMENSIONS = {"d_model": 12, "vocab_size": VOCAB, "n_layers": 4, "mlp_hidden": 2
 def olmo_core_model(shard: Any = None) -> tuple[Any, torch.nn.Module, Any]:
     """OLMo-core's config, model and optimizer, built as its trainer builds them (CPU, fp32);
     sharded over the device mesh `shard` by its own `apply_fsdp` if given."""
-    cfg = TransformerConfig.olmo3_1M(vocab_size=VOCAB, n_kv_heads=2,
-                                     attn_backend=AttentionBackendName.torch)
+    cfg = TransformerConfig.olmo3_1M(
+        vocab_size=VOCAB, n_kv_heads=2, attn_backend=AttentionBackendName.torch,
+        sliding_window=SlidingWindowAttentionConfig(  # Olmo 3's pattern, a window under SEQ
+            pattern=[WINDOW, WINDOW, WINDOW, -1], force_full_attention_on_first_layer=False,
+            force_full_attention_on_last_layer=True))
     model = cfg.build(init_device="cpu")
     model.init_weights(device=torch.device("cpu"))
     if shard is not None:
