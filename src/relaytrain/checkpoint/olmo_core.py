@@ -7,11 +7,13 @@ Nothing in it is unpickled freely. DCP's `.metadata` is a pickle; it is read thr
 (torch.distributed.checkpoint.metadata's dataclasses, the writer's `_StorageInfo`, `torch.Size`,
 torch's dtypes, and torch's layout and memory-format decoders) and refuses anything else before
 it is imported. OLMo-core's `_StorageInfo` (olmo_core.distributed.checkpoint.filesystem) is read
-as a local record of the same fields, so OLMo-core need not be installed. Each tensor chunk in
+as a local record of the same fields, so OLMo-core need not be installed; what it builds is then
+checked (chunk locations must be plain file names of the directory). Each tensor chunk in
 the `.distcp` files is a `torch.save` of that chunk at the byte range the metadata names (both
 torch's FileSystemWriter and OLMo-core's RemoteFileSystemWriter write it so); it is read with
-`torch.load(weights_only=True)`, torch's restricted unpickler that rebuilds tensors only. Ranges
-written through a DCP stream transform (compression) are refused.
+`torch.load(weights_only=True)`, torch's restricted unpickler that rebuilds tensors only, once
+the read is known to hold exactly the range (a server ignoring `Range` sends the whole file).
+Ranges written through a DCP stream transform (compression) are refused.
 
 Works on a local directory and any fsspec URL (relaytrain.storage): OLMo-core's `stepN/`
 directory (the DCP in its `model_and_optim/`) or the DCP directory itself.
