@@ -1,0 +1,365 @@
+"""An OLMo-core checkpoint (torch distributed checkpoint, DCP) read as relaytrain tensors, for
+`init.from`: the weights, and AdamW's moments and step count with `optimizer`, keyed as our
+checkpoints are (`model.<name>`, `optim.<name>.<state>`, checkpoint/keys.py).
+
+Nothing in it is unpickled freely. DCP's `.metadata` is a pickle; it is read through
+`_MetadataUnpickler`, whose `find_class` admits only the classes a DCP metadata file holds
+(torch.distributed.checkpoint.metadata's dataclasses, the writer's `_StorageInfo`, `torch.Size`,
+torch's dtypes, and torch's layout and memory-format decoders) and refuses anything else before
+it is imported. OLMo-core's `_StorageInfo` (olmo_core.distributed.checkpoint.filesystem) is read
+as a local record of the same fields, so OLMo-core need not be installed; what it builds is then
+checked (chunk locations must be plain file names of the directory). Each tensor chunk in
+the `.distcp` files is a `torch.save` of that chunk at the byte range the metadata names (both
+torch's FileSystemWriter and OLMo-core's RemoteFileSystemWriter write it so); it is read with
+`torch.load(weights_only=True)`, torch's restricted unpickler that rebuilds tensors only, once
+the read is known to hold exactly the range (a server ignoring `Range` sends the whole file).
+Ranges written through a DCP stream transform (compression) are refused.
+
+Works on a local directory and any fsspec URL (relaytrain.storage): OLMo-core's `stepN/`
+directory (the DCP in its `model_and_optim/`) or the DCP directory itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import posixpath
+import re
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import torch
+
+from relaytrain import storage
+from relaytrain.checkpoint.keys import model_key, optim_key
+from relaytrain.errors import CheckpointError
+
+DCP_DIR = "model_and_optim"  # where OLMo-core's trainer writes the DCP inside a step directory
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state beside `step` (train/optim.py's names)
+READ_THREADS = 8
+
+_GLOBAL_NAMES = {  # OLMo-core's Transformer -> ours (model/olmo3.py)
+    "embeddings.weight": "embed.weight",
+    "lm_head.norm.weight": "norm.weight",
+    "lm_head.w_out.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {  # after "blocks.{i}." -> after "layers.{i}."
+    **{f"attention.{oc}.weight": f"attn.{ours}.weight" for oc, ours in (
+        ("w_q", "q_proj"), ("w_k", "k_proj"), ("w_v", "v_proj"), ("w_out", "o_proj"),
+        ("q_norm", "q_norm"), ("k_norm", "k_norm"))},
+    "attention_norm.weight": "attn_norm.weight",
+    # SwiGLU: w2(silu(w1 x) * w3 x)
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward_norm.weight": "mlp_norm.weight",
+}
+
+
+def olmo_core_to_ours_name(name: str) -> str:
+    """`blocks.3.feed_forward.w1.weight` -> `layers.3.mlp.gate_proj.weight`."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if m and m[2] in _BLOCK_NAMES:
+        return f"layers.{m[1]}.{_BLOCK_NAMES[m[2]]}"
+    raise ValueError(f"not an OLMo-core Olmo 3 parameter name: {name!r}")
+
+
+def olmo_core_names(n_layers: int) -> list[str]:
+    """Every parameter name of an OLMo-core Olmo 3 transformer of `n_layers` blocks."""
+    return [*_GLOBAL_NAMES, *(f"blocks.{i}.{n}" for i in range(n_layers) for n in _BLOCK_NAMES)]
+
+
+@dataclass(frozen=True)
+class OlmoCoreCheckpoint:
+    """What `read_olmo_core` took: `tensors` keyed as our checkpoints; `step` the optimizer's
+    step count (None without optimizer state); `model` the dimensions found, as Olmo3Config
+    fields; `digest` sha256 of the `.metadata` file; `what` a one-line description."""
+
+    tensors: dict[str, torch.Tensor]
+    step: int | None
+    model: dict[str, Any]
+    digest: str
+    what: str
+
+
+# ---------------------------------------------------------------------------------------------
+# The metadata pickle, through an allow-list
+
+
+@dataclass
+class _StorageInfo:
+    """Where a chunk lies: a file of the DCP and a byte range in it (the writers' record)."""
+
+    relative_path: str = ""
+    offset: int = 0
+    length: int = 0
+    transform_descriptors: Any = None
+
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_DCP_METADATA, n) for n in ("Metadata", "MetadataIndex", "TensorStorageMetadata",
+                                 "BytesStorageMetadata", "ChunkStorageMetadata",
+                                 "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch", "Size"), ("torch.serialization", "_get_layout")}
+_STORAGE_INFO = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                 ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` file, admitting only the classes such a file holds."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _STORAGE_INFO:
+            return _StorageInfo
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise CheckpointError(f"refusing to unpickle {module}.{name}: not a class a torch "
+                              "distributed checkpoint's metadata holds (allowed: "
+                              f"{_DCP_METADATA} classes, _StorageInfo, torch.Size, torch dtypes)")
+
+
+def read_metadata(data: bytes, where: str) -> Any:
+    """The DCP `Metadata` pickled in `data` (the `.metadata` file at `where`), its entries
+    checked to be what a reader relies on."""
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    except Exception as e:  # a truncated or corrupt pickle raises anything
+        raise CheckpointError(f"{where} is not a readable torch distributed checkpoint "
+                              f"metadata file ({type(e).__name__}: {e})") from None
+    problem = _metadata_problem(md)
+    if problem:
+        raise CheckpointError(f"{where} is not a torch distributed checkpoint's metadata: "
+                              f"{problem}")
+    return md
+
+
+def _metadata_problem(md: Any) -> str | None:
+    """What is wrong with an unpickled `.metadata`, or None: a `Metadata` whose storage entries
+    are chunk locations (a plain file name of the directory, a byte range) and whose tensors
+    have their `TensorStorageMetadata`."""
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict) or \
+            not isinstance(md.state_dict_metadata, dict):
+        return f"it holds a {type(md).__name__}, not a Metadata with its storage_data"
+    for index, info in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo) or \
+                not isinstance(info.relative_path, str) or \
+                not re.fullmatch(r"[\w-][\w.-]*", info.relative_path) or \
+                not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
+            return f"storage entry {index!r}: {info!r} is not a file of the directory and a range"
+        if index.offset is not None and not isinstance(
+                md.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
+            return f"tensor {index.fqn!r} has a chunk but no TensorStorageMetadata"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_olmo_core(url: str, optimizer: bool) -> OlmoCoreCheckpoint:
+    """The weights of the OLMo-core checkpoint at `url`, and with `optimizer` AdamW's moments
+    and step count (what OLMo-core's `load_optim_state=True` takes), under our names."""
+    fs, root = storage.filesystem(url)
+    where = storage.redact(url)  # what messages show of it
+    dcp = _find_dcp(fs, root, where)
+    meta_path = posixpath.join(dcp, ".metadata")
+    try:
+        data = fs.cat_file(meta_path)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {storage.redact(meta_path)!r}: {e}") from None
+    md = read_metadata(data, storage.redact(meta_path))
+    chunks = _chunks_by_fqn(md)
+    n_layers = _n_layers(chunks, where)
+    wanted = {f"model.{n}": model_key(olmo_core_to_ours_name(n)) for n in olmo_core_names(n_layers)}
+    if optimizer:
+        for n in olmo_core_names(n_layers):
+            for state in (*MOMENTS, "step"):
+                wanted[f"optim.state.{n}.{state}"] = optim_key(olmo_core_to_ours_name(n), state)
+    missing = [k for k in wanted if k not in chunks]
+    if missing:
+        hint = "; it holds no optimizer state: use init.optimizer: false" if optimizer and \
+            not any(k.startswith("optim.state.") for k in chunks) else ""
+        raise CheckpointError(f"OLMo-core checkpoint {where!r} lacks {len(missing)} tensor(s) of "
+                              f"an Olmo 3 of {n_layers} blocks, e.g. {missing[0]!r}{hint}")
+    tensors = _read_tensors(fs, dcp, md, {ours: fqn for fqn, ours in wanted.items()}, chunks, where)
+    for key, t in tensors.items():
+        if key.endswith((".exp_avg", ".exp_avg_sq", ".step")):
+            tensors[key] = t.float()  # our AdamW's state dtype (moments kept lower are exact up)
+    model = _dimensions(tensors, n_layers, fs, root, dcp, where)
+    step = None
+    if optimizer:
+        step = int(max(t.item() for k, t in tensors.items() if k.endswith(".step")))
+    what = (f"OLMo-core weights of {n_layers} blocks" +
+            (f" and AdamW moments at step {step}" if optimizer else ""))
+    return OlmoCoreCheckpoint(tensors, step, model, "sha256:" + hashlib.sha256(data).hexdigest(),
+                              what)
+
+
+def _find_dcp(fs: fsspec.AbstractFileSystem, root: str, where: str) -> str:
+    """The DCP directory: `root` or its `model_and_optim/`, whichever holds `.metadata`."""
+    for d in (root, posixpath.join(root, DCP_DIR)):
+        if fs.exists(posixpath.join(d, ".metadata")):
+            return d
+    if not fs.exists(root):
+        raise CheckpointError(f"OLMo-core checkpoint {where!r} does not exist")
+    try:
+        found = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False))
+    except (OSError, NotADirectoryError):
+        found = []
+    shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "") if found else "nothing"
+    raise CheckpointError(f"{where!r} is not an OLMo-core checkpoint: no .metadata in it nor in "
+                          f"its {DCP_DIR}/ (found: {shown}); expected a torch distributed "
+                          f"checkpoint directory (OLMo-core's stepN/ or stepN/{DCP_DIR}/)")
+
+
+def _chunks_by_fqn(md: Any) -> dict[str, list[tuple[tuple[int, ...], _StorageInfo]]]:
+    """Each saved tensor's chunks: (offsets into the whole tensor, where the chunk lies)."""
+    out: dict[str, list[tuple[tuple[int, ...], _StorageInfo]]] = {}
+    for index, info in md.storage_data.items():
+        if index.offset is not None:  # tensors only (bytes entries: param groups, extra state)
+            out.setdefault(index.fqn, []).append((tuple(index.offset), info))
+    return out
+
+
+def _n_layers(chunks: dict[str, Any], where: str) -> int:
+    """The number of blocks of the model the checkpoint holds; refuses what is not Olmo 3."""
+    names = [k[len("model."):] for k in chunks if k.startswith("model.")]
+    if not names:
+        raise CheckpointError(f"OLMo-core checkpoint {where!r} holds no model weights (model.*)")
+    for n in names:
+        try:
+            olmo_core_to_ours_name(n)
+        except ValueError:
+            raise CheckpointError(f"OLMo-core checkpoint {where!r} holds {n!r}, not a parameter of "
+                                  "an Olmo 3 transformer (embeddings, blocks.N.attention.w_q/"
+                                  "w_k/w_v/w_out/q_norm/k_norm, attention_norm, feed_forward."
+                                  "w1/w2/w3, feed_forward_norm, lm_head.norm/w_out)") from None
+    blocks = [int(n.split(".")[1]) for n in names if n.startswith("blocks.")]
+    if not blocks:
+        raise CheckpointError(f"OLMo-core checkpoint {where!r} holds no transformer blocks "
+                              "(model.blocks.N.*)")
+    return 1 + max(blocks)
+
+
+def _read_tensors(fs: fsspec.AbstractFileSystem, dcp: str, md: Any,
+                  wanted: dict[str, str], chunks: dict[str, list[tuple[tuple[int, ...], Any]]],
+                  where: str) -> dict[str, torch.Tensor]:
+    """Our key -> the whole tensor (`wanted`: our key -> its fqn), its chunks read in parallel
+    and each copied into place as it arrives (a whole one taken as it is)."""
+    jobs = [(key, offsets, info) for key, fqn in wanted.items() for offsets, info in chunks[fqn]]
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        loaded = pool.map(lambda job: _read_chunk(fs, dcp, job[2], where), jobs)
+        for (key, offsets, _), chunk in zip(jobs, loaded, strict=True):
+            _place(out, key, offsets, chunk, md.state_dict_metadata[wanted[key]], wanted[key],
+                   where)
+            filled[key] = filled.get(key, 0) + chunk.numel()
+    for key, whole in out.items():
+        if filled[key] != whole.numel():
+            raise CheckpointError(f"OLMo-core checkpoint {where!r}: the chunks of {wanted[key]} "
+                                  f"hold {filled[key]} of its {whole.numel()} elements")
+    return out
+
+
+def _place(out: dict[str, torch.Tensor], key: str, offsets: tuple[int, ...],
+           chunk: torch.Tensor, meta: Any, fqn: str, where: str) -> None:
+    """`chunk` at `offsets` of the whole tensor `out[key]` (the chunk itself when whole),
+    checked against the tensor's metadata (`TensorStorageMetadata`)."""
+    if chunk.dtype != meta.properties.dtype or len(offsets) != chunk.dim() or any(
+            o + n > s for o, n, s in zip(offsets, chunk.shape, meta.size, strict=True)):
+        raise CheckpointError(f"OLMo-core checkpoint {where!r}: a chunk of {fqn} ({chunk.dtype}, "
+                              f"{list(chunk.shape)} at {list(offsets)}) does not fit its "
+                              f"metadata ({meta.properties.dtype}, {list(meta.size)})")
+    if chunk.shape == meta.size:
+        out[key] = chunk
+        return
+    if key not in out:
+        out[key] = torch.empty(meta.size, dtype=chunk.dtype)
+    out[key][tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape, strict=True))] = chunk
+
+
+def _read_chunk(fs: fsspec.AbstractFileSystem, dcp: str, info: _StorageInfo, where: str,
+                ) -> torch.Tensor:
+    """One chunk: `torch.load(weights_only=True)` of its byte range."""
+    path = posixpath.join(dcp, info.relative_path)
+    if info.transform_descriptors:
+        raise CheckpointError(f"OLMo-core checkpoint {where!r}: {info.relative_path} was written "
+                              f"through DCP stream transforms {list(info.transform_descriptors)}"
+                              "; only plain torch.save chunks are read")
+    try:
+        data = fs.cat_file(path, start=info.offset, end=info.offset + info.length)
+        if len(data) != info.length:  # a server that ignores ranges sends the whole file
+            raise OSError(f"asked for {info.length} bytes, got {len(data)}")
+        t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"OLMo-core checkpoint {where!r}: cannot read the tensor at bytes "
+                              f"{info.offset}..{info.offset + info.length} of "
+                              f"{info.relative_path} ({type(e).__name__}: {e})") from None
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointError(f"OLMo-core checkpoint {where!r}: bytes {info.offset}.. of "
+                              f"{info.relative_path} hold a {type(t).__name__}, not a tensor")
+    return t
+
+
+def _dimensions(tensors: dict[str, torch.Tensor], n_layers: int, fs: fsspec.AbstractFileSystem,
+                root: str, dcp: str, where: str) -> dict[str, Any]:
+    """Olmo3Config fields the weights show; the head split from OLMo-core's config.json."""
+    embed = tensors[model_key("embed.weight")]
+    out: dict[str, Any] = {"d_model": embed.shape[1], "vocab_size": embed.shape[0],
+                           "n_layers": n_layers}
+    block = "layers.0."
+    q = tensors[model_key(block + "attn.q_proj.weight")].shape[0]
+    kv = tensors[model_key(block + "attn.k_proj.weight")].shape[0]
+    if tensors[model_key(block + "attn.q_norm.weight")].shape[0] != q:
+        raise CheckpointError(f"OLMo-core checkpoint {where!r} has a per-head QK norm "
+                              "(use_head_qk_norm); Olmo 3 normalises the whole projection")
+    out["mlp_hidden"] = tensors[model_key(block + "mlp.gate_proj.weight")].shape[0]
+    heads = _config_heads(fs, [root, posixpath.dirname(dcp)], out["d_model"])
+    if heads is not None:
+        n_heads, n_kv_heads, head_dim = heads
+        if (n_heads * head_dim, n_kv_heads * head_dim) != (q, kv):
+            raise CheckpointError(f"OLMo-core checkpoint {where!r}: its config.json's {n_heads} "
+                                  f"heads ({n_kv_heads} kv) of {head_dim} do not match the "
+                                  f"projections' widths {q} and {kv}")
+        out.update(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    return out
+
+
+def _config_heads(fs: fsspec.AbstractFileSystem, dirs: Iterable[str], d_model: int,
+                  ) -> tuple[int, int, int] | None:
+    """(n_heads, n_kv_heads, head_dim) from the `config.json` OLMo-core's ConfigSaverCallback
+    writes beside a checkpoint (`model.block.sequence_mixer` or, older, `.attention`); None
+    where there is none."""
+    for d in dict.fromkeys(dirs):
+        path = posixpath.join(d, "config.json")
+        if not fs.exists(path):
+            continue
+        try:
+            block = json.loads(fs.cat_file(path))["model"]["block"]
+            att = block.get("sequence_mixer") or block["attention"]
+            n_heads = int(att["n_heads"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{storage.redact(path)!r} lacks the model's attention "
+                                  f"settings (model.block.sequence_mixer.n_heads): {e}") from None
+        n_kv = int(att.get("n_kv_heads") or n_heads)
+        return n_heads, n_kv, int(att.get("head_dim") or d_model // n_heads)
+    return None

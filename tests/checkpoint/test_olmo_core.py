@@ -1,0 +1,400 @@
+"""An OLMo-core checkpoint read as ours, held against ai2-olmo-core itself.
+
+The reference is a tiny Olmo 3 built by OLMo-core's own `TransformerConfig.olmo3_*` builder,
+trained two steps by its `SkipStepAdamW` (embeddings not decayed, as the official scripts) and
+saved by its own `save_model_and_optim_state` (what its trainer's Checkpointer writes into a
+step directory's `model_and_optim/`); nothing of OLMo-core is re-implemented here.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import http.server
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from relaytrain.checkpoint.keys import model_key, model_tensors, optim_key
+from relaytrain.checkpoint.olmo_core import (
+    DCP_DIR,
+    MOMENTS,
+    olmo_core_to_ours_name,
+    read_olmo_core,
+)
+from relaytrain.config import OptimSection
+from relaytrain.errors import CheckpointError
+from relaytrain.model.config import Olmo3Config
+from relaytrain.model.olmo3 import Olmo3
+from relaytrain.train.optim import build_optimizer, load_optimizer_state
+
+pytest.importorskip("olmo_core.nn.transformer")
+from olmo_core.distributed.checkpoint import (  # noqa: E402
+    load_model_and_optim_state,
+    save_model_and_optim_state,
+)
+from olmo_core.nn.attention import (  # noqa: E402
+    AttentionBackendName,
+    SlidingWindowAttentionConfig,
+)
+from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
+from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig  # noqa: E402
+from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
+from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+VOCAB, SEQ, WINDOW = 256, 16, 6
+LR, BETAS, WD = 3e-4, (0.9, 0.95), 0.1  # the Olmo 3 recipe's AdamW
+STEPS = 2  # optimizer steps before the save: non-zero moments, step count 2
+# OLMo-core's olmo3_1M with grouped-query attention (4 heads of 4, 2 kv heads, d_model 12)
+OURS = Olmo3Config(d_model=12, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=4, mlp_hidden=256,
+                   vocab_size=VOCAB, rms_eps=1e-6, rope_theta=500_000.0, sliding_window=WINDOW)
+DIMENSIONS = {"d_model": 12, "vocab_size": VOCAB, "n_layers": 4, "mlp_hidden": 256,
+              "n_heads": 4, "n_kv_heads": 2, "head_dim": 4}
+
+
+def olmo_core_model(shard: Any = None) -> tuple[Any, torch.nn.Module, Any]:
+    """OLMo-core's config, model and optimizer, built as its trainer builds them (CPU, fp32);
+    sharded over the device mesh `shard` by its own `apply_fsdp` if given."""
+    cfg = TransformerConfig.olmo3_1M(
+        vocab_size=VOCAB, n_kv_heads=2, attn_backend=AttentionBackendName.torch,
+        sliding_window=SlidingWindowAttentionConfig(  # Olmo 3's pattern, a window under SEQ
+            pattern=[WINDOW, WINDOW, WINDOW, -1], force_full_attention_on_first_layer=False,
+            force_full_attention_on_last_layer=True))
+    model = cfg.build(init_device="cpu")
+    model.init_weights(device=torch.device("cpu"))
+    if shard is not None:
+        model.apply_fsdp(dp_mesh=shard)
+    optim = SkipStepAdamWConfig(
+        lr=LR, betas=BETAS, weight_decay=WD,
+        group_overrides=[OptimGroupOverride(params=["embeddings.weight"],
+                                            opts={"weight_decay": 0.0})]).build(model)
+    return cfg, model, optim
+
+
+def olmo_core_step(model: torch.nn.Module, optim: Any, ids: torch.Tensor) -> torch.Tensor:
+    """One training step as OLMo-core's train module takes it: its loss, backward, step."""
+    loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
+    loss.backward()
+    optim.latest_loss = loss.detach()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+@dataclass
+class Saved:
+    step_dir: Path  # OLMo-core's stepN/ (config.json, model_and_optim/)
+    model: torch.nn.Module
+    optim: Any
+    batch: torch.Tensor  # the batch of the step after the checkpoint
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    torch.manual_seed(0)
+    cfg, model, optim = olmo_core_model()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        olmo_core_step(model, optim, torch.randint(0, VOCAB, (2, SEQ + 1), generator=g))
+    step_dir = tmp_path_factory.mktemp("olmo_core") / f"step{STEPS}"
+    save_model_and_optim_state(step_dir / DCP_DIR, model, optim)
+    # what OLMo-core's ConfigSaverCallback writes beside each checkpoint
+    (step_dir / "config.json").write_text(json.dumps({"model": cfg.as_config_dict()}))
+    return Saved(step_dir, model, optim, torch.randint(0, VOCAB, (2, SEQ + 1), generator=g))
+
+
+def assert_equal_to_olmo_core(tensors: dict[str, torch.Tensor], saved: Saved,
+                              optimizer: bool) -> None:
+    """Every weight (and moment) bit-equal to OLMo-core's own, mapped by name, nothing else."""
+    expected = set()
+    for name, p in saved.model.named_parameters():
+        ours = olmo_core_to_ours_name(name)
+        expected.add(model_key(ours))
+        assert torch.equal(tensors[model_key(ours)], p.detach()), name
+        if optimizer:
+            state = saved.optim.state[p]
+            for m in MOMENTS:
+                t = tensors[optim_key(ours, m)]
+                assert t.dtype == torch.float32 and torch.equal(t, state[m]), (name, m)
+            step = tensors[optim_key(ours, "step")]
+            assert step.dtype == torch.float32 and step.shape == () and step.item() == STEPS
+            expected |= {optim_key(ours, s) for s in (*MOMENTS, "step")}
+    assert set(tensors) == expected
+
+
+BLOCK_NAMES = {  # OLMo-core's (after blocks.N.) -> ours (after layers.N.), read off both codes
+    "attention.w_q.weight": "attn.q_proj.weight", "attention.w_k.weight": "attn.k_proj.weight",
+    "attention.w_v.weight": "attn.v_proj.weight", "attention.w_out.weight": "attn.o_proj.weight",
+    "attention.q_norm.weight": "attn.q_norm.weight",
+    "attention.k_norm.weight": "attn.k_norm.weight",
+    "attention_norm.weight": "attn_norm.weight",  # on the attention's output (reordered norm)
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",  # w2(silu(w1 x) * w3 x)
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward_norm.weight": "mlp_norm.weight",
+}
+
+
+def test_olmo_cores_names_map_onto_ours(saved: Saved) -> None:
+    for oc, ours in BLOCK_NAMES.items():
+        assert olmo_core_to_ours_name(f"blocks.3.{oc}") == f"layers.3.{ours}"
+    assert [olmo_core_to_ours_name(n) for n in
+            ("embeddings.weight", "lm_head.norm.weight", "lm_head.w_out.weight")] == [
+        "embed.weight", "norm.weight", "lm_head.weight"]
+    with torch.device("meta"):
+        ours = {n: p.shape for n, p in Olmo3(OURS).named_parameters()}
+    assert {olmo_core_to_ours_name(n): p.shape for n, p in saved.model.named_parameters()} == ours
+
+
+def test_weights_moments_and_step_equal_olmo_cores_to_the_bit(saved: Saved) -> None:
+    c = read_olmo_core(str(saved.step_dir), optimizer=True)
+    assert_equal_to_olmo_core(c.tensors, saved, optimizer=True)
+    assert c.step == STEPS
+    assert c.model == DIMENSIONS
+    metadata = (saved.step_dir / DCP_DIR / ".metadata").read_bytes()
+    assert c.digest == "sha256:" + hashlib.sha256(metadata).hexdigest()
+    assert "AdamW moments at step 2" in c.what
+
+
+def test_weights_only_from_the_dcp_directory_itself(saved: Saved) -> None:
+    c = read_olmo_core(str(saved.step_dir / DCP_DIR), optimizer=False)
+    assert_equal_to_olmo_core(c.tensors, saved, optimizer=False)
+    assert c.step is None and c.model == DIMENSIONS
+
+
+def test_reads_an_fsspec_url(saved: Saved) -> None:
+    fs = fsspec.filesystem("memory")
+    fs.put(str(saved.step_dir), "/olmo_core/step2", recursive=True)
+    try:
+        # as the official scripts name AI2's: the step directory, with a trailing slash
+        c = read_olmo_core("memory://olmo_core/step2/", optimizer=True)
+    finally:
+        fs.rm("/olmo_core", recursive=True)
+    assert_equal_to_olmo_core(c.tensors, saved, optimizer=True)
+    assert c.step == STEPS
+
+
+class _Files(http.server.SimpleHTTPRequestHandler):
+    """Serves a directory over HTTP, as olmo-checkpoints.org serves AI2's: byte ranges
+    honoured (206), or, with `ranges` off, ignored (the whole file, 200)."""
+
+    ranges = True
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def send_head(self) -> io.BytesIO | None:
+        path = Path(self.translate_path(self.path))
+        if not path.is_file():
+            self.send_error(404)
+            return None
+        data = path.read_bytes()
+        m = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        if m and self.ranges:
+            start, end = int(m[1]), int(m[2])
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+            data = data[start:end + 1]
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        return io.BytesIO(data)
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_reads_an_http_url(saved: Saved, ranges: bool) -> None:
+    handler = type("Handler", (_Files,), {"ranges": ranges})
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(handler, directory=str(saved.step_dir.parent)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/step2/"
+    try:
+        if not ranges:
+            with pytest.raises(CheckpointError, match=r"cannot read the tensor at bytes \d+\.\.\d+ "
+                                                      r"of __0_\d.distcp \(OSError: asked for "):
+                read_olmo_core(url, optimizer=False)
+            return
+        c = read_olmo_core(url, optimizer=True)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert_equal_to_olmo_core(c.tensors, saved, optimizer=True)
+
+
+def test_next_step_equals_olmo_cores_own(saved: Saved) -> None:
+    """The checkpoint loaded into our Olmo3 and AdamW takes the step OLMo-core's own model and
+    optimizer take from the same checkpoint and batch: the same loss, the same weights."""
+    _, model, optim = olmo_core_model()
+    load_model_and_optim_state(str(saved.step_dir / DCP_DIR), model, optim)
+    want_loss = olmo_core_step(model, optim, saved.batch)
+
+    c = read_olmo_core(str(saved.step_dir), optimizer=True)
+    ours = Olmo3(OURS)
+    ours.load_state_dict(model_tensors(c.tensors), strict=True)
+    adamw = build_optimizer(ours, OptimSection(lr=LR, betas=BETAS, weight_decay=WD))
+    load_optimizer_state(ours, adamw, c.tensors)
+    assert len(adamw.state) == len(list(ours.parameters()))
+    loss, _, _ = ours(saved.batch[:, :-1], labels=saved.batch[:, 1:])
+    loss.backward()
+    adamw.step()
+
+    assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+    params = dict(ours.named_parameters())
+    for name, p in model.named_parameters():
+        q = params[olmo_core_to_ours_name(name)].detach()
+        assert (q - p.detach()).abs().max() <= 1e-6 * p.detach().abs().max(), name
+
+
+class _Runs:
+    """A pickle that runs `fn(*args)` when loaded: what an allow-list must refuse."""
+
+    def __init__(self, fn: Any, *args: Any):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.fn, self.args
+
+
+def copy_dcp(saved: Saved, tmp_path: Path) -> Path:
+    dcp = tmp_path / "step2" / DCP_DIR
+    shutil.copytree(saved.step_dir / DCP_DIR, dcp)
+    return dcp
+
+
+@pytest.mark.parametrize("payload", ["system", "eval"])
+def test_a_forbidden_class_in_the_metadata_is_refused(saved: Saved, tmp_path: Path,
+                                                      payload: str) -> None:
+    dcp = copy_dcp(saved, tmp_path)
+    marker = tmp_path / "ran"
+    evil = (_Runs(os.system, f"touch {marker}") if payload == "system" else
+            _Runs(eval, f"open({str(marker)!r}, 'w')"))
+    (dcp / ".metadata").write_bytes(pickle.dumps(evil))
+    with pytest.raises(CheckpointError, match=rf"refusing to unpickle \w+\.{payload}: not a "
+                                              "class a torch distributed checkpoint"):
+        read_olmo_core(str(dcp), optimizer=False)
+    assert not marker.exists()
+
+
+def test_not_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match=r"is not an OLMo-core checkpoint: no .metadata in "
+                                              r"it nor in its model_and_optim/ \(found: "
+                                              r"notes.txt\); expected a torch distributed"):
+        read_olmo_core(str(tmp_path), optimizer=False)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_olmo_core(str(tmp_path / "missing"), optimizer=False)
+
+
+def test_a_corrupt_metadata_file_is_refused(saved: Saved, tmp_path: Path) -> None:
+    dcp = copy_dcp(saved, tmp_path)
+    metadata = dcp / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="is not a readable torch distributed checkpoint "
+                                              "metadata file"):
+        read_olmo_core(str(dcp), optimizer=False)
+    metadata.write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    with pytest.raises(CheckpointError, match="is not a torch distributed checkpoint's "
+                                              "metadata: it holds a dict, not a Metadata"):
+        read_olmo_core(str(dcp), optimizer=False)
+    # a chunk said to lie outside the directory (read by torch's own reader: trusted here)
+    md = FileSystemReader(str(saved.step_dir / DCP_DIR)).read_metadata()
+    next(iter(md.storage_data.values())).relative_path = "../../outside.distcp"
+    metadata.write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"storage entry .* is not a file of the "
+                                              "directory and a range"):
+        read_olmo_core(str(dcp), optimizer=False)
+
+
+def rewrite_metadata(dcp: Path, drop: str | None = None, add: str | None = None) -> None:
+    """The metadata (read by torch's own reader: the test trusts it) with one entry dropped or
+    one added."""
+    md = FileSystemReader(str(dcp)).read_metadata()
+    key = next(k for k in md.storage_data if k.fqn == "model.embeddings.weight")
+    if drop is not None:
+        del md.storage_data[next(k for k in md.storage_data if k.fqn == drop)]
+    if add is not None:
+        md.storage_data[MetadataIndex(add, key.offset)] = md.storage_data[key]
+        md.state_dict_metadata[add] = md.state_dict_metadata[key.fqn]
+    (dcp / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_missing_parameters_are_refused(saved: Saved, tmp_path: Path) -> None:
+    dcp = copy_dcp(saved, tmp_path)
+    rewrite_metadata(dcp, drop="model.blocks.1.feed_forward.w2.weight")
+    with pytest.raises(CheckpointError, match=r"lacks 1 tensor\(s\) of an Olmo 3 of 4 blocks, "
+                                              r"e.g. 'model.blocks.1.feed_forward.w2.weight'"):
+        read_olmo_core(str(dcp), optimizer=False)
+
+    weights_only = tmp_path / "weights"
+    save_model_and_optim_state(weights_only, saved.model)
+    with pytest.raises(CheckpointError, match="holds no optimizer state: use init.optimizer: "
+                                              "false"):
+        read_olmo_core(str(weights_only), optimizer=True)
+    assert read_olmo_core(str(weights_only), optimizer=False).step is None
+
+
+def test_a_parameter_olmo3_does_not_have_is_refused(saved: Saved, tmp_path: Path) -> None:
+    dcp = copy_dcp(saved, tmp_path)
+    rewrite_metadata(dcp, add="model.blocks.0.attention.w_q.bias")
+    with pytest.raises(CheckpointError, match=r"holds 'blocks.0.attention.w_q.bias', not a "
+                                              "parameter of an Olmo 3 transformer"):
+        read_olmo_core(str(dcp), optimizer=False)
+
+
+def _save_sharded(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: OLMo-core's model sharded by its own `apply_fsdp` (FSDP2), two
+    steps, saved by its checkpointer (each rank its rows); rank 0 keeps the whole tensors."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    _, model, optim = olmo_core_model(shard=init_device_mesh("cpu", (2,)))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        olmo_core_step(model, optim, torch.randint(0, VOCAB, (2, SEQ + 1), generator=g))
+    save_model_and_optim_state(f"{out}/{DCP_DIR}", model, optim)
+    whole = {}
+    for name, p in model.named_parameters():
+        ours = olmo_core_to_ours_name(name)
+        whole[model_key(ours)] = p.full_tensor()
+        for state, t in optim.state[p].items():
+            whole[optim_key(ours, state)] = t.full_tensor() if isinstance(t, DTensor) else t
+    if rank == 0:
+        torch.save(whole, f"{out}/whole.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_sharded_save_is_read_whole(tmp_path: Path) -> None:
+    """FSDP-sharded, as AI2's checkpoints are: each tensor's chunks, in the files of both ranks,
+    assembled into the whole tensors OLMo-core's ranks held."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_save_sharded, args=(port, str(tmp_path)), nprocs=2)
+    md = FileSystemReader(str(tmp_path / DCP_DIR)).read_metadata()
+    assert len(md.state_dict_metadata["model.embeddings.weight"].chunks) == 2  # really sharded
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    c = read_olmo_core(str(tmp_path), optimizer=True)
+    assert set(c.tensors) == set(whole) and c.step == STEPS
+    for key, t in whole.items():
+        assert torch.equal(c.tensors[key], t), key
