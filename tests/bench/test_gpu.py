@@ -18,6 +18,7 @@ from relaytrain.bench.gpu import (  # noqa: E402
 )
 from relaytrain.errors import UserError  # noqa: E402
 from relaytrain.model.config import PRESETS  # noqa: E402
+from relaytrain.model.olmo3 import Olmo3  # noqa: E402
 
 
 @pytest.mark.timeout(240)
@@ -74,10 +75,43 @@ def test_the_32b_plan_needs_16_gpus_fast_and_32_exact_on_80_gb():
             for f in (8, 16, 32) for exact in (False, True)}
     assert fits == {(8, False): False, (8, True): False, (16, False): True, (16, True): False,
                     (32, False): True, (32, True): True}
+    assert {f: memory_plan(cfg, 8192, 1, fsdp=f, gather="fp32")["peak"] < 80e9
+            for f in (8, 16, 32)} == {8: False, 16: True, 32: True}  # the same with fp32 gathers
     plan = memory_plan(cfg, 8192, 1, fsdp=16)
+    assert plan["gather_dtype"] == "bf16"
     assert plan["weights_fp32"] + plan["grads_fp32"] + plan["adamw_fp32"] == \
         16 * plan["params"] // 16
-    assert plan["checkpoints"] == 64 * 8192 * 5120 * 4
+    assert plan["checkpoints"] == 64 * 8192 * 5120 * 2  # the residual stream is bf16
+    assert memory_plan(cfg, 8192, 1, fsdp=16, gather="fp32")["checkpoints"] == \
+        64 * 8192 * 5120 * 4
+
+
+@pytest.mark.parametrize("preset", ["olmo3-7b", "olmo3-32b"])
+def test_bf16_gathers_save_half_the_gathered_weights_gradients_and_checkpoints(preset):
+    """Fast mode's default (bf16 gathers, fp32 reduce-scatter) against fp32 gathers: the
+    gathered units and the residual stream (the block checkpoints) take 2 bytes a value
+    instead of 4, a unit's gradient in flight 2 instead of 4 (its fp32 reduce-scatter input
+    stays), autocast makes no bf16 copies."""
+    cfg = PRESETS[preset]
+    with torch.device("meta"):  # the model as built, without its memory
+        model = Olmo3(cfg)
+    layer = sum(p.numel() for p in model.layers["0"].parameters())  # a unit: one block
+    root = sum(p.numel() for name, p in model.named_parameters()  # embedding, norm, head
+               if not name.startswith("layers."))
+    gathered, unit = root + 2 * layer, max(root, layer)
+    checkpoints = cfg.n_layers * 8192 * cfg.d_model
+    for fsdp in (8, 16, 32):
+        bf16 = memory_plan(cfg, 8192, 1, fsdp=fsdp)
+        fp32 = memory_plan(cfg, 8192, 1, fsdp=fsdp, gather="fp32")
+        assert (bf16["gather_dtype"], fp32["gather_dtype"]) == ("bf16", "fp32")
+        assert bf16["peak"] == bf16["backward_peak"] and fp32["peak"] == fp32["backward_peak"]
+        assert fp32["peak"] - bf16["peak"] == 2 * (gathered + unit + checkpoints)
+        assert bf16["reduce_in_flight"] == (2 + 4) * unit
+        assert bf16["autocast_bf16_copies"] == 0 < fp32["autocast_bf16_copies"] == 2 * gathered
+        assert memory_plan(cfg, 8192, 1, fsdp=fsdp, exact=True) == \
+            memory_plan(cfg, 8192, 1, fsdp=fsdp, exact=True, gather="fp32")
+    with pytest.raises(ValueError, match="exact mode gathers fp32"):
+        memory_plan(cfg, 8192, 1, fsdp=8, exact=True, gather="bf16")
 
 
 def test_the_docs_memory_tables_are_what_memory_table_computes():

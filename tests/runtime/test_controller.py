@@ -3,9 +3,11 @@ GEMMs, kernels and sliding attention `auto` measures are decided once per run, r
 by a run resumed on the host that chose them and may differ on another."""
 
 import pytest
+import torch
 import yaml
 
 import relaytrain.model.backend_choice as backend_choice
+import relaytrain.runtime.controller as controller
 import relaytrain.train.auto_backends as auto_backends
 from relaytrain.cli import main
 from relaytrain.errors import ConfigError
@@ -34,6 +36,29 @@ def test_the_controller_resolves_the_kernels_once_and_records_them(tmp_path, cor
     with pytest.raises(ConfigError, match=r"'model.kernels': kernels='fused', but the fused CPU "
                                           r"kernels cannot be built here \(CalledProcessError"):
         Controller(tiny_config(tmp_path / "c", corpus_data, "model.kernels=fused"))
+
+
+def test_the_manifest_records_the_dtype_a_sharded_run_gathers_in(tmp_path, corpus_data,
+                                                                  monkeypatch):
+    """config.yaml keeps `parallel.fsdp_param_dtype: auto`; each checkpoint's manifest says what
+    the workers resolved it to on the run's device (train/state.py: `param_dtype`)."""
+    fixed = ("runtime.engine=ray", "model.matmul=aten", "model.kernels=torch",
+             "model.attention=sdpa")  # no backend contests: the controller is only built
+
+    def gathers(*overrides: str) -> tuple[str, str | None]:
+        """The setting the manifest's config records, and the dtype its topology states."""
+        meta = Controller(tiny_config(tmp_path / "run", corpus_data, *fixed,
+                                      *overrides))._manifest_meta(0)
+        return meta["config"]["parallel"]["fsdp_param_dtype"], \
+            meta["topology"]["fsdp_param_dtype"]
+
+    assert gathers() == ("auto", None)  # unsharded: nothing is gathered
+    assert gathers("parallel.fsdp=2") == ("auto", "fp32")  # the CPU
+    assert gathers("parallel.fsdp=2", "parallel.fsdp_param_dtype=bf16") == ("bf16", "bf16")
+    monkeypatch.setattr(controller, "pick_device", lambda kind: torch.device("cuda"))
+    assert gathers("parallel.fsdp=2") == ("auto", "bf16")  # Olmo 3's recipe
+    assert gathers("parallel.fsdp=2", "determinism=exact") == ("auto", "fp32")
+    assert gathers("parallel.fsdp=2", "parallel.fsdp_param_dtype=fp32") == ("fp32", "fp32")
 
 
 @pytest.fixture

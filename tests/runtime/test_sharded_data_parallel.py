@@ -56,6 +56,7 @@ def test_sharded_pipeline_stages_give_the_unsharded_bits_across_a_kill_and_a_res
     manifest = CheckpointStore(str(run / "checkpoints")).read_manifest(4)
     assert sorted(manifest["files"]) == [f"stage{s}-shard{k}.safetensors" for s in (0, 1)
                                          for k in (0, 1)]
+    assert manifest["topology"]["fsdp_param_dtype"] == "fp32"  # exact mode's `auto`
     run_layout(run, corpus_data, 2, *DP, "determinism=exact", "train.max_steps=6")
     assert_bit_identical(run, exact_reference, steps=range(1, 7))
 

@@ -51,6 +51,7 @@ from relaytrain.model.config import PRESETS, Olmo3Config
 from relaytrain.model.loss import GPU_CHUNK_ELEMENTS
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.fsdp import SLICE_VALUES
+from relaytrain.parallel.precision import gather_dtype
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.execution import CUBLAS_WORKSPACE, prepare_model
 from relaytrain.train.metrics import peak_flops
@@ -67,29 +68,42 @@ GIB = 2**30
 
 
 def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
-                exact: bool = False) -> dict[str, Any]:
-    """Bytes a training step of `cfg` needs on one device with fp32 master weights, as
-    arithmetic (full activation checkpointing, bf16 autocast, fused AdamW, chunked loss),
-    unsharded or sharded over `fsdp` devices (parallel/fsdp.py), in fast or `exact` mode.
+                exact: bool = False, gather: str = "auto") -> dict[str, Any]:
+    """Bytes a training step of `cfg` needs on one CUDA device with fp32 master weights, as
+    arithmetic (full activation checkpointing, bf16 autocast, fused AdamW, chunked loss,
+    compiled blocks), unsharded or sharded over `fsdp` devices (parallel/fsdp.py), in fast or
+    `exact` mode, gathering parameters as `parallel.fsdp_param_dtype=gather` resolves on CUDA
+    (`auto`: bf16 in fast mode, fp32 in exact mode, which refuses bf16).
 
     n parameters cost 4n (fp32 weights) + 4n (fp32 gradients) + 8n (AdamW's two fp32
     moments) = 16n for the whole step; autocast's bf16 weight copies (2n) live only through
     the forward, before any gradient exists (`zero_grad(set_to_none=True)`), so the peak is
     the backward's: 16n, plus every block's input (the checkpoints: layers x tokens x d_model
-    fp32, the residual stream's dtype), plus about two blocks' worth of recomputed
-    activations and their gradients (estimated at tokens x (16 d_model + 6 mlp_hidden) bytes
-    each: bf16 projections, fp32 norm statistics, the SwiGLU's hidden-width tensors), plus
-    the fused loss's logit chunk. Without checkpointing every block keeps its
-    activations (~10x the estimate above per block), which does not fit at 7B.
+    in the residual stream's dtype), plus about two blocks' worth of recomputed activations
+    and their gradients (estimated at tokens x (16 d_model + 6 mlp_hidden) bytes each: bf16
+    projections, fp32 norm statistics, the SwiGLU's hidden-width tensors), plus the fused
+    loss's logit chunk. Without checkpointing every block keeps its activations (~10x the
+    estimate above per block), which does not fit at 7B.
 
     Sharded, the 16n bytes of state are split over the devices; FSDP2 gathers a unit's
-    parameters whole while it runs (in fp32): the root (embedding and head) for the whole step
-    and a block with the next one prefetched; a unit's whole gradient and its reduce-scatter
-    input exist until the reduce-scatter. Exact mode adds the int64 limbs: an accumulator of
-    16 bytes per (sharded) parameter, and while a gradient is reduced its limbs in float64 and
-    int64 and the collective's buffer, 32 bytes a value: unsharded, of the largest tensor (the
-    head's weight); sharded, of one slice (`parallel.fsdp.SLICE_VALUES`).
+    parameters whole while it runs: the root (embedding and head) for the whole step and a
+    block with the next one prefetched. A unit's whole gradient and its reduce-scatter input
+    exist until the reduce-scatter: the gradient in the gathered dtype (autograd's, of the
+    gathered parameter), the input fp32 (FSDP2's `foreach_reduce` allocates it in the reduce
+    dtype and casts the gradient into it as it copies it in, then frees the gradient).
+    Gathered in fp32, the residual stream is fp32 and autocast copies the running blocks'
+    weights to bf16 (compiled blocks cast inside their graphs; eager ones, `model.compile=
+    none`, would keep every block's copy in autocast's cache through the forward: 2n);
+    gathered in bf16, the weights are bf16 already (no copies) and so is the residual stream,
+    checkpoints included. Exact mode adds the int64 limbs: an accumulator of 16 bytes per
+    (sharded) parameter, and while a gradient is reduced its limbs in float64 and int64 and
+    the collective's buffer, 32 bytes a value: unsharded, of the largest tensor (the head's
+    weight); sharded, of one slice (`parallel.fsdp.SLICE_VALUES`).
     """
+    dtype = gather_dtype(gather, "cuda", exact) if fsdp > 1 else "fp32"
+    if exact and dtype == "bf16":
+        raise ValueError("memory_plan: exact mode gathers fp32 (config.py refuses bf16)")
+    width = 2 if dtype == "bf16" else 4  # bytes of a gathered value and of the residual stream
     n = param_count(cfg)
     tokens = seq_len * micro_batch
     root = 2 * cfg.vocab_size * cfg.d_model + cfg.d_model  # embedding, head, final norm
@@ -98,19 +112,20 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     states = 16 * n // fsdp
     accumulator = 16 * n // fsdp if exact else 0
     exact_transient = 32 * (min(unit, SLICE_VALUES) if fsdp > 1 else unit) if exact else 0
-    in_flight = 8 * unit if fsdp > 1 else 0  # a unit's whole gradient + reduce-scatter input
-    checkpoints = cfg.n_layers * tokens * cfg.d_model * 4
+    in_flight = (width + 4) * unit if fsdp > 1 else 0  # the unit's gradient + fp32 RS input
+    checkpoints = cfg.n_layers * tokens * cfg.d_model * width
     block = tokens * (16 * cfg.d_model + 6 * cfg.mlp_hidden)
     loss_chunk = 2 * GPU_CHUNK_ELEMENTS * 4  # its fp32 logits and a bf16/fp32 neighbour
-    bf16_copies = 2 * (gathered if fsdp > 1 else n)  # of what is whole at once
-    forward_peak = (12 * n // fsdp + (accumulator if fsdp == 1 else 0) + 4 * gathered
+    bf16_copies = 2 * (gathered if fsdp > 1 else n) if width == 4 else 0  # of what is whole
+    forward_peak = (12 * n // fsdp + (accumulator if fsdp == 1 else 0) + width * gathered
                     + bf16_copies + checkpoints + block)
-    backward_peak = (states + accumulator + 4 * gathered + in_flight + exact_transient
+    backward_peak = (states + accumulator + width * gathered + in_flight + exact_transient
                      + checkpoints + 2 * block + loss_chunk)
     return {"params": n, "tokens": tokens, "fsdp": fsdp, "exact": exact,
+            "gather_dtype": dtype if fsdp > 1 else None,
             "weights_fp32": 4 * n // fsdp, "grads_fp32": 4 * n // fsdp,
             "adamw_fp32": 8 * n // fsdp, "exact_accumulator": accumulator,
-            "gathered_fp32": 4 * gathered, "reduce_in_flight": in_flight,
+            "gathered": width * gathered, "reduce_in_flight": in_flight,
             "exact_transient": exact_transient, "autocast_bf16_copies": bf16_copies,
             "checkpoints": checkpoints, "recompute_estimate": 2 * block,
             "loss_chunk": loss_chunk, "forward_peak": forward_peak,
@@ -121,23 +136,29 @@ GPU_80GB = 80e9  # an H100's or A100's memory, the bar of the memory tables
 _TABLE_ROWS = (  # a row of `memory_table`: its label and the plan's keys it adds up
     ("fp32 weights + gradients + AdamW moments (1/fsdp each)",
      ("weights_fp32", "grads_fp32", "adamw_fp32")),
-    ("gathered whole: the root (embedding, head) all step, a block and the next",
-     ("gathered_fp32",)),
-    ("a unit's whole gradient + its reduce-scatter input", ("reduce_in_flight",)),
+    ("gathered whole (bf16 fast, fp32 exact): the root (embedding, head) all step, a block "
+     "and the next", ("gathered",)),
+    ("a unit's whole gradient (bf16 fast, fp32 exact) + its fp32 reduce-scatter input",
+     ("reduce_in_flight",)),
     ("int64 gradient accumulator (1/fsdp)", ("exact_accumulator",)),
     ("a gradient slice as limbs while it is reduced (32 B a value)", ("exact_transient",)),
-    ("block checkpoints + recompute + loss chunk",
+    ("block checkpoints (bf16 fast, fp32 exact) + recompute + loss chunk",
      ("checkpoints", "recompute_estimate", "loss_chunk")),
     ("**planned peak** (backward)", ("peak",)),
+    ("planned peak gathering fp32 (`parallel.fsdp_param_dtype=fp32`)", ("peak_fp32_gathers",)),
 )
 
 
 def memory_table(cfg: Olmo3Config, seq_len: int, micro_batch: int,
                  fsdps: tuple[int, ...]) -> str:
     """`memory_plan` of each sharding in `fsdps`, fast and exact, as the Markdown table
-    docs/MEASURED.md shows (GB = 1e9 bytes; a test holds the docs to it)."""
+    docs/MEASURED.md shows (GB = 1e9 bytes; a test holds the docs to it): at the default
+    gathers (`auto`), and the peak gathering fp32; whether the default fits 80 GB."""
     plans = [memory_plan(cfg, seq_len, micro_batch, fsdp=f, exact=e)
              for f in fsdps for e in (False, True)]
+    for p in plans:
+        p["peak_fp32_gathers"] = memory_plan(cfg, seq_len, micro_batch, fsdp=p["fsdp"],
+                                             exact=p["exact"], gather="fp32")["peak"]
     head = "".join(f" fsdp {p['fsdp']} {'exact' if p['exact'] else 'fast'} |" for p in plans)
     lines = [f"| GB per GPU |{head}", "| --- |" + " ---: |" * len(plans)]
     for label, keys in _TABLE_ROWS:
@@ -324,7 +345,8 @@ def _olmo3_7b(dev: torch.device, quick: bool) -> dict[str, Any]:
                         "autocast": "bf16" if cuda else None,
                         "optimizer": "AdamW fused" if cuda else "AdamW foreach"},
              memory_plan_gib={k: round(v / GIB, 2) for k, v in plan.items()
-                              if k not in ("params", "tokens")}, params=plan["params"])
+                              if k not in ("params", "tokens", "gather_dtype")},
+             params=plan["params"])
     if cuda:
         r["peak_memory_gib"] = round(r["peak_memory_bytes"] / GIB, 2)
         r["mfu_target_met"] = r["mfu"] >= TARGETS["mfu_7b"]

@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from relaytrain.parallel.precision import gather_dtype
 from relaytrain.parallel.reduce import any_rank, exceeds, from_limbs, overflow_limit, to_limbs
 from relaytrain.parallel.shards import whole_tensor
 
@@ -64,13 +65,9 @@ PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def param_dtype(setting: str, device: torch.device, exact: bool) -> torch.dtype:
-    """The dtype FSDP2 gathers parameters in (`parallel.fsdp_param_dtype`). `auto`: bf16 on
-    CUDA, as Olmo 3's recipe; fp32 on the CPU, which runs without autocast (its fused kernels
-    are fp32 ones), and in exact mode, whose bits are the unsharded run's (config.py refuses
-    an explicit bf16 there)."""
-    if setting == "auto":
-        return torch.bfloat16 if device.type == "cuda" and not exact else torch.float32
-    return PARAM_DTYPES[setting]
+    """The dtype FSDP2 gathers parameters in (`parallel.fsdp_param_dtype`): parallel/
+    precision.py's `gather_dtype` says which and why."""
+    return PARAM_DTYPES[gather_dtype(setting, device.type, exact)]
 
 
 def mixed_precision(dtype: torch.dtype, root: bool) -> MixedPrecisionPolicy:

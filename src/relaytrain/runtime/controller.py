@@ -24,6 +24,7 @@ from relaytrain.data.loader import check_order
 from relaytrain.errors import ConfigError, UserError, warn
 from relaytrain.model.accounting import flops_per_token
 from relaytrain.parallel.pipeline.schedules import asynchronous
+from relaytrain.parallel.precision import gather_dtype
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
 from relaytrain.runtime.failures import WorkerFailure
@@ -267,7 +268,17 @@ class Controller:
                 # where step 0's state came from (`init.from`); None: the seed
                 "init": self.cfg.init.origin,
                 "topology": {"dp": self.cfg.parallel.dp, "fsdp": self.cfg.parallel.fsdp,
-                             "pp": self.cfg.parallel.pp}}
+                             "pp": self.cfg.parallel.pp, "fsdp_param_dtype": self._gathers()}}
+
+    def _gathers(self) -> str | None:
+        """The dtype the workers gather parameters in, `parallel.fsdp_param_dtype` resolved on
+        the run's device as train/state.py resolves it (config.yaml keeps the setting, `auto`
+        included); None unsharded."""
+        cfg = self.cfg
+        if cfg.parallel.fsdp == 1:
+            return None
+        return gather_dtype(cfg.parallel.fsdp_param_dtype, pick_device(cfg.train.device).type,
+                            cfg.determinism == "exact")
 
     # ---- fault injection -------------------------------------------------------------------
     def _inject(self, first: int, last: int) -> None:
