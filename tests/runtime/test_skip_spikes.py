@@ -1,7 +1,7 @@
 """optim.skip_spikes in whole runs: a learning rate far too high makes spikes the rule skips; in
-exact mode dp 2 skips the same steps as dp 1 and ends on the same bits, a run resumed from a
-checkpoint skips the steps an uninterrupted one skips (the window rides in the manifest), and a
-skipped step's data counts as consumed (the audit passes)."""
+exact mode dp 2 and fsdp 2 skip the same steps as dp 1 and end on the same bits, a run resumed
+from a checkpoint skips the steps an uninterrupted one skips (the window rides in the manifest),
+and a skipped step's data counts as consumed (the audit passes)."""
 
 from __future__ import annotations
 
@@ -62,10 +62,11 @@ def test_a_resumed_run_skips_the_steps_an_uninterrupted_one_skips(tmp_path, corp
     assert same_tensors(final_state(run), final_state(one_worker))
 
 
-def test_exact_mode_skips_the_same_steps_to_the_bit_at_dp_2(tmp_path, corpus_data, ray_cluster,
-                                                            one_worker):
-    run = tmp_path / "dp2"
-    run_layout(run, corpus_data, 2, *DP, *SPIKES, "train.max_steps=8")
+@pytest.mark.parametrize(("dp", "fsdp"), [(2, 1), (1, 2)])
+def test_exact_mode_skips_the_same_steps_to_the_bit_at_dp_2_and_fsdp_2(
+        tmp_path, corpus_data, ray_cluster, one_worker, dp, fsdp):
+    run = tmp_path / "run"
+    run_layout(run, corpus_data, dp, *DP, *SPIKES, "train.max_steps=8", fsdp=fsdp)
     assert skipped(run) == skipped(one_worker)
     assert curve(run) == curve(one_worker)
     assert same_tensors(final_state(run), final_state(one_worker))
