@@ -14,6 +14,7 @@ from relaytrain.cli import main
 from tests.runtime.conftest import (
     DP,
     final_state,
+    records,
     run_layout,
     same_tensors,
     step_records,
@@ -67,6 +68,20 @@ def test_exact_mode_skips_the_same_steps_to_the_bit_at_dp_2_and_fsdp_2(
         tmp_path, corpus_data, ray_cluster, one_worker, dp, fsdp):
     run = tmp_path / "run"
     run_layout(run, corpus_data, dp, *DP, *SPIKES, "train.max_steps=8", fsdp=fsdp)
+    assert skipped(run) == skipped(one_worker)
+    assert curve(run) == curve(one_worker)
+    assert same_tensors(final_state(run), final_state(one_worker))
+
+
+def test_a_recovered_run_skips_the_steps_an_uninterrupted_one_skips(tmp_path, corpus_data,
+                                                                    ray_cluster, one_worker):
+    """A worker killed at step 6: the survivors restore step 5 from memory, and the window the
+    controller passes with step 6 again is the one it had."""
+    run = tmp_path / "recovered"
+    run_layout(run, corpus_data, 2, *DP, *SPIKES, "train.max_steps=8", "faults.kill_at=[6]",
+               "faults.kill_rank=1", "runtime.call_timeout=120",
+               "runtime.collective_timeout=120", "elastic.replace_timeout=20")
+    assert [r["failed_step"] for r in records(run, "recovery")] == [6]
     assert skipped(run) == skipped(one_worker)
     assert curve(run) == curve(one_worker)
     assert same_tensors(final_state(run), final_state(one_worker))
