@@ -97,9 +97,10 @@ def global_ce(losses: dict[int, tuple[float, float, float]], micro_batches: int,
     in global micro-batch index order / M): one slot per micro-batch, each filled by the one
     rank that computed it, summed over the group (x + 0.0 is exact), so the value does not
     depend on the layout. A collective on every rank of `group`."""
-    slots = torch.zeros(micro_batches, dtype=torch.float64, device=device)
+    values = [0.0] * micro_batches
     for index, (_, ce, _) in losses.items():
-        slots[index] = ce
+        values[index] = ce
+    slots = torch.tensor(values, dtype=torch.float64, device=device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(slots, group=group)
     return math.fsum(slots.tolist()) / micro_batches
