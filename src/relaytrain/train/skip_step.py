@@ -44,6 +44,8 @@ class SkipHistory:
 
 @dataclass(frozen=True)
 class SkipRule:
+    """The rule's parameters, and its decision as a pure function of a history and a step."""
+
     window: int = 128  # OLMo-core's rolling_interval_length
     sigma: float = 6.0  # OLMo-core's sigma_factor
     use_norm: bool = True  # OLMo-core feeds the norm only when it clips
