@@ -54,6 +54,8 @@ def test_round_trip_through_pickle():
     ("faults.raise_at=[3]", "'faults.raise_at' needs runtime.engine=ray"),
     ("faults.raise_rank=1", "expected null (a random rank) or 0 .. 0"),
     ("faults.storage_outage_seconds=-2", "'faults.storage_outage_seconds': got -2.0, expected > 0"),
+    ("optim.skip_window=5", "config key 'optim.skip_window': got 5, expected >= 6"),
+    ("optim.skip_sigma=0", "config key 'optim.skip_sigma': got 0.0, expected > 0"),
 ])
 def test_bad_values_name_the_key_and_what_is_accepted(override, needle):
     with pytest.raises(ConfigError) as err:
@@ -120,6 +122,17 @@ def test_sharded_pipeline_stages_run_the_flush_schedules_only(schedule):
     for flush in ("gpipe", "1f1b"):
         load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2",
                                           "parallel.pp=2", f"parallel.schedule={flush}"])
+
+
+def test_skipping_spikes_is_refused_on_a_pipeline_and_defaults_to_olmo_cores_rule():
+    with pytest.raises(ConfigError, match=r"^config key 'optim.skip_spikes': got true with "
+                                          r"parallel.pp=2, .* expected parallel.pp=1"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2",
+                                          "optim.skip_spikes=true"])
+    o = load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2"]).optim
+    assert (o.skip_spikes, o.skip_window, o.skip_sigma) == (False, 128, 6.0)  # SkipStepAdamW's
+    load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.dp=2",
+                                      "optim.skip_spikes=true"])
 
 
 def test_a_storage_outage_on_an_object_store_is_refused_in_one_line(tmp_path, capsys):

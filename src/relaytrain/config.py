@@ -81,6 +81,11 @@ class OptimSection:
     decay_embeddings: bool = False
     warmup: int = 10  # steps of linear warm-up
     final_lr_frac: float = 0.1  # cosine decays to lr * final_lr_frac at max_steps
+    # OLMo-core's SkipStepAdamW (train/skip_step.py): skip a step whose loss or gradient norm
+    # is over skip_sigma standard deviations above the mean of the last skip_window steps'
+    skip_spikes: bool = False
+    skip_window: int = 128
+    skip_sigma: float = 6.0
 
 
 EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -575,17 +580,14 @@ def validate(cfg: RunConfig) -> None:
          "config key 'runtime.address' is set, which needs runtime.engine=ray")
     need(cfg.runtime.threads_per_worker >= 1, "config key 'runtime.threads_per_worker': "
          f"got {cfg.runtime.threads_per_worker}, expected >= 1")
-    need(cfg.optim.warmup >= 0, f"config key 'optim.warmup': got {cfg.optim.warmup}, "
-         "expected >= 0")
-    need(0 <= cfg.optim.final_lr_frac <= 1, "config key 'optim.final_lr_frac': got "
-         f"{cfg.optim.final_lr_frac}, expected between 0 and 1")
     need(cfg.checkpoint.keep_last >= 1, "config key 'checkpoint.keep_last': got "
          f"{cfg.checkpoint.keep_last}, expected >= 1")
     need(cfg.elastic.min_workers >= 1, "config key 'elastic.min_workers': got "
          f"{cfg.elastic.min_workers}, expected >= 1")
     need(cfg.eval.instances >= 1, f"config key 'eval.instances': got {cfg.eval.instances}, "
          "expected >= 1")
-    for part in (_validate_eval_sets, _validate_faults, _validate_init):  # one section each
+    # one section each
+    for part in (_validate_optim, _validate_eval_sets, _validate_faults, _validate_init):
         part(cfg, need)
 
 
@@ -593,6 +595,20 @@ def _validate_seeds(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
     need(cfg.seed >= 0, f"config key 'seed': got {cfg.seed}, expected an integer >= 0")
     need(cfg.data_seed >= 0, f"config key 'data.seed': got {cfg.data.seed}, expected an "
          "integer >= 0 (or null: the run's seed)")
+
+
+def _validate_optim(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    o = cfg.optim
+    need(o.warmup >= 0, f"config key 'optim.warmup': got {o.warmup}, expected >= 0")
+    need(0 <= o.final_lr_frac <= 1, "config key 'optim.final_lr_frac': got "
+         f"{o.final_lr_frac}, expected between 0 and 1")
+    need(o.skip_window >= 6, f"config key 'optim.skip_window': got {o.skip_window}, expected "
+         ">= 6 (the rule starts at window // 2 steps and needs two earlier ones for a standard "
+         "deviation)")
+    need(o.skip_sigma > 0, f"config key 'optim.skip_sigma': got {o.skip_sigma}, expected > 0")
+    need(not o.skip_spikes or cfg.parallel.pp == 1, "config key 'optim.skip_spikes': got true "
+         f"with parallel.pp={cfg.parallel.pp}, but pipeline stages do not skip steps yet; "
+         "expected parallel.pp=1 (dp and fsdp layouts) or optim.skip_spikes=false")
 
 
 def _validate_eval_sets(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

@@ -3,6 +3,7 @@ ranks, the ledger names what each DP rank trained on, and a non-finite step stop
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -49,3 +50,25 @@ def test_a_non_finite_step_stops_the_run_before_it_is_recorded(tmp_path):
         reporter.check(9, [_results([[0, 1, 2, 3]], finite=False)], _placements(1))
     reporter.close()
     assert '"kind": "nan"' in (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_a_skipped_step_says_so_in_its_metrics_record_and_its_data_counts_as_consumed(
+        tmp_path):
+    cfg = tiny_config(tmp_path / "run", "data", "train.global_batch=4", "train.micro_batch=1",
+                      "optim.skip_spikes=true")
+    (tmp_path / "run").mkdir()
+    reporter = StepReporter(cfg, "fp", 100, quiet=True, last_checkpoint=lambda: 0)
+    reporter.open(0, 2)
+    per_step = [_results([[0, 1], [2, 3]]) for _ in range(2)]
+    for r in per_step[1].values():
+        r.skipped = True
+    records = reporter.check(1, per_step, _placements(2))
+    reporter.steps(1, per_step, records, _placements(2), 1.0, 0.0)
+    reporter.close()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
+             if x]
+    assert [r["skipped"] for r in lines if r["kind"] == "step"] == [False, True]
+    ledger = [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().split()]
+    assert [r["parts"] for r in ledger if r["kind"] == "step"] == [[[0, 1], [12, 13]]] * 2
+    plain = tiny_config(tmp_path, "data", "train.global_batch=4", "train.micro_batch=1")
+    assert "skipped" not in combine(1, per_step[1], _placements(2), plain)

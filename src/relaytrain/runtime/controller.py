@@ -36,6 +36,7 @@ from relaytrain.train.auto_backends import settle_backends
 from relaytrain.train.execution import pick_device
 from relaytrain.train.init_from import resolve as resolve_init
 from relaytrain.train.metrics import peak_flops
+from relaytrain.train.skip_step import SkipRule, SkipWindow
 
 __all__ = ["Controller", "TrainingStopped"]
 
@@ -72,6 +73,10 @@ class Controller:
         # them), which every worker runs; the fused kernels are built (once per host) here.
         cfg, self.backends = settle_backends(cfg, self.model_cfg, resume)
         self.cfg = cfg
+        # optim.skip_spikes' window of earlier steps: from the checkpoint resumed, kept here
+        rule = SkipRule.from_config(cfg)
+        self.skip_window = None if rule is None else \
+            SkipWindow(rule, (resume or {}).get("skip_window"))
         n_train = self.dataset.split("train").num_instances(cfg.seq_len)
         if n_train < cfg.train.global_batch:
             raise UserError(f"data.path {cfg.data.path!r} has {n_train} training instances of "
@@ -131,14 +136,21 @@ class Controller:
         cfg, recovery = self.cfg, self.recovery
         t0 = time.perf_counter()
         self._inject(step + 1, step + count)
-        results = self.engine.call_all(recovery.members, lambda w: w.run_steps(step + 1, count),
+        window = self.skip_window
+        history = None if window is None else window.history(step)
+        results = self.engine.call_all(recovery.members,
+                                       lambda w: w.run_steps(step + 1, count, history),
                                        cfg.runtime.call_timeout * count)
         elapsed = (time.perf_counter() - t0) / count
         per_step = [{w: r[i] for w, r in results.items()} for i in range(count)]
         placements = recovery.placements()
         records = self.reporter.check(step + 1, per_step, placements)
-        self.catalogue.record([w for r in results.values() for w in r[-1].written])
         end = step + count
+        if window is not None:  # before a commit's manifest asks for it; kept back to the
+            # oldest state a restore may go to (the last committed checkpoint, a snapshot)
+            window.take(step + 1, records, min(self.catalogue.last_committed,
+                                               end - cfg.elastic.snapshot_every))
+        self.catalogue.record([w for r in results.values() for w in r[-1].written])
         t_ckpt = 0.0
         if (cfg.checkpoint.every and end % cfg.checkpoint.every == 0) \
                 or end == cfg.train.max_steps:
@@ -267,6 +279,8 @@ class Controller:
                 "rng": {"seed": self.cfg.seed, "data_seed": self.cfg.data_seed},
                 # where step 0's state came from (`init.from`); None: the seed
                 "init": self.cfg.init.origin,
+                **({} if self.skip_window is None
+                   else {"skip_window": self.skip_window.saved(step)}),
                 "topology": {"dp": self.cfg.parallel.dp, "fsdp": self.cfg.parallel.fsdp,
                              "pp": self.cfg.parallel.pp, "fsdp_param_dtype": self._gathers()}}
 

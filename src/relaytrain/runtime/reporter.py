@@ -55,6 +55,8 @@ def combine(step: int, results: dict[int, StepResult], placements: dict[int, Pla
               "time_compute": max(r.time_compute for r in results.values()),
               "state_bytes": max(r.state_bytes for r in results.values()),
               "peak_rss": max(r.peak_rss for r in results.values())}
+    if cfg.optim.skip_spikes:  # every rank decided alike, from the same global values
+        record["skipped"] = results[last_stage].skipped
     if cfg.parallel.pp > 1:  # every stage's schedule measurements (its DP rank 0's)
         record["pipeline"] = {str(p.stage): dataclasses.asdict(results[w].pipeline)
                               for w, p in placements.items() if p.dp_rank == 0}
@@ -164,6 +166,10 @@ class StepReporter:
             self.productive_s += seconds_per_step
             if self.tensorboard:
                 self.tensorboard.write(self.last)
+            if rec.get("skipped"):
+                warn(f"step {step}: CE loss {rec['ce_loss']:.4g} or gradient norm "
+                     f"{rec['grad_norm']:.4g} above optim.skip_spikes' threshold; its update "
+                     "was skipped (its data counts as consumed)")
             spike = self.spikes.check(rec["loss"])
             if spike:
                 self.metrics.write("spike", step=step, message=spike)

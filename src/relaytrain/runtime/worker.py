@@ -31,6 +31,7 @@ from relaytrain.runtime.membership import Membership
 from relaytrain.runtime.wire import ProcessIdentity, StepResult, WorkerInfo, WriteReport
 from relaytrain.train.evaluate import Evaluator
 from relaytrain.train.execution import pick_device, retain_freed_memory, set_determinism
+from relaytrain.train.skip_step import SkipHistory
 from relaytrain.train.state import Donation, TrainState
 from relaytrain.train.stepper import Stepper, make_reducer, make_stepper
 
@@ -132,8 +133,10 @@ class Worker:
         self.state.take_snapshot(step)
 
     # ---- training --------------------------------------------------------------------------
-    def run_steps(self, first: int, count: int) -> list[StepResult]:
-        """Optimizer steps first .. first+count-1 (1-based; step k trains global batch k-1).
+    def run_steps(self, first: int, count: int, history: SkipHistory | None = None
+                  ) -> list[StepResult]:
+        """Optimizer steps first .. first+count-1 (1-based; step k trains global batch k-1),
+        compared with the steps before by `history` under optim.skip_spikes.
 
         One call may cover several steps: tiny steps amortise the call, and asynchronous
         pipeline schedules need a span to keep the pipeline full. A span ends drained, so its
@@ -148,7 +151,7 @@ class Worker:
         if due and not sharded and (first - 1) % every == 0:
             self.state.take_snapshot(first - 1)
         self.raise_hook.check(first, count)
-        out = self.stepper.run(first, count)
+        out = self.stepper.run(first, count, history)
         last = first + count - 1
         if due and sharded and last % every == 0:
             self.state.take_snapshot(last)

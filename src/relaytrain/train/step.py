@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.optim import AdamW
+from relaytrain.train.skip_step import global_ce
 
 if TYPE_CHECKING:  # imported only by workers that shard (parallel/shards.py says why)
     from relaytrain.parallel.fsdp import ShardedGradReducer
@@ -43,6 +45,7 @@ class StepOutcome:
     losses: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     grad_norm: float = 0.0
     finite: bool = True
+    skipped: bool = False  # optim.skip_spikes held the update back (train/skip_step.py)
     pipeline: PipelineStats | None = None  # a pipeline stage's schedule measurements
 
 
@@ -56,9 +59,11 @@ def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
 def train_step(model: nn.Module, optimizer: AdamW,
                reducer: GradReducer | ShardedGradReducer,
                micro_batches: list[tuple[int, torch.Tensor]], total_micro_batches: int,
-               z_loss: float, clip: float, device: torch.device) -> StepOutcome:
+               z_loss: float, clip: float, device: torch.device,
+               skip: Callable[[float, float], bool] | None = None) -> StepOutcome:
     """Accumulate, reduce, clip, update. A non-finite loss or gradient skips the update so the
-    weights (and the last good checkpoint) stay intact."""
+    weights (and the last good checkpoint) stay intact; so does `skip`(global CE loss, gradient
+    norm) when true (optim.skip_spikes: the optimizer's state untouched, as OLMo-core's)."""
     out = StepOutcome()
     reducer.start()
     for index, tokens in micro_batches:
@@ -67,9 +72,13 @@ def train_step(model: nn.Module, optimizer: AdamW,
         out.losses[index] = (float(total.detach()), float(ce), float(z))
     ok = reducer.finish()
     out.grad_norm = float(reducer.clip(clip if clip > 0 else math.inf))
+    # every rank joins the loss's collective, whatever its own losses hold
+    ce = global_ce(out.losses, total_micro_batches, reducer.group, device) \
+        if skip is not None else 0.0
     out.finite = ok and math.isfinite(out.grad_norm) and all(
         math.isfinite(v[0]) for v in out.losses.values())
-    if out.finite:
+    out.skipped = out.finite and skip is not None and skip(ce, out.grad_norm)
+    if out.finite and not out.skipped:
         optimizer.step()
     optimizer.zero_grad()
     return out

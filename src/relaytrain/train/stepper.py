@@ -23,6 +23,7 @@ from relaytrain.train.evaluate import heldout_losses
 from relaytrain.train.metrics import proc_bytes
 from relaytrain.train.optim import lr_at, set_lr
 from relaytrain.train.pipeline_stage import StageRunner, StageSpec, Transport
+from relaytrain.train.skip_step import SkipCheck, SkipHistory, SkipRule
 from relaytrain.train.state import TrainState, state_bytes
 from relaytrain.train.step import PipelineStats, StepOutcome, train_step
 
@@ -44,6 +45,7 @@ class StepResult:
     time_data: float
     time_compute: float
     pipeline: PipelineStats | None = None  # pp > 1: the stage's schedule measurements
+    skipped: bool = False  # optim.skip_spikes held the update back (its data still consumed)
     # bytes of the parameters, their gradients and AdamW's moments this worker holds (its
     # shards under parallel.fsdp), and its process's peak resident bytes during the step
     # (Linux; 0 elsewhere); unpipelined steps
@@ -58,15 +60,17 @@ def step_result(step: int, out: StepOutcome, ids: list[int], time_data: float,
     """The one place a step's result is formed, for plain and pipelined steps alike."""
     return StepResult(step=step, losses=out.losses, grad_norm=out.grad_norm, finite=out.finite,
                       ids=ids, time_data=time_data, time_compute=time_compute,
-                      pipeline=out.pipeline)
+                      pipeline=out.pipeline, skipped=out.skipped)
 
 
 class Stepper(Protocol):
     """Trains steps and evaluates on the model as this worker holds it."""
 
-    def run(self, first: int, count: int) -> list[StepResult]:
+    def run(self, first: int, count: int, history: SkipHistory | None = None
+            ) -> list[StepResult]:
         """Optimizer steps first .. first+count-1 (1-based; step k trains global batch k-1),
-        one result per step. A span ends drained: its end is a consistent cut."""
+        one result per step. A span ends drained: its end is a consistent cut. `history`: the
+        steps before `first` as optim.skip_spikes compares them (train/skip_step.py)."""
 
     def evaluate(self, split: Any, ids: list[int], part: int, parts: int) -> dict[int, float]:
         """Per-instance held-out loss of chunk share `part` of `parts` of `ids` (those this
@@ -101,12 +105,15 @@ class LocalStepper:
     def __init__(self, state: TrainState, reducer: GradReducer | ShardedGradReducer,
                  loader: Loader, cfg: RunConfig):
         self.state, self.reducer, self.loader, self.cfg = state, reducer, loader, cfg
+        self.rule = SkipRule.from_config(cfg)
         self._state_bytes: int | None = None  # measured after the first step
 
-    def run(self, first: int, count: int) -> list[StepResult]:
-        return [self._step(step) for step in range(first, first + count)]
+    def run(self, first: int, count: int, history: SkipHistory | None = None
+            ) -> list[StepResult]:
+        check = None if self.rule is None else SkipCheck(self.rule, history or SkipHistory())
+        return [self._step(step, check) for step in range(first, first + count)]
 
-    def _step(self, step: int) -> StepResult:
+    def _step(self, step: int, check: SkipCheck | None) -> StepResult:
         model, optimizer, device = self.state.model, self.state.optimizer, self.state.device
         reset_peak_rss()
         t0 = time.perf_counter()
@@ -116,7 +123,7 @@ class LocalStepper:
         model.train()
         out = train_step(model, optimizer, self.reducer, batch.micro_batches,
                          self.cfg.micro_batches, self.cfg.train.z_loss, self.cfg.train.clip,
-                         device)
+                         device, check)
         result = step_result(step, out, batch.ids.tolist(), t1 - t0, synced_since(t1, device))
         if self._state_bytes is None:  # fixed for a generation once AdamW's state exists
             self._state_bytes = state_bytes(model, optimizer)
@@ -136,7 +143,9 @@ class PipelineStepper:
     def __init__(self, runner: StageRunner, loader: Loader, device: torch.device):
         self.runner, self.loader, self.device = runner, loader, device
 
-    def run(self, first: int, count: int) -> list[StepResult]:
+    def run(self, first: int, count: int, history: SkipHistory | None = None
+            ) -> list[StepResult]:
+        # (optim.skip_spikes is refused with parallel.pp > 1: `history` is always None here)
         t0 = time.perf_counter()
         batches = [self.loader.get(step - 1) for step in range(first, first + count)]
         t1 = time.perf_counter()

@@ -20,7 +20,13 @@ if TYPE_CHECKING:
 
     from relaytrain.parallel.groups import Placement
     from relaytrain.runtime.kvstore import StoreAccess
-    from relaytrain.runtime.wire import ProcessIdentity, StepResult, WorkerInfo, WriteReport
+    from relaytrain.runtime.wire import (
+        ProcessIdentity,
+        SkipHistory,
+        StepResult,
+        WorkerInfo,
+        WriteReport,
+    )
 
 
 class WorkerAPI(Protocol):
@@ -41,8 +47,9 @@ class WorkerAPI(Protocol):
     def warm_up(self) -> None:
         """A standby spare builds its model ahead of a promotion."""
 
-    def run_steps(self, first: int, count: int) -> list[StepResult]:
-        """Train steps first .. first+count-1."""
+    def run_steps(self, first: int, count: int, history: SkipHistory | None = None
+                  ) -> list[StepResult]:
+        """Train steps first .. first+count-1 (`history`: optim.skip_spikes' window)."""
 
     def snapshot_step(self) -> int | None:
         """The step of the in-memory snapshot, if any."""
