@@ -48,6 +48,7 @@ def test_round_trip_through_pickle():
     ("parallel.dp=2", "need runtime.engine=ray"),
     ("model.n_kv_heads=3", "must divide model.n_heads"),
     ("model.widthh=3", "unknown config key 'model.widthh'"),
+    ("model.n_layers=abc", "config key 'model.n_layers': got 'abc', expected int"),
     ("noequals", "not of the form key=value"),
     ("faults.raise_when=[3]", "unknown config key 'faults.raise_when'; accepted keys here: "),
     ("faults.raise_at=[0]", "config key 'faults.raise_at': got [0], expected optimizer steps"),
@@ -62,6 +63,12 @@ def test_bad_values_name_the_key_and_what_is_accepted(override, needle):
         load_config(None, ["run_dir=x", override])
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_an_architecture_override_takes_its_fields_type():
+    """YAML reads a command line's 1e-06 (no dot) as a string: the model's field says float."""
+    cfg = load_config(None, ["run_dir=x", "model.rms_eps=1e-06", "model.n_layers=2"])
+    assert cfg.model_config().rms_eps == 1e-6 and isinstance(cfg.model_config().rms_eps, float)
 
 
 def test_dp_must_split_micro_batches_evenly():

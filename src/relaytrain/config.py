@@ -225,7 +225,9 @@ class RunConfig:
     # ---- derived values -------------------------------------------------------------------
     def model_config(self, tokenizer_vocab: int | None = None) -> Olmo3Config:
         """The architecture: preset, then overrides, then the data's vocabulary if needed."""
-        overrides = dict(self.model.overrides)
+        hints = typing.get_type_hints(Olmo3Config)  # a command line's 1e-06 is a string
+        overrides = {k: _coerce(f"model.{k}", v, hints[k]) if k in hints else v
+                     for k, v in self.model.overrides.items()}
         if "n_layers" in overrides and "layer_types" not in overrides:
             overrides["layer_types"] = ()  # the Olmo 3 pattern for the new depth
         cfg = dataclasses.replace(PRESETS[self.model.preset], **overrides)
