@@ -9,16 +9,19 @@ skip themselves first where ai2-olmo-core is not installed
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from olmo_core.distributed.checkpoint import save_model_and_optim_state
 from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
 from olmo_core.nn.transformer import TransformerConfig
 from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig
 
+from relaytrain.checkpoint import olmo_core
 from relaytrain.checkpoint.keys import model_key, optim_key
 from relaytrain.checkpoint.olmo_core import DCP_DIR, MOMENTS, olmo_core_to_ours_name
 from relaytrain.model.config import Olmo3Config
@@ -83,7 +86,9 @@ def save_olmo_core(out: Path, vocab: int = VOCAB, tokens: int = VOCAB) -> Saved:
     for _ in range(STEPS):
         olmo_core_step(model, optim, torch.randint(0, tokens, (2, SEQ + 1), generator=g))
     step_dir = out / f"step{STEPS}"
-    save_model_and_optim_state(step_dir / DCP_DIR, model, optim)
+    with warnings.catch_warnings():  # one process: OLMo-core's save says so
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        save_model_and_optim_state(step_dir / DCP_DIR, model, optim)
     # what OLMo-core's ConfigSaverCallback writes beside each checkpoint
     (step_dir / "config.json").write_text(json.dumps({"model": cfg.as_config_dict()}))
     return Saved(step_dir, model, optim, torch.randint(0, tokens, (2, SEQ + 1), generator=g))
@@ -106,3 +111,16 @@ def assert_equal_to_olmo_core(tensors: dict[str, torch.Tensor], saved: Saved,
             assert step.dtype == torch.float32 and step.shape == () and step.item() == STEPS
             expected |= {optim_key(ours, s) for s in (*MOMENTS, "step")}
     assert set(tensors) == expected
+
+
+def counting_chunk_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The chunks read from here on (the file each lies in), as they are read."""
+    reads: list[str] = []
+    real = olmo_core._read_chunk
+
+    def counted(fs: Any, dcp: str, info: Any, where: str) -> torch.Tensor:
+        reads.append(info.relative_path)
+        return real(fs, dcp, info, where)
+
+    monkeypatch.setattr(olmo_core, "_read_chunk", counted)
+    return reads

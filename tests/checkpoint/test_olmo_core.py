@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from relaytrain.checkpoint import olmo_core
 from relaytrain.checkpoint.keys import model_key, model_tensors, optim_key
 from relaytrain.checkpoint.olmo_core import (
     DCP_DIR,
@@ -57,6 +56,7 @@ from tests.checkpoint.olmo_core_reference import (  # noqa: E402
     WD,
     Saved,
     assert_equal_to_olmo_core,
+    counting_chunk_reads,
     olmo_core_model,
     olmo_core_step,
     save_olmo_core,
@@ -109,19 +109,6 @@ def test_weights_only_from_the_dcp_directory_itself(saved: Saved) -> None:
     c = read_olmo_core(str(saved.step_dir / DCP_DIR), optimizer=False)
     assert_equal_to_olmo_core(c.tensors, saved, optimizer=False)
     assert c.step is None and c.model == DIMENSIONS
-
-
-def counting_chunk_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The chunks read from here on (the file each lies in), as they are read."""
-    reads: list[str] = []
-    real = olmo_core._read_chunk
-
-    def counted(fs: Any, dcp: str, info: Any, where: str) -> torch.Tensor:
-        reads.append(info.relative_path)
-        return real(fs, dcp, info, where)
-
-    monkeypatch.setattr(olmo_core, "_read_chunk", counted)
-    return reads
 
 
 def test_the_metadata_alone_says_what_a_read_gives(saved: Saved, tmp_path: Path,
