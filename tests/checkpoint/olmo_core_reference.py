@@ -35,9 +35,10 @@ OURS = Olmo3Config(d_model=12, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=4, 
 DIMENSIONS = {"d_model": 12, "vocab_size": VOCAB, "n_layers": 4, "mlp_hidden": 256,
               "n_heads": 4, "n_kv_heads": 2, "head_dim": 4}
 # OURS as a run's `model.*` overrides (its vocabulary: the run's data's, padded)
-RUN_MODEL = tuple(f"model.{f}={getattr(OURS, f)}" for f in (
-    "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "rms_eps",
-    "rope_theta", "sliding_window"))
+# (rms_eps spelt with a point: YAML reads a bare 1e-06 as a string)
+RUN_MODEL = (*(f"model.{f}={getattr(OURS, f)}" for f in (
+    "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "rope_theta",
+    "sliding_window")), "model.rms_eps=1.0e-6")
 
 
 def olmo_core_model(shard: Any = None, vocab: int = VOCAB) -> tuple[Any, torch.nn.Module, Any]:
