@@ -16,7 +16,9 @@ the read is known to hold exactly the range (a server ignoring `Range` sends the
 Ranges written through a DCP stream transform (compression) are refused.
 
 Works on a local directory and any fsspec URL (relaytrain.storage): OLMo-core's `stepN/`
-directory (the DCP in its `model_and_optim/`) or the DCP directory itself.
+directory (the DCP in its `model_and_optim/`) or the DCP directory itself. `init.from` checks a
+source by its metadata alone (`read_olmo_core_metadata`), before a run writes anything, and each
+worker then reads only the chunks of its own tensors (`read_olmo_core(..., keys)`).
 """
 
 from __future__ import annotations
