@@ -22,7 +22,7 @@ from relaytrain.checkpoint.keys import (
 )
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.config import InitSection, RunConfig, load_config
-from relaytrain.errors import ConfigError
+from relaytrain.errors import CheckpointError, ConfigError
 from relaytrain.model.hf import read_hf, write_hf
 from relaytrain.train.init_from import read_origin, resolve
 from tests.train.test_state import VOCAB, WHOLE, assert_same, config, state_of, trained
@@ -237,3 +237,15 @@ def test_each_bad_olmo_core_source_is_one_line_naming_the_key(tmp_path, olmo_cor
     assert f"holds another model (vocab_size=256; the run's model has vocab_size=128; " \
         "vocab_size counts embedding rows, the tokenizer's vocabulary padded: the source was " \
         f"trained with another tokenizer than the run's data ({VOCAB} tokens))" in said
+
+
+def test_an_olmo_core_source_changed_since_the_run_started_is_refused(tmp_path, olmo_core):
+    ref, saved = olmo_core
+    src = tmp_path / "step2"
+    shutil.copytree(saved.step_dir, src)
+    cfg = started_from(olmo_core_run(tmp_path, ref), str(src), optimizer=True)
+    metadata = src / "model_and_optim" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes() + b"\0")  # still a readable pickle, another one
+    with pytest.raises(CheckpointError, match=r"changed since the run started from it \(digest "
+                                              r"sha256:"):
+        state_of(cfg).build(0, None, WHOLE)

@@ -33,6 +33,7 @@ from relaytrain.checkpoint.keys import (
     model_tensors,
     tensor_param,
 )
+from relaytrain.checkpoint.olmo_core import read_olmo_core, read_olmo_core_metadata
 from relaytrain.checkpoint.pieces import Rows
 from relaytrain.checkpoint.reading import Into, KeyFilter, load_dir, stored_keys
 from relaytrain.checkpoint.store import locate_checkpoint
@@ -155,8 +156,6 @@ def _olmo_core_holds(fs: fsspec.AbstractFileSystem, path: str) -> bool:
 
 
 def _olmo_core_resolve(url: str, optimizer: bool) -> Found:
-    from relaytrain.checkpoint.olmo_core import read_olmo_core_metadata
-
     fs, path = storage.filesystem(url)
     meta = read_olmo_core_metadata(url, optimizer)  # the .metadata (and one step count) only
     weights = {tensor_param(k): s for k, s in meta.shapes.items() if k.startswith(MODEL_PREFIX)}
@@ -166,8 +165,6 @@ def _olmo_core_resolve(url: str, optimizer: bool) -> Found:
 
 def _olmo_core_read(origin: dict[str, Any], keys: KeyFilter, rows: Rows, into: Into | None
                     ) -> dict[str, torch.Tensor]:
-    from relaytrain.checkpoint.olmo_core import read_olmo_core
-
     c = read_olmo_core(origin["location"], MOMENTS in origin["took"], keys)  # its chunks only
     if c.digest != origin["digest"]:
         raise CheckpointError(f"init.from {origin['location']} changed since the run started "
