@@ -1,9 +1,5 @@
-"""An OLMo-core checkpoint read as ours, held against ai2-olmo-core itself.
-
-The reference is a tiny Olmo 3 built by OLMo-core's own `TransformerConfig.olmo3_*` builder,
-trained two steps by its `SkipStepAdamW` (embeddings not decayed, as the official scripts) and
-saved by its own `save_model_and_optim_state` (what its trainer's Checkpointer writes into a
-step directory's `model_and_optim/`); nothing of OLMo-core is re-implemented here.
+"""An OLMo-core checkpoint read as ours, held against ai2-olmo-core itself: the reference
+(tests/checkpoint/olmo_core_reference.py) is OLMo-core's own model, optimizer and checkpointer.
 """
 
 from __future__ import annotations
@@ -12,14 +8,12 @@ import functools
 import hashlib
 import http.server
 import io
-import json
 import os
 import pickle
 import re
 import shutil
 import socket
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +26,12 @@ import torch.multiprocessing as mp
 from relaytrain.checkpoint.keys import model_key, model_tensors, optim_key
 from relaytrain.checkpoint.olmo_core import (
     DCP_DIR,
-    MOMENTS,
     olmo_core_to_ours_name,
     read_olmo_core,
+    read_olmo_core_metadata,
 )
 from relaytrain.config import OptimSection
 from relaytrain.errors import CheckpointError
-from relaytrain.model.config import Olmo3Config
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.train.optim import build_optimizer, load_optimizer_state
 
@@ -47,98 +40,35 @@ from olmo_core.distributed.checkpoint import (  # noqa: E402
     load_model_and_optim_state,
     save_model_and_optim_state,
 )
-from olmo_core.nn.attention import (  # noqa: E402
-    AttentionBackendName,
-    SlidingWindowAttentionConfig,
-)
-from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
-from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from tests.checkpoint.olmo_core_reference import (  # noqa: E402
+    BETAS,
+    DIMENSIONS,
+    LR,
+    OURS,
+    SEQ,
+    STEPS,
+    VOCAB,
+    WD,
+    Saved,
+    assert_equal_to_olmo_core,
+    counting_chunk_reads,
+    olmo_core_model,
+    olmo_core_step,
+    save_olmo_core,
+)
+
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
-
-VOCAB, SEQ, WINDOW = 256, 16, 6
-LR, BETAS, WD = 3e-4, (0.9, 0.95), 0.1  # the Olmo 3 recipe's AdamW
-STEPS = 2  # optimizer steps before the save: non-zero moments, step count 2
-# OLMo-core's olmo3_1M with grouped-query attention (4 heads of 4, 2 kv heads, d_model 12)
-OURS = Olmo3Config(d_model=12, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=4, mlp_hidden=256,
-                   vocab_size=VOCAB, rms_eps=1e-6, rope_theta=500_000.0, sliding_window=WINDOW)
-DIMENSIONS = {"d_model": 12, "vocab_size": VOCAB, "n_layers": 4, "mlp_hidden": 256,
-              "n_heads": 4, "n_kv_heads": 2, "head_dim": 4}
-
-
-def olmo_core_model(shard: Any = None) -> tuple[Any, torch.nn.Module, Any]:
-    """OLMo-core's config, model and optimizer, built as its trainer builds them (CPU, fp32);
-    sharded over the device mesh `shard` by its own `apply_fsdp` if given."""
-    cfg = TransformerConfig.olmo3_1M(
-        vocab_size=VOCAB, n_kv_heads=2, attn_backend=AttentionBackendName.torch,
-        sliding_window=SlidingWindowAttentionConfig(  # Olmo 3's pattern, a window under SEQ
-            pattern=[WINDOW, WINDOW, WINDOW, -1], force_full_attention_on_first_layer=False,
-            force_full_attention_on_last_layer=True))
-    model = cfg.build(init_device="cpu")
-    model.init_weights(device=torch.device("cpu"))
-    if shard is not None:
-        model.apply_fsdp(dp_mesh=shard)
-    optim = SkipStepAdamWConfig(
-        lr=LR, betas=BETAS, weight_decay=WD,
-        group_overrides=[OptimGroupOverride(params=["embeddings.weight"],
-                                            opts={"weight_decay": 0.0})]).build(model)
-    return cfg, model, optim
-
-
-def olmo_core_step(model: torch.nn.Module, optim: Any, ids: torch.Tensor) -> torch.Tensor:
-    """One training step as OLMo-core's train module takes it: its loss, backward, step."""
-    loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
-    loss.backward()
-    optim.latest_loss = loss.detach()
-    optim.step()
-    optim.zero_grad()
-    return loss.detach()
-
-
-@dataclass
-class Saved:
-    step_dir: Path  # OLMo-core's stepN/ (config.json, model_and_optim/)
-    model: torch.nn.Module
-    optim: Any
-    batch: torch.Tensor  # the batch of the step after the checkpoint
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
-    torch.manual_seed(0)
-    cfg, model, optim = olmo_core_model()
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        olmo_core_step(model, optim, torch.randint(0, VOCAB, (2, SEQ + 1), generator=g))
-    step_dir = tmp_path_factory.mktemp("olmo_core") / f"step{STEPS}"
-    save_model_and_optim_state(step_dir / DCP_DIR, model, optim)
-    # what OLMo-core's ConfigSaverCallback writes beside each checkpoint
-    (step_dir / "config.json").write_text(json.dumps({"model": cfg.as_config_dict()}))
-    return Saved(step_dir, model, optim, torch.randint(0, VOCAB, (2, SEQ + 1), generator=g))
-
-
-def assert_equal_to_olmo_core(tensors: dict[str, torch.Tensor], saved: Saved,
-                              optimizer: bool) -> None:
-    """Every weight (and moment) bit-equal to OLMo-core's own, mapped by name, nothing else."""
-    expected = set()
-    for name, p in saved.model.named_parameters():
-        ours = olmo_core_to_ours_name(name)
-        expected.add(model_key(ours))
-        assert torch.equal(tensors[model_key(ours)], p.detach()), name
-        if optimizer:
-            state = saved.optim.state[p]
-            for m in MOMENTS:
-                t = tensors[optim_key(ours, m)]
-                assert t.dtype == torch.float32 and torch.equal(t, state[m]), (name, m)
-            step = tensors[optim_key(ours, "step")]
-            assert step.dtype == torch.float32 and step.shape == () and step.item() == STEPS
-            expected |= {optim_key(ours, s) for s in (*MOMENTS, "step")}
-    assert set(tensors) == expected
+    return save_olmo_core(tmp_path_factory.mktemp("olmo_core"))
 
 
 BLOCK_NAMES = {  # OLMo-core's (after blocks.N.) -> ours (after layers.N.), read off both codes
@@ -179,6 +109,34 @@ def test_weights_only_from_the_dcp_directory_itself(saved: Saved) -> None:
     c = read_olmo_core(str(saved.step_dir / DCP_DIR), optimizer=False)
     assert_equal_to_olmo_core(c.tensors, saved, optimizer=False)
     assert c.step is None and c.model == DIMENSIONS
+
+
+def test_the_metadata_alone_says_what_a_read_gives(saved: Saved, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """What init.from checks a source by, before a run writes anything: every tensor's shape,
+    the dimensions, the step count and the digest, from `.metadata` and one scalar's read."""
+    c = read_olmo_core(str(saved.step_dir), optimizer=True)
+    reads = counting_chunk_reads(monkeypatch)
+    meta = read_olmo_core_metadata(str(saved.step_dir), optimizer=True)
+    assert len(reads) == 1  # the step count
+    assert meta.shapes == {k: tuple(t.shape) for k, t in c.tensors.items()}
+    assert (meta.model, meta.step, meta.moments, meta.digest) == (DIMENSIONS, STEPS, True,
+                                                                  c.digest)
+    save_model_and_optim_state(tmp_path / "weights", saved.model)
+    weights = read_olmo_core_metadata(str(tmp_path / "weights"))
+    assert (weights.step, weights.moments) == (None, False)
+    assert weights.shapes == {k: s for k, s in meta.shapes.items() if k.startswith("model.")}
+
+
+def test_a_selective_read_reads_only_the_chunks_of_the_tensors_asked(
+        saved: Saved, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = read_olmo_core(str(saved.step_dir), optimizer=True).tensors
+    reads = counting_chunk_reads(monkeypatch)
+    c = read_olmo_core(str(saved.step_dir), optimizer=True, keys=lambda k: ".layers.1." in k)
+    want = {k: t for k, t in whole.items() if ".layers.1." in k}
+    assert c.tensors.keys() == want.keys() and len(want) == 11 * 4
+    assert all(torch.equal(c.tensors[k], t) for k, t in want.items())
+    assert len(reads) == 1 + len(want)  # the step count, then one chunk each (unsharded)
 
 
 def test_reads_an_fsspec_url(saved: Saved) -> None:

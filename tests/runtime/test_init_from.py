@@ -11,12 +11,16 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from relaytrain.checkpoint.keys import model_tensors
+from relaytrain.checkpoint.keys import model_key, model_tensors, optim_key
+from relaytrain.checkpoint.olmo_core import DCP_DIR, MOMENTS, olmo_core_to_ours_name
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.cli import main
 from relaytrain.data.audit import audit
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.model.config import pad_vocab
 from relaytrain.model.hf import convert, read_hf
 from tests.runtime.conftest import (
     DP,
@@ -47,11 +51,12 @@ def source_run(tmp_path_factory, corpus_data) -> Path:
     return run
 
 
-def assert_origin_recorded(run: Path, kind: str, step: int | None) -> dict:
+def assert_origin_recorded(run: Path, kind: str, step: int | None,
+                           took: tuple[str, ...] = ("weights",)) -> dict:
     """config.yaml, the newest manifest and every ledger header record the same origin; the
     audit passes and names it."""
     origin = yaml.safe_load((run / "config.yaml").read_text())["init"]["origin"]
-    assert (origin["kind"], origin["step"], origin["took"]) == (kind, step, ["weights"])
+    assert (origin["kind"], origin["step"], origin["took"]) == (kind, step, list(took))
     store = CheckpointStore(str(run / "checkpoints"))
     assert store.read_manifest(store.latest_step())["init"] == origin
     ledger = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
@@ -107,8 +112,64 @@ def test_a_run_starts_from_an_hf_export_and_resumes_itself(tmp_path, source_run,
     assert assert_origin_recorded(run, "hf", None) == origin
 
 
+@pytest.fixture(scope="module")
+def olmo_core(tmp_path_factory, other_data):
+    """The reference module (tests/checkpoint/olmo_core_reference.py) and a checkpoint of its
+    model written by OLMo-core's own checkpointer, trained on ids of the other corpus's
+    tokenizer, its vocabulary padded as OLMo-core pads it."""
+    pytest.importorskip("olmo_core.nn.transformer")
+    from tests.checkpoint import olmo_core_reference as ref
+
+    tokens = TokenDataset.open(other_data).vocab_size
+    return ref, ref.save_olmo_core(tmp_path_factory.mktemp("olmo_core"), pad_vocab(tokens),
+                                   tokens)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_run_takes_an_olmo_core_checkpoints_adamw_state_and_steps_as_olmo_core_does(
+        tmp_path, other_data, olmo_core):
+    """Started from OLMo-core's checkpoint with its optimizer state, the run's first step (its
+    own data: the ids the ledger names) gives the loss, weights and moments OLMo-core's own
+    model and optimizer give from the same checkpoint and batch (fp32 CPU)."""
+    from olmo_core.distributed.checkpoint import load_model_and_optim_state
+
+    ref, saved = olmo_core
+    rows = pad_vocab(TokenDataset.open(other_data).vocab_size)
+    run = tmp_path / "from-olmo-core"
+    # OLMo-core's logits span every embedding row, the padded ones too (ours, by default, only
+    # the tokenizer's: model.tokenizer_vocab), so its softmax is taken here with all of them
+    run_layout(run, other_data, 1, f"model.vocab_size={rows}", f"model.tokenizer_vocab={rows}",
+               "train.global_batch=2", "train.micro_batch=2",
+               f"data.seq_len={ref.SEQ}", "train.max_steps=1", "train.z_loss=0", "train.clip=0",
+               f"optim.lr={ref.LR}", "optim.warmup=0", "optim.final_lr_frac=1",
+               "eval.every=0", "checkpoint.every=1", *ref.RUN_MODEL, "model.attention=sdpa",
+               "model.matmul=aten", "model.kernels=torch", "model.compile=none",
+               f"init.from={saved.step_dir}", "init.optimizer=true")
+    origin = assert_origin_recorded(run, "olmo-core", ref.STEPS, ("weights", "moments"))
+    assert origin["digest"].startswith("sha256:")
+    [step] = records(run, "step")
+    assert step["lr"] == ref.LR
+    ledger = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    [ids] = next(r["parts"] for r in ledger if r["kind"] == "step" and r["step"] == 1)
+    batch = torch.from_numpy(TokenDataset.open(other_data).split("train").instances(
+        ids, ref.SEQ))
+
+    _, model, optim = ref.olmo_core_model(vocab=rows)
+    load_model_and_optim_state(str(saved.step_dir / DCP_DIR), model, optim)
+    want_loss = ref.olmo_core_step(model, optim, batch).item()
+    assert abs(step["loss"] - want_loss) <= 1e-6 * abs(want_loss), (step["loss"], want_loss)
+    ours = final_state(run)
+    for name, p in model.named_parameters():
+        mine = olmo_core_to_ours_name(name)
+        for key, want in ((model_key(mine), p.detach()),
+                          *((optim_key(mine, m), optim.state[p][m]) for m in MOMENTS)):
+            assert (ours[key] - want).abs().max() <= 1e-6 * want.abs().max(), key
+        assert ours[optim_key(mine, "step")].item() == ref.STEPS + 1
+
+
 def test_each_bad_source_exits_2_with_one_line_and_writes_nothing(tmp_path, source_run,
-                                                                   other_data, capsys):
+                                                                   other_data, olmo_core, capsys):
+    ref, saved = olmo_core
     broken = tmp_path / "broken"
     shutil.copytree(source_run / "checkpoints", broken)
     part = next((broken / "step_00000002").glob("*.safetensors"))
@@ -116,11 +177,18 @@ def test_each_bad_source_exits_2_with_one_line_and_writes_nothing(tmp_path, sour
     (tmp_path / "empty").mkdir()
     (tmp_path / "dcp" / "model_and_optim").mkdir(parents=True)
     (tmp_path / "dcp" / "model_and_optim" / ".metadata").write_bytes(b"\x80\x04")
+    other_vocab = ref.save_olmo_core(tmp_path / "olmo-core")
     cases = {"missing": ((), "does not exist"),
              "empty": ((), "no committed checkpoint"),
              "broken": ((), "does not match the manifest"),
              str(source_run): (("model.n_layers=3",), "holds another model (n_layers=2"),
-             "dcp": ((), "OLMo-core checkpoints: not yet")}
+             "dcp": ((), "is not a loadable olmo-core checkpoint ("),
+             str(saved.step_dir): ((), "holds another model (d_model=12, n_layers=4"),
+             # OLMo-core's vocab_size: the rows of another tokenizer, padded
+             str(other_vocab.step_dir): (ref.RUN_MODEL, "holds another model (vocab_size=256; "
+                                         "the run's model has vocab_size=384; vocab_size counts "
+                                         "embedding rows, the tokenizer's vocabulary padded: "
+                                         "the source was trained with another tokenizer")}
     for i, (source, (extra, said)) in enumerate(cases.items()):
         run = tmp_path / f"run{i}"
         capsys.readouterr()

@@ -1,4 +1,5 @@
-"""`init.from` without a process group: a source of each kind is found, verified and checked
+"""`init.from` without a process group: a source of each kind (a relaytrain checkpoint, an HF
+directory, a checkpoint written by OLMo-core's own checkpointer) is found, verified and checked
 against the run's model; a state built at step 0 (the start, and a recovery before the first
 checkpoint) holds the source's weights, and its moments only when asked; every bad source is one
 ConfigError naming the key."""
@@ -6,16 +7,22 @@ ConfigError naming the key."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 
 import pytest
 import torch
 
-from relaytrain.checkpoint.keys import MODEL_PREFIX, OPTIM_PREFIX, model_tensors
+from relaytrain.checkpoint.keys import (
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    model_tensors,
+    tensor_param,
+)
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.config import InitSection, RunConfig, load_config
-from relaytrain.errors import ConfigError
+from relaytrain.errors import CheckpointError, ConfigError
 from relaytrain.model.hf import read_hf, write_hf
 from relaytrain.train.init_from import read_origin, resolve
 from tests.train.test_state import VOCAB, WHOLE, assert_same, config, state_of, trained
@@ -134,7 +141,111 @@ def test_each_bad_source_is_one_line_naming_the_key(tmp_path):
     partial.commit(2, {"stage0": partial.write_part(2, "stage0", kept)}, {"model": model})
     assert "lacks the weights of 1 parameter(s) of the model, e.g. 'lm_head.weight'" in bad(
         tmp_path, partial.url)
-    dcp = tmp_path / "olmo-core" / "step1000"
-    (dcp / "model_and_optim").mkdir(parents=True)
-    (dcp / "model_and_optim" / ".metadata").write_bytes(b"\x80\x04")
-    assert "OLMo-core checkpoints: not yet" in bad(tmp_path, str(dcp))
+
+
+# ---- OLMo-core checkpoints: OLMo-core's own model, AdamW and checkpointer --------------------
+@pytest.fixture(scope="module")
+def olmo_core(tmp_path_factory):
+    """The reference module (tests/checkpoint/olmo_core_reference.py) and its checkpoint."""
+    pytest.importorskip("olmo_core.nn.transformer")
+    from tests.checkpoint import olmo_core_reference as ref
+
+    return ref, ref.save_olmo_core(tmp_path_factory.mktemp("olmo_core"))
+
+
+def olmo_core_run(tmp_path, ref, *overrides: str) -> RunConfig:
+    """A run of the reference's model (OLMo-core's olmo3_1M, its padded vocabulary)."""
+    return load_config("configs/tiny.yaml", [
+        f"run_dir={tmp_path / 'run'}", "data.seq_len=8", "model.attention=sdpa",
+        "model.matmul=aten", "model.kernels=torch", "model.compile=none", *ref.RUN_MODEL,
+        f"model.vocab_size={ref.VOCAB}", *overrides])
+
+
+def test_an_olmo_core_checkpoint_gives_its_weights_moments_and_step_count_to_the_bit(
+        tmp_path, olmo_core, monkeypatch):
+    ref, saved = olmo_core
+    reads = ref.counting_chunk_reads(monkeypatch)
+    cfg = started_from(olmo_core_run(tmp_path, ref), str(saved.step_dir), optimizer=True)
+    assert len(reads) == 1  # resolving reads the metadata and one step count, no weights
+    metadata = (saved.step_dir / "model_and_optim" / ".metadata").read_bytes()
+    assert cfg.init.origin == {
+        "from": str(saved.step_dir), "kind": "olmo-core", "location": str(saved.step_dir),
+        "step": ref.STEPS, "digest": "sha256:" + hashlib.sha256(metadata).hexdigest(),
+        "took": ["weights", "moments"]}
+    state = state_of(cfg)
+    for _ in range(2):  # the start, then a recovery before the run's first checkpoint
+        state.build(0, None, WHOLE)
+        ref.assert_equal_to_olmo_core(held(state), saved, optimizer=True)
+    weights = started_from(olmo_core_run(tmp_path, ref), str(saved.step_dir))
+    assert (weights.init.origin["step"], weights.init.origin["took"]) == (ref.STEPS, ["weights"])
+    state = state_of(weights)
+    state.build(0, None, WHOLE)
+    ref.assert_equal_to_olmo_core(held(state), saved, optimizer=False)
+
+
+def test_an_olmo_core_stage_and_shard_read_only_their_own_tensors(tmp_path, olmo_core,
+                                                                   monkeypatch):
+    ref, saved = olmo_core
+    cfg = started_from(olmo_core_run(tmp_path, ref), str(saved.step_dir), optimizer=True)
+    whole = state_of(cfg)
+    whole.build(0, None, WHOLE)
+    src = held(whole)
+    reads = ref.counting_chunk_reads(monkeypatch)
+    stage = state_of(cfg)
+    stage.build(0, None, (1, 2, 1))
+    names = {n for n, _ in stage.model.named_parameters()}
+    assert "embed.weight" not in names and "lm_head.weight" in names
+    assert len(reads) == 1 + 4 * len(names)  # a step count, then its tensors' chunks alone
+    assert_same(held(stage), {k: t for k, t in src.items() if tensor_param(k) in names})
+    rows = {"model.embed.weight": (3, 7), "optim.embed.weight.exp_avg": (0, 2)}
+    got = read_origin(cfg.init.origin, {"embed.weight"}, rows)
+    assert torch.equal(got["model.embed.weight"], src["model.embed.weight"][3:7])
+    assert torch.equal(got["optim.embed.weight.exp_avg"], src["optim.embed.weight.exp_avg"][:2])
+    assert torch.equal(got["optim.embed.weight.step"], src["optim.embed.weight.step"])
+
+
+def olmo_core_bad(tmp_path, ref, url: str, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        resolve(InitSection(from_=url, optimizer=True),
+                olmo_core_run(tmp_path, ref, *overrides).model_config(VOCAB))
+    message = str(e.value)
+    assert message.startswith("config key 'init.from': ") and "\n" not in message, message
+    return message
+
+
+def test_each_bad_olmo_core_source_is_one_line_naming_the_key(tmp_path, olmo_core):
+    ref, saved = olmo_core
+    url = str(saved.step_dir)
+    dcp = tmp_path / "corrupt" / "model_and_optim"
+    dcp.mkdir(parents=True)
+    (dcp / ".metadata").write_bytes(b"\x80\x04")
+    assert "is not a loadable olmo-core checkpoint (" in olmo_core_bad(
+        tmp_path, ref, str(dcp.parent))
+    assert "holds another model (n_layers=4, mlp_hidden=256; the run's model has n_layers=3, " \
+        "mlp_hidden=64)" in olmo_core_bad(tmp_path, ref, url, "model.n_layers=3",
+                                          "model.mlp_hidden=64")
+    # the head split: from config.json where there is one, else the projections' shapes
+    assert "holds another model (n_kv_heads=2; the run's model has n_kv_heads=4)" in \
+        olmo_core_bad(tmp_path, ref, url, "model.n_kv_heads=4")
+    bare = tmp_path / "bare"
+    shutil.copytree(saved.step_dir / "model_and_optim", bare)
+    assert "holds another model (layers.0.attn.k_norm.weight of shape [8]; the run's model " \
+        "has [16], of 12 parameter(s) that differ)" in olmo_core_bad(
+            tmp_path, ref, str(bare), "model.n_kv_heads=4")
+    # OLMo-core's vocab_size is its padded embedding rows: another tokenizer's
+    said = olmo_core_bad(tmp_path, ref, url, "model.vocab_size=null")
+    assert f"holds another model (vocab_size=256; the run's model has vocab_size=128; " \
+        "vocab_size counts embedding rows, the tokenizer's vocabulary padded: the source was " \
+        f"trained with another tokenizer than the run's data ({VOCAB} tokens))" in said
+
+
+def test_an_olmo_core_source_changed_since_the_run_started_is_refused(tmp_path, olmo_core):
+    ref, saved = olmo_core
+    src = tmp_path / "step2"
+    shutil.copytree(saved.step_dir, src)
+    cfg = started_from(olmo_core_run(tmp_path, ref), str(src), optimizer=True)
+    metadata = src / "model_and_optim" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes() + b"\0")  # still a readable pickle, another one
+    with pytest.raises(CheckpointError, match=r"changed since the run started from it \(digest "
+                                              r"sha256:"):
+        state_of(cfg).build(0, None, WHOLE)

@@ -16,7 +16,9 @@ the read is known to hold exactly the range (a server ignoring `Range` sends the
 Ranges written through a DCP stream transform (compression) are refused.
 
 Works on a local directory and any fsspec URL (relaytrain.storage): OLMo-core's `stepN/`
-directory (the DCP in its `model_and_optim/`) or the DCP directory itself.
+directory (the DCP in its `model_and_optim/`) or the DCP directory itself. `init.from` checks a
+source by its metadata alone (`read_olmo_core_metadata`), before a run writes anything, and each
+worker then reads only the chunks of its own tensors (`read_olmo_core(..., keys)`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import json
 import pickle
 import posixpath
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +38,7 @@ import fsspec
 import torch
 
 from relaytrain import storage
-from relaytrain.checkpoint.keys import model_key, optim_key
+from relaytrain.checkpoint.keys import MODEL_PREFIX, model_key, optim_key
 from relaytrain.errors import CheckpointError
 
 DCP_DIR = "model_and_optim"  # where OLMo-core's trainer writes the DCP inside a step directory
@@ -174,9 +176,65 @@ def _metadata_problem(md: Any) -> str | None:
 # Reading
 
 
-def read_olmo_core(url: str, optimizer: bool) -> OlmoCoreCheckpoint:
+@dataclass(frozen=True)
+class OlmoCoreMetadata:
+    """What an OLMo-core checkpoint holds, from its `.metadata` alone (and one step count):
+    `shapes` of each tensor under our keys (`optim.*` only where it holds AdamW's moments,
+    then `moments`), the `model` dimensions, `step` (AdamW's step count, None without
+    moments) and `digest` (sha256 of `.metadata`)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    model: dict[str, Any]
+    step: int | None
+    moments: bool
+    digest: str
+    n_layers: int
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """A checkpoint's metadata and where to read its chunks: what both readers share."""
+
+    fs: fsspec.AbstractFileSystem
+    dcp: str
+    md: Any
+    chunks: dict[str, list[tuple[tuple[int, ...], _StorageInfo]]]
+    fqns: dict[str, str]  # our key -> its fqn, of every tensor `meta.shapes` names
+    meta: OlmoCoreMetadata
+    where: str
+
+
+def read_olmo_core_metadata(url: str, optimizer: bool = False) -> OlmoCoreMetadata:
+    """What the OLMo-core checkpoint at `url` holds, reading no weights: for `init.from` to
+    check a source before a run writes anything. With `optimizer`, AdamW's state must be whole
+    where it has any."""
+    return _open(url, optimizer).meta
+
+
+def read_olmo_core(url: str, optimizer: bool,
+                   keys: Callable[[str], bool] | None = None) -> OlmoCoreCheckpoint:
     """The weights of the OLMo-core checkpoint at `url`, and with `optimizer` AdamW's moments
-    and step count (what OLMo-core's `load_optim_state=True` takes), under our names."""
+    and step count (what OLMo-core's `load_optim_state=True` takes), under our names; only the
+    tensors `keys` selects (by our key) where given: their chunks alone are read."""
+    o = _open(url, optimizer)
+    if optimizer and not o.meta.moments:
+        raise CheckpointError(f"OLMo-core checkpoint {o.where!r} holds no optimizer state: use "
+                              "init.optimizer: false")
+    wanted = {k: f for k, f in o.fqns.items()
+              if (optimizer or k.startswith(MODEL_PREFIX)) and (keys is None or keys(k))}
+    tensors = _read_tensors(o.fs, o.dcp, o.md, wanted, o.chunks, o.where)
+    for key, t in tensors.items():
+        if key.endswith((".exp_avg", ".exp_avg_sq", ".step")):
+            tensors[key] = t.float()  # our AdamW's state dtype (moments kept lower are exact up)
+    step = o.meta.step if optimizer else None
+    what = (f"OLMo-core weights of {o.meta.n_layers} blocks" +
+            (f" and AdamW moments at step {step}" if optimizer else ""))
+    return OlmoCoreCheckpoint(tensors, step, o.meta.model, o.meta.digest, what)
+
+
+def _open(url: str, optimizer: bool) -> _Opened:
+    """The checkpoint's metadata read and checked: an Olmo 3's whole weights (and, with
+    `optimizer`, AdamW's whole state where it has any), its dimensions and step count."""
     fs, root = storage.filesystem(url)
     where = storage.redact(url)  # what messages show of it
     dcp = _find_dcp(fs, root, where)
@@ -188,29 +246,28 @@ def read_olmo_core(url: str, optimizer: bool) -> OlmoCoreCheckpoint:
     md = read_metadata(data, storage.redact(meta_path))
     chunks = _chunks_by_fqn(md)
     n_layers = _n_layers(chunks, where)
-    wanted = {f"model.{n}": model_key(olmo_core_to_ours_name(n)) for n in olmo_core_names(n_layers)}
-    if optimizer:
-        for n in olmo_core_names(n_layers):
-            for state in (*MOMENTS, "step"):
-                wanted[f"optim.state.{n}.{state}"] = optim_key(olmo_core_to_ours_name(n), state)
-    missing = [k for k in wanted if k not in chunks]
+    names = olmo_core_names(n_layers)
+    fqns = {model_key(olmo_core_to_ours_name(n)): f"model.{n}" for n in names}
+    states = {optim_key(olmo_core_to_ours_name(n), s): f"optim.state.{n}.{s}"
+              for n in names for s in (*MOMENTS, "step")}
+    held = [f for f in states.values() if f in chunks]
+    moments = len(held) == len(states)
+    missing = [f for f in fqns.values() if f not in chunks]
+    if optimizer and held and not moments:
+        missing += [f for f in states.values() if f not in chunks]
     if missing:
-        hint = "; it holds no optimizer state: use init.optimizer: false" if optimizer and \
-            not any(k.startswith("optim.state.") for k in chunks) else ""
         raise CheckpointError(f"OLMo-core checkpoint {where!r} lacks {len(missing)} tensor(s) of "
-                              f"an Olmo 3 of {n_layers} blocks, e.g. {missing[0]!r}{hint}")
-    tensors = _read_tensors(fs, dcp, md, {ours: fqn for fqn, ours in wanted.items()}, chunks, where)
-    for key, t in tensors.items():
-        if key.endswith((".exp_avg", ".exp_avg_sq", ".step")):
-            tensors[key] = t.float()  # our AdamW's state dtype (moments kept lower are exact up)
-    model = _dimensions(tensors, n_layers, fs, root, dcp, where)
+                              f"an Olmo 3 of {n_layers} blocks, e.g. {missing[0]!r}")
+    if moments:
+        fqns.update(states)
+    shapes = {k: tuple(md.state_dict_metadata[f].size) for k, f in fqns.items()}
     step = None
-    if optimizer:
-        step = int(max(t.item() for k, t in tensors.items() if k.endswith(".step")))
-    what = (f"OLMo-core weights of {n_layers} blocks" +
-            (f" and AdamW moments at step {step}" if optimizer else ""))
-    return OlmoCoreCheckpoint(tensors, step, model, "sha256:" + hashlib.sha256(data).hexdigest(),
-                              what)
+    if moments:  # one parameter's step count (a scalar: one small ranged read)
+        key = optim_key(olmo_core_to_ours_name(names[0]), "step")
+        step = int(_read_tensors(fs, dcp, md, {key: fqns[key]}, chunks, where)[key].item())
+    meta = OlmoCoreMetadata(shapes, _dimensions(shapes, n_layers, fs, root, dcp, where), step,
+                            moments, "sha256:" + hashlib.sha256(data).hexdigest(), n_layers)
+    return _Opened(fs, dcp, md, chunks, fqns, meta, where)
 
 
 def _find_dcp(fs: fsspec.AbstractFileSystem, root: str, where: str) -> str:
@@ -320,20 +377,21 @@ def _read_chunk(fs: fsspec.AbstractFileSystem, dcp: str, info: _StorageInfo, whe
     return t
 
 
-def _dimensions(tensors: dict[str, torch.Tensor], n_layers: int, fs: fsspec.AbstractFileSystem,
-                root: str, dcp: str, where: str) -> dict[str, Any]:
-    """Olmo3Config fields the weights show; the head split from OLMo-core's config.json."""
-    embed = tensors[model_key("embed.weight")]
-    out: dict[str, Any] = {"d_model": embed.shape[1], "vocab_size": embed.shape[0],
-                           "n_layers": n_layers}
+def _dimensions(shapes: dict[str, tuple[int, ...]], n_layers: int,
+                fs: fsspec.AbstractFileSystem, root: str, dcp: str, where: str
+                ) -> dict[str, Any]:
+    """Olmo3Config fields the weights' shapes show; the head split from OLMo-core's
+    config.json."""
+    vocab_size, d_model = shapes[model_key("embed.weight")]
+    out: dict[str, Any] = {"d_model": d_model, "vocab_size": vocab_size, "n_layers": n_layers}
     block = "layers.0."
-    q = tensors[model_key(block + "attn.q_proj.weight")].shape[0]
-    kv = tensors[model_key(block + "attn.k_proj.weight")].shape[0]
-    if tensors[model_key(block + "attn.q_norm.weight")].shape[0] != q:
+    q = shapes[model_key(block + "attn.q_proj.weight")][0]
+    kv = shapes[model_key(block + "attn.k_proj.weight")][0]
+    if shapes[model_key(block + "attn.q_norm.weight")][0] != q:
         raise CheckpointError(f"OLMo-core checkpoint {where!r} has a per-head QK norm "
                               "(use_head_qk_norm); Olmo 3 normalises the whole projection")
-    out["mlp_hidden"] = tensors[model_key(block + "mlp.gate_proj.weight")].shape[0]
-    heads = _config_heads(fs, [root, posixpath.dirname(dcp)], out["d_model"])
+    out["mlp_hidden"] = shapes[model_key(block + "mlp.gate_proj.weight")][0]
+    heads = _config_heads(fs, [root, posixpath.dirname(dcp)], d_model)
     if heads is not None:
         n_heads, n_kv_heads, head_dim = heads
         if (n_heads * head_dim, n_kv_heads * head_dim) != (q, kv):

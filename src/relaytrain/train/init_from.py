@@ -33,6 +33,7 @@ from relaytrain.checkpoint.keys import (
     model_tensors,
     tensor_param,
 )
+from relaytrain.checkpoint.olmo_core import read_olmo_core, read_olmo_core_metadata
 from relaytrain.checkpoint.pieces import Rows
 from relaytrain.checkpoint.reading import Into, KeyFilter, load_dir, stored_keys
 from relaytrain.checkpoint.store import locate_checkpoint
@@ -57,8 +58,9 @@ class Found:
     step: int | None
     digest: str
     moments: bool  # the source holds AdamW's moments and step counts
-    dims: dict[str, Any]
+    dims: dict[str, Any]  # of SHAPE_FIELDS, those it says (the others are not compared)
     params: set[str]  # the parameters it holds weights of
+    shapes: dict[str, tuple[int, ...]] | None = None  # their shapes, where `dims` says not all
 
 
 @dataclass(frozen=True)
@@ -143,9 +145,8 @@ def _share(tensors: dict[str, torch.Tensor], keys: KeyFilter, rows: Rows
     of each the `rows` asked."""
     out = {}
     for key, t in tensors.items():
-        if keys(key):
-            first, stop = rows.get(key, (0, t.shape[0]))
-            out[key] = t[first:stop]
+        if keys(key):  # (a scalar, AdamW's step count, is never asked rows)
+            out[key] = t[slice(*rows[key])] if key in rows else t
     return out
 
 
@@ -155,17 +156,20 @@ def _olmo_core_holds(fs: fsspec.AbstractFileSystem, path: str) -> bool:
 
 
 def _olmo_core_resolve(url: str, optimizer: bool) -> Found:
-    # NOT YET: the OLMo-core reader (`read_olmo_core(url, optimizer)`) lands with another
-    # part of issue 40. It plugs in here: resolve gives Found(its step, digest, whether it holds
-    # moments, its dims); read gives `_share(its tensors by our keys, keys, rows)`.
-    raise ConfigError(f"config key 'init.from': {storage.redact(url)} is an OLMo-core "
-                      "checkpoint (a torch distributed checkpoint's .metadata); OLMo-core "
-                      "checkpoints: not yet")
+    fs, path = storage.filesystem(url)
+    meta = read_olmo_core_metadata(url, optimizer)  # the .metadata (and one step count) only
+    weights = {tensor_param(k): s for k, s in meta.shapes.items() if k.startswith(MODEL_PREFIX)}
+    return Found(_location(fs, path.rstrip("/")), meta.step, meta.digest, meta.moments,
+                 meta.model, set(weights), weights)
 
 
 def _olmo_core_read(origin: dict[str, Any], keys: KeyFilter, rows: Rows, into: Into | None
                     ) -> dict[str, torch.Tensor]:
-    raise ConfigError("OLMo-core checkpoints: not yet")
+    c = read_olmo_core(origin["location"], MOMENTS in origin["took"], keys)  # its chunks only
+    if c.digest != origin["digest"]:
+        raise CheckpointError(f"init.from {origin['location']} changed since the run started "
+                              f"from it (digest {origin['digest']}); restore that checkpoint")
+    return _share(c.tensors, keys, rows)
 
 
 SOURCES = (SourceKind("olmo-core", _olmo_core_holds, _olmo_core_resolve, _olmo_core_read),
@@ -199,18 +203,7 @@ def resolve(init: InitSection, model_cfg: Olmo3Config) -> dict[str, Any]:
         what = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
         raise ConfigError(f"config key 'init.from': {storage.redact(url)} is not a loadable "
                           f"{kind.name} checkpoint ({' '.join(what.split())})") from None
-    want = model_cfg.to_dict()
-    differ = [f for f in SHAPE_FIELDS if found.dims.get(f) != want[f]]
-    if differ:
-        got = ", ".join(f"{f}={found.dims.get(f)}" for f in differ)
-        run = ", ".join(f"{f}={want[f]}" for f in differ)
-        raise ConfigError(f"config key 'init.from': {storage.redact(url)} holds another "
-                          f"model ({got}; the run's model has {run})")
-    with torch.device("meta"):
-        missing = sorted({n for n, _ in Olmo3(model_cfg).named_parameters()} - found.params)
-    if missing:
-        raise ConfigError(f"config key 'init.from': {storage.redact(url)} lacks the weights "
-                          f"of {len(missing)} parameter(s) of the model, e.g. {missing[0]!r}")
+    _check_model(url, found, model_cfg)
     took = [WEIGHTS]
     if init.optimizer and found.moments:
         took.append(MOMENTS)
@@ -219,6 +212,33 @@ def resolve(init: InitSection, model_cfg: Olmo3Config) -> dict[str, Any]:
              "taking its weights only")
     return {"from": url, "kind": kind.name, "location": found.location, "step": found.step,
             "digest": found.digest, "took": took}
+
+
+def _check_model(url: str, found: Found, model_cfg: Olmo3Config) -> None:
+    """ConfigError unless the source holds every parameter of the run's model, of its shape."""
+    want = model_cfg.to_dict()
+    differ = [f for f in SHAPE_FIELDS if found.dims.get(f, want[f]) != want[f]]
+    if differ:
+        got = ", ".join(f"{f}={found.dims[f]}" for f in differ)
+        run = ", ".join(f"{f}={want[f]}" for f in differ)
+        vocab = "" if "vocab_size" not in differ else (
+            "; vocab_size counts embedding rows, the tokenizer's vocabulary padded: the source "
+            "was trained with another tokenizer than the run's data" +
+            (f" ({model_cfg.tokenizer_vocab} tokens)" if model_cfg.tokenizer_vocab else ""))
+        raise ConfigError(f"config key 'init.from': {storage.redact(url)} holds another "
+                          f"model ({got}; the run's model has {run}{vocab})")
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in Olmo3(model_cfg).named_parameters()}
+    missing = sorted(set(shapes) - found.params)
+    if missing:
+        raise ConfigError(f"config key 'init.from': {storage.redact(url)} lacks the weights "
+                          f"of {len(missing)} parameter(s) of the model, e.g. {missing[0]!r}")
+    other = sorted(n for n in shapes if found.shapes and found.shapes[n] != shapes[n])
+    if other:
+        n = other[0]
+        raise ConfigError(f"config key 'init.from': {storage.redact(url)} holds another model "
+                          f"({n} of shape {list(found.shapes[n])}; the run's model has "
+                          f"{list(shapes[n])}, of {len(other)} parameter(s) that differ)")
 
 
 def read_origin(origin: dict[str, Any], params: set[str], rows: Rows,
