@@ -54,6 +54,8 @@ def test_round_trip_through_pickle():
     ("faults.raise_at=[3]", "'faults.raise_at' needs runtime.engine=ray"),
     ("faults.raise_rank=1", "expected null (a random rank) or 0 .. 0"),
     ("faults.storage_outage_seconds=-2", "'faults.storage_outage_seconds': got -2.0, expected > 0"),
+    ("optim.schedule=step", "'optim.schedule': got 'step', expected 'cosine' | 'linear'"),
+    ("optim.t_max=0", "config key 'optim.t_max': got 0, expected >= 1 (or null: train.max_steps)"),
 ])
 def test_bad_values_name_the_key_and_what_is_accepted(override, needle):
     with pytest.raises(ConfigError) as err:

@@ -80,7 +80,12 @@ class OptimSection:
     weight_decay: float = 0.1
     decay_embeddings: bool = False
     warmup: int = 10  # steps of linear warm-up
-    final_lr_frac: float = 0.1  # cosine decays to lr * final_lr_frac at max_steps
+    # After the warm-up, OLMo-core's CosWithWarmup (cosine) or LinearWithWarmup (linear)
+    schedule: Literal["cosine", "linear"] = "cosine"
+    final_lr_frac: float = 0.1  # the schedule ends at lr * final_lr_frac (OLMo-core's alpha_f)
+    # Step the schedule reaches its floor at (OLMo-core's t_max); None: train.max_steps. A run
+    # stopped early (OLMo-core's hard_stop) keeps the horizon of its planned length.
+    t_max: int | None = None
 
 
 EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -575,17 +580,14 @@ def validate(cfg: RunConfig) -> None:
          "config key 'runtime.address' is set, which needs runtime.engine=ray")
     need(cfg.runtime.threads_per_worker >= 1, "config key 'runtime.threads_per_worker': "
          f"got {cfg.runtime.threads_per_worker}, expected >= 1")
-    need(cfg.optim.warmup >= 0, f"config key 'optim.warmup': got {cfg.optim.warmup}, "
-         "expected >= 0")
-    need(0 <= cfg.optim.final_lr_frac <= 1, "config key 'optim.final_lr_frac': got "
-         f"{cfg.optim.final_lr_frac}, expected between 0 and 1")
     need(cfg.checkpoint.keep_last >= 1, "config key 'checkpoint.keep_last': got "
          f"{cfg.checkpoint.keep_last}, expected >= 1")
     need(cfg.elastic.min_workers >= 1, "config key 'elastic.min_workers': got "
          f"{cfg.elastic.min_workers}, expected >= 1")
     need(cfg.eval.instances >= 1, f"config key 'eval.instances': got {cfg.eval.instances}, "
          "expected >= 1")
-    for part in (_validate_eval_sets, _validate_faults, _validate_init):  # one section each
+    for part in (_validate_optim, _validate_eval_sets, _validate_faults,
+                 _validate_init):  # one section each
         part(cfg, need)
 
 
@@ -593,6 +595,15 @@ def _validate_seeds(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
     need(cfg.seed >= 0, f"config key 'seed': got {cfg.seed}, expected an integer >= 0")
     need(cfg.data_seed >= 0, f"config key 'data.seed': got {cfg.data.seed}, expected an "
          "integer >= 0 (or null: the run's seed)")
+
+
+def _validate_optim(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    o = cfg.optim
+    need(o.warmup >= 0, f"config key 'optim.warmup': got {o.warmup}, expected >= 0")
+    need(0 <= o.final_lr_frac <= 1, "config key 'optim.final_lr_frac': got "
+         f"{o.final_lr_frac}, expected between 0 and 1")
+    need(o.t_max is None or o.t_max >= 1, f"config key 'optim.t_max': got {o.t_max}, "
+         "expected >= 1 (or null: train.max_steps)")
 
 
 def _validate_eval_sets(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
