@@ -223,6 +223,16 @@ def test_a_checkpoint_from_before_model_matmul_existed_resumes():
     check_resume_compatible(saved, load_config(None, ["run_dir=x"]))
 
 
+def test_a_checkpoint_from_before_the_schedule_keys_resumes_as_the_cosine():
+    saved = saved_config()
+    del saved["optim"]["schedule"], saved["optim"]["t_max"]
+    check_resume_compatible(saved, load_config(None, ["run_dir=x"]))
+    with pytest.raises(ConfigError, match=r"'optim.schedule': .* trained with 'cosine', got "):
+        check_resume_compatible(saved, load_config(None, ["run_dir=x", "optim.schedule=linear"]))
+    with pytest.raises(ConfigError, match=r"'optim.t_max': .* trained with None, got 500"):
+        check_resume_compatible(saved, load_config(None, ["run_dir=x", "optim.t_max=500"]))
+
+
 def test_a_change_to_the_model_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="'model.overrides'") as err:
         check_resume_compatible(saved_config(), load_config(None, ["run_dir=x",

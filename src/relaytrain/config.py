@@ -492,9 +492,11 @@ def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
 
 def _settled(flat: dict[str, Any]) -> dict[str, Any]:
     """`data.seed` as the seed it stands for: absent (a run from before the key) or null is
-    `seed`, so either resumes as the same data order."""
+    `seed`, so either resumes as the same data order; an absent `optim.schedule` is the
+    cosine every run had before the key."""
     if flat.get("data.seed") is None:
         flat["data.seed"] = flat.get("seed")
+    flat.setdefault("optim.schedule", "cosine")
     return flat
 
 
