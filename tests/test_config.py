@@ -57,6 +57,8 @@ def test_round_trip_through_pickle():
     ("faults.storage_outage_seconds=-2", "'faults.storage_outage_seconds': got -2.0, expected > 0"),
     ("optim.skip_window=5", "config key 'optim.skip_window': got 5, expected >= 6"),
     ("optim.skip_sigma=0", "config key 'optim.skip_sigma': got 0.0, expected > 0"),
+    ("optim.schedule=step", "'optim.schedule': got 'step', expected 'cosine' | 'linear'"),
+    ("optim.t_max=0", "config key 'optim.t_max': got 0, expected >= 1 (or null: train.max_steps)"),
 ])
 def test_bad_values_name_the_key_and_what_is_accepted(override, needle):
     with pytest.raises(ConfigError) as err:
@@ -239,6 +241,16 @@ def test_a_checkpoint_from_before_model_matmul_existed_resumes():
     saved = saved_config()
     del saved["model"]["matmul"]
     check_resume_compatible(saved, load_config(None, ["run_dir=x"]))
+
+
+def test_a_checkpoint_from_before_the_schedule_keys_resumes_as_the_cosine():
+    saved = saved_config()
+    del saved["optim"]["schedule"], saved["optim"]["t_max"]
+    check_resume_compatible(saved, load_config(None, ["run_dir=x"]))
+    with pytest.raises(ConfigError, match=r"'optim.schedule': .* trained with 'cosine', got "):
+        check_resume_compatible(saved, load_config(None, ["run_dir=x", "optim.schedule=linear"]))
+    with pytest.raises(ConfigError, match=r"'optim.t_max': .* trained with None, got 500"):
+        check_resume_compatible(saved, load_config(None, ["run_dir=x", "optim.t_max=500"]))
 
 
 def test_a_change_to_the_model_is_refused_in_one_line():

@@ -80,7 +80,12 @@ class OptimSection:
     weight_decay: float = 0.1
     decay_embeddings: bool = False
     warmup: int = 10  # steps of linear warm-up
-    final_lr_frac: float = 0.1  # cosine decays to lr * final_lr_frac at max_steps
+    # After the warm-up, OLMo-core's CosWithWarmup (cosine) or LinearWithWarmup (linear)
+    schedule: Literal["cosine", "linear"] = "cosine"
+    final_lr_frac: float = 0.1  # the schedule ends at lr * final_lr_frac (OLMo-core's alpha_f)
+    # Step the schedule reaches its floor at (OLMo-core's t_max); None: train.max_steps. A run
+    # stopped early (OLMo-core's hard_stop) keeps the horizon of its planned length.
+    t_max: int | None = None
     # OLMo-core's SkipStepAdamW (train/skip_step.py): skip a step whose loss or gradient norm
     # is over skip_sigma standard deviations above the mean of the last skip_window steps'
     skip_spikes: bool = False
@@ -494,9 +499,11 @@ def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
 
 def _settled(flat: dict[str, Any]) -> dict[str, Any]:
     """`data.seed` as the seed it stands for: absent (a run from before the key) or null is
-    `seed`, so either resumes as the same data order."""
+    `seed`, so either resumes as the same data order; an absent `optim.schedule` is the
+    cosine every run had before the key."""
     if flat.get("data.seed") is None:
         flat["data.seed"] = flat.get("seed")
+    flat.setdefault("optim.schedule", "cosine")
     return flat
 
 
@@ -611,6 +618,8 @@ def _validate_optim(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
     need(not o.skip_spikes or cfg.parallel.pp == 1, "config key 'optim.skip_spikes': got true "
          f"with parallel.pp={cfg.parallel.pp}, but pipeline stages do not skip steps yet; "
          "expected parallel.pp=1 (dp and fsdp layouts) or optim.skip_spikes=false")
+    need(o.t_max is None or o.t_max >= 1, f"config key 'optim.t_max': got {o.t_max}, "
+         "expected >= 1 (or null: train.max_steps)")
 
 
 def _validate_eval_sets(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

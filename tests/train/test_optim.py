@@ -1,5 +1,6 @@
 """AdamW as the Olmo recipe builds it, and the learning-rate schedule: linear warm-up to `lr`,
-cosine to `lr * final_lr_frac` at `max_steps`, flat after."""
+cosine (or linear) to `lr * final_lr_frac` at `max_steps` (or `t_max`), flat after: OLMo-core's
+schedulers."""
 
 import math
 import subprocess
@@ -59,6 +60,34 @@ def test_no_warm_up_starts_at_lr_and_final_fraction_one_is_constant():
 def test_a_run_shorter_than_its_warm_up_never_divides_by_zero():
     assert lr_at(5, CFG, 5) == pytest.approx(5e-4, rel=1e-12)
     assert lr_at(11, CFG, 10) == pytest.approx(CFG.lr * CFG.final_lr_frac, rel=1e-12)
+
+
+# The schedules against OLMo-core's own classes (`olmo_core.optim.scheduler`), run here: the
+# trainer calls `get_lr(initial_lr, global_step, t_max)` with the 1-based step of the update,
+# and t_max the trainer's max steps unless the scheduler has its own.
+SCHEDULES = [  # (schedule, lr, warmup, alpha_f, train.max_steps, optim.t_max)
+    ("cosine", 3e-4, 2000, 0.1, 12_000, None),
+    ("cosine", 6e-4, 20, 0.1, 150, 400),  # stopped early: the horizon is the planned length
+    ("cosine", 1e-3, 0, 0.0, 90, None),
+    ("linear", 2.0712352850360292e-4, 0, 0.0, 4_000, None),  # the mid-training stages'
+    ("linear", 1e-3, 50, 0.1, 300, None),
+    ("linear", 1e-3, 7, 0.25, 60, 80),
+]
+
+
+@pytest.mark.parametrize(("schedule", "lr", "warmup", "alpha_f", "max_steps", "t_max"), SCHEDULES)
+def test_the_schedules_are_olmo_cores(schedule, lr, warmup, alpha_f, max_steps, t_max):
+    scheduler = pytest.importorskip("olmo_core.optim.scheduler")
+    theirs = {"cosine": scheduler.CosWithWarmup, "linear": scheduler.LinearWithWarmup}[schedule](
+        warmup=warmup, alpha_f=alpha_f, t_max=t_max)
+    cfg = OptimSection(lr=lr, warmup=warmup, schedule=schedule, final_lr_frac=alpha_f,
+                       t_max=t_max)
+    horizon = t_max or max_steps
+    steps = sorted({*range(1, min(horizon, 3 * warmup + 50)), *range(1, horizon + 20, 7),
+                    warmup, warmup + 1, horizon - 1, horizon, horizon + 1, 3 * horizon} - {0})
+    for step in steps:
+        assert lr_at(step, cfg, max_steps) == pytest.approx(
+            theirs.get_lr(lr, step, max_steps), rel=1e-12, abs=1e-20), step
 
 
 # --- the optimizer ---------------------------------------------------------------------------

@@ -83,12 +83,19 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> AdamW:
 
 
 def lr_at(step: int, cfg: OptimSection, max_steps: int) -> float:
-    """Linear warm-up to `lr`, then cosine to `lr * final_lr_frac` at `max_steps` (1-based step)."""
+    """Linear warm-up to `lr`, then `optim.schedule` (cosine or linear) down to
+    `lr * final_lr_frac` at `optim.t_max` (default `max_steps`), flat after (1-based step).
+
+    OLMo-core's `CosWithWarmup` / `LinearWithWarmup` with `alpha_f = final_lr_frac` and their
+    `t_max` (default: the trainer's max steps), as the official Olmo 3 scripts run them."""
     if cfg.warmup > 0 and step <= cfg.warmup:
         return cfg.lr * step / cfg.warmup
-    span = max(1, max_steps - cfg.warmup)
+    horizon = max_steps if cfg.t_max is None else cfg.t_max
+    span = max(1, horizon - cfg.warmup)
     progress = min(1.0, (step - cfg.warmup) / span)
     floor = cfg.lr * cfg.final_lr_frac
+    if cfg.schedule == "linear":
+        return cfg.lr - (cfg.lr - floor) * progress
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

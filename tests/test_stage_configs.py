@@ -1,0 +1,213 @@
+"""The stage configs (configs/olmo3-*-*.yaml) against OLMo-core's official Olmo 3 scripts
+(allenai/OLMo-core, src/scripts/official/OLMo3/): the scripts' values kept here as data, in the
+scripts' own terms (tokens per batch, scheduler classes, callbacks), and what each means in
+relaytrain's keys derived here, so a config that drifts from its script fails. The model's
+dimensions come from ai2-olmo-core's builders, run here (tests/model/test_presets.py compares
+every field of the presets); the schedulers' defaults (`alpha_f`) from OLMo-core's classes.
+
+What a script sets that relaytrain has no key for must be named in the config's comments
+(`no_key`): the test reads the YAML's text for each name."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("olmo_core")
+
+from olmo_core.data import DataMix, TokenizerConfig  # noqa: E402
+from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
+from olmo_core.optim import CosWithWarmup, HalfCosWithWarmup, LinearWithWarmup  # noqa: E402
+
+from relaytrain.config import load_config  # noqa: E402
+from relaytrain.model.config import PRESETS  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SCRIPTS = "src/scripts/official/OLMo3/"
+V3_SMALL = "v3_small_ppl_validation"
+EVAL_TASKS = "DownstreamEvaluatorCallbackConfig"  # OLMES tasks: no key
+SKIP_STEP = "SkipStepAdamW"  # optim.skip_spikes (another change): named in a comment for now
+
+# Each script as read at allenai/OLMo-core@commit. Units are the scripts': batch sizes in tokens,
+# durations as OLMo-core's Duration (unit, value).
+OFFICIAL = {
+    "olmo3-7b-pretrain-1.yaml": {
+        "script": SCRIPTS + "OLMo-3-1025-7B-pretrain-1.py",
+        "commit": "18b8fb66b9840a041c603acf7c7dd18b881229d8",
+        "builder": "olmo3_7B", "init_seed": 12536,  # ExperimentConfig's default, not overridden
+        "sequence_length": 8192, "global_batch_size": 8192 * 512, "data_seed": 34521,
+        "rank_microbatch_size": 2 * 8192,
+        "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+        "embeddings_weight_decay": 0.0,
+        "scheduler": CosWithWarmup(warmup=2000),
+        "max_duration": ("tokens", int(5e12)), "hard_stop": ("steps", 597046),
+        "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0, "compile_model": True,
+        "param_dtype": "bfloat16", "reduce_dtype": "float32", "shard_degree": None,
+        "ac": None, "lm_eval": (V3_SMALL, 10_000), "save_interval": 1000,
+        "load_path": None, "load_optim_state": False,
+        "no_key": [SKIP_STEP, EVAL_TASKS, "hard_stop"],
+    },
+    "olmo3-7b-pretrain-2.yaml": {
+        "script": SCRIPTS + "OLMo-3-1025-7B-pretrain-2.py",
+        "commit": "138b1fca4992c704f320c05718ef8168ffb44ea1",
+        "builder": "olmo3_7B", "init_seed": 12536,
+        "sequence_length": 8192, "global_batch_size": 8192 * 512, "data_seed": 34521,
+        "rank_microbatch_size": 2 * 8192,
+        "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+        "embeddings_weight_decay": 0.0,
+        # original_max_steps // 2 + original_warmup_steps // 2, on the resumed step count
+        "scheduler": HalfCosWithWarmup(warmup=int(5e12) // (8192 * 512) // 2 + 2000 // 2),
+        "max_duration": ("tokens", int(7e12)), "hard_stop": ("epochs", 1),
+        # the epoch ended at the step 7B mid-training loads (its load_path): stage1/step1413814
+        "epoch_end_step": 1413814, "load_step": 596047,
+        "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0, "compile_model": True,
+        "param_dtype": "bfloat16", "reduce_dtype": "float32", "shard_degree": None,
+        "ac": None, "lm_eval": (V3_SMALL, 10_000), "save_interval": 1000,
+        "load_path": "https://storage.googleapis.com/ai2-llm/checkpoints/OLMo25/step596047/",
+        "load_optim_state": True, "load_trainer_state": True,
+        "no_key": [SKIP_STEP, EVAL_TASKS, "HalfCosWithWarmup", "load_trainer_state"],
+    },
+    "olmo3-7b-midtrain.yaml": {
+        "script": SCRIPTS + "OLMo-3-1025-7B-midtrain.py",
+        "commit": "60f7eb8a29e6f305fa3b15c0ab6431ac28661c20",
+        "builder": "olmo3_7B", "init_seed": 1337,
+        "sequence_length": 8192, "global_batch_size": 2**21, "data_seed": 1337,
+        "rank_microbatch_size": 2 * 8192,
+        "lr": 0.00020712352850360292, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+        "embeddings_weight_decay": 0.0,
+        "scheduler": LinearWithWarmup(warmup=0, alpha_f=0.0),
+        "max_duration": ("tokens", 100_000_000_000), "hard_stop": None,
+        "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0, "compile_model": True,
+        "param_dtype": "bfloat16", "reduce_dtype": "float32", "shard_degree": None,
+        "ac": ("selected_modules", ["blocks.*.feed_forward"]), "lm_eval": None,
+        "save_interval": 1000, "ephemeral_save_interval": 100,
+        "load_path": "https://olmo-checkpoints.org/ai2-llm/Olmo-3-1025-7B/stage1/step1413814/",
+        "load_optim_state": True, "load_trainer_state": False,
+        "no_key": [SKIP_STEP, "selected_modules", "ephemeral_save_interval"],
+    },
+    "olmo3-32b-pretrain.yaml": {
+        "script": SCRIPTS + "OLMo-3-1025-32B-pretrain.py",
+        "commit": "09042a6d7bf702fb37298dbacd94cf6c5f3c91ce",
+        "builder": "olmo3_32B", "init_seed": 12536,
+        "sequence_length": 8192, "global_batch_size": 8 * 1024 * 1024, "data_seed": 34521,
+        "rank_microbatch_size": 8192,
+        "lr": 6e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+        "embeddings_weight_decay": 0.0,
+        "scheduler": CosWithWarmup(warmup=2000),
+        # One epoch of the mix: its length is the data's. The README's 5.50T tokens end at
+        # step 656000, the checkpoint 32B mid-training loads (stego32-highlr-filter3/step656000).
+        "max_duration": ("epochs", 1), "hard_stop": None, "epoch_end_step": 656000,
+        "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0, "compile_model": True,
+        "param_dtype": "bfloat16", "reduce_dtype": "float32", "shard_degree": 64,
+        "ac": None, "lm_eval": (V3_SMALL, 1000), "save_interval": 1000,
+        "load_path": None, "load_optim_state": False,
+        "no_key": [SKIP_STEP, EVAL_TASKS, "InstanceFilterConfig"],
+    },
+    "olmo3-32b-midtrain.yaml": {
+        "script": SCRIPTS + "OLMo-3-1025-32B-midtrain.py",
+        "commit": "47f1e52bebaebd7eb61dae36f996b8304f2d2011",
+        "builder": "olmo3_32B", "init_seed": 12536,
+        "sequence_length": 8192, "global_batch_size": 4 * 1024 * 1024, "data_seed": 1337,
+        "rank_microbatch_size": 8192,
+        "lr": 0.0002071235285, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+        "embeddings_weight_decay": 0.0,
+        "scheduler": LinearWithWarmup(warmup=0, alpha_f=0.0),
+        "max_duration": ("tokens", 100_000_000_000), "hard_stop": None,
+        "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0, "compile_model": True,
+        "param_dtype": "bfloat16", "reduce_dtype": "float32", "shard_degree": 64,
+        "ac": ("budget", 0.5), "lm_eval": None, "save_interval": 1000,
+        "load_path": "https://olmo-checkpoints.org/ai2-llm/stego32-highlr-filter3/step656000/",
+        "load_optim_state": True, "load_trainer_state": False,
+        "no_key": [SKIP_STEP, "InstanceFilterConfig", "activation_memory_budget"],
+    },
+}
+PRESET = {"olmo3_7B": "olmo3-7b", "olmo3_32B": "olmo3-32b"}
+SCHEDULE = {CosWithWarmup: "cosine", LinearWithWarmup: "linear"}  # HalfCos: none yet
+
+
+def steps(script: dict) -> tuple[int, int | None]:
+    """(train.max_steps, optim.t_max) as OLMo-core's trainer counts them: max_duration in tokens
+    is ceil(tokens / tokens per step) steps, the schedule's horizon; a hard stop ends it early.
+    A run that loaded a step goes on from it, which relaytrain counts from 0."""
+    unit, value = script["max_duration"]
+    horizon = math.ceil(value / script["global_batch_size"]) if unit == "tokens" else None
+    stop = script["hard_stop"]
+    if unit == "epochs" or (stop and stop[0] == "epochs"):
+        end = script["epoch_end_step"] - script.get("load_step", 0)
+        return end, None
+    if stop:
+        return stop[1], horizon
+    return horizon, None
+
+
+def expected(script: dict) -> dict:
+    """relaytrain's keys for a script's values."""
+    seq, sched = script["sequence_length"], script["scheduler"]
+    max_steps, t_max = steps(script)
+    assert script["global_batch_size"] % seq == 0 and script["rank_microbatch_size"] % seq == 0
+    out = {
+        "model.preset": PRESET[script["builder"]], "seed": script["init_seed"],
+        "data.seed": script["data_seed"], "data.seq_len": seq, "data.order": "olmo-core",
+        "train.global_batch": script["global_batch_size"] // seq,
+        "train.micro_batch": script["rank_microbatch_size"] // seq,
+        "train.max_steps": max_steps,
+        "train.z_loss": script["z_loss_multiplier"], "train.clip": script["max_grad_norm"],
+        "optim.lr": script["lr"], "optim.betas": script["betas"], "optim.eps": script["eps"],
+        "optim.weight_decay": script["weight_decay"],
+        "optim.decay_embeddings": script["embeddings_weight_decay"] == script["weight_decay"],
+        "optim.final_lr_frac": sched.alpha_f,
+        "parallel.fsdp_param_dtype": {"bfloat16": "bf16", "float32": "fp32"}[
+            script["param_dtype"]],
+        "parallel.fsdp": script["shard_degree"] or 1,
+        # relaytrain has no per-module or budget checkpointing: full, the nearest that saves
+        # at least as much memory, where the script checkpoints anything
+        "model.checkpointing": "full" if script["ac"] else "none",
+        "model.compile": "blocks" if script["compile_model"] else "none",
+        "eval.every": script["lm_eval"][1] if script["lm_eval"] else 0,
+        "checkpoint.every": script["save_interval"],
+        "init.from_": script["load_path"], "init.optimizer": script["load_optim_state"],
+    }
+    assert script["reduce_dtype"] == "float32"  # relaytrain reduces in fp32 always
+    if type(sched) in SCHEDULE:
+        out.update({"optim.schedule": SCHEDULE[type(sched)], "optim.warmup": sched.warmup,
+                    "optim.t_max": t_max})
+    return out
+
+
+def value(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return tuple(cfg) if isinstance(cfg, list) else cfg
+
+
+@pytest.mark.parametrize("name", sorted(OFFICIAL))
+def test_each_stage_config_holds_its_scripts_values(name):
+    script, path = OFFICIAL[name], CONFIGS / name
+    cfg = load_config(path, [])  # validation passes here (train.device: cuda is a choice)
+    want = expected(script)
+    assert {k: value(cfg, k) for k in want} == want
+    text = path.read_text()
+    assert script["script"] in text  # the config names its script
+    assert [n for n in script["no_key"] if n not in text] == []  # named in a comment
+    sets = DataMix.v3_small_ppl_validation.build("", TokenizerConfig.dolma2().identifier)[1]
+    if script["lm_eval"]:
+        assert script["lm_eval"][0] == V3_SMALL and list(cfg.eval.sets) == sets
+        assert all(p.endswith("/" + n) for n, p in cfg.eval.sets.items())
+    else:
+        assert cfg.eval.sets == {}
+
+
+@pytest.mark.parametrize("name", sorted(OFFICIAL))
+def test_each_stage_model_is_the_scripts_builder(name):
+    builder = getattr(TransformerConfig, OFFICIAL[name]["builder"])
+    theirs = builder(vocab_size=TokenizerConfig.dolma2().padded_vocab_size())
+    attn, ffn = theirs.block.sequence_mixer, theirs.block.feed_forward
+    cfg = load_config(CONFIGS / name, [])
+    m = cfg.model_config()
+    assert m == PRESETS[cfg.model.preset]  # the preset whole, no overrides
+    assert (m.d_model, m.n_layers, m.vocab_size, m.n_heads, m.n_kv_heads, m.mlp_hidden,
+            m.rope_theta, m.rms_eps, m.sliding_window) == \
+        (theirs.d_model, theirs.n_layers, theirs.vocab_size, attn.n_heads,
+         attn.n_kv_heads or attn.n_heads,  # OLMo-core's None: as many as the heads
+         ffn.hidden_size, attn.rope.theta, theirs.block.layer_norm.eps,
+         max(attn.sliding_window.pattern))
