@@ -26,7 +26,6 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SCRIPTS = "src/scripts/official/OLMo3/"
 V3_SMALL = "v3_small_ppl_validation"
 EVAL_TASKS = "DownstreamEvaluatorCallbackConfig"  # OLMES tasks: no key
-SKIP_STEP = "SkipStepAdamW"  # optim.skip_spikes (another change): named in a comment for now
 
 # Each script as read at allenai/OLMo-core@commit. Units are the scripts': batch sizes in tokens,
 # durations as OLMo-core's Duration (unit, value).
@@ -38,14 +37,14 @@ OFFICIAL = {
         "sequence_length": 8192, "global_batch_size": 8192 * 512, "data_seed": 34521,
         "rank_microbatch_size": 2 * 8192,
         "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-        "embeddings_weight_decay": 0.0,
+        "embeddings_weight_decay": 0.0, "skip_step": (128, 6.0),  # SkipStepAdamWConfig defaults
         "scheduler": CosWithWarmup(warmup=2000),
         "max_duration": ("tokens", int(5e12)), "hard_stop": ("steps", 597046),
         "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0, "compile_model": True,
         "param_dtype": "bfloat16", "reduce_dtype": "float32", "shard_degree": None,
         "ac": None, "lm_eval": (V3_SMALL, 10_000), "save_interval": 1000,
         "load_path": None, "load_optim_state": False,
-        "no_key": [SKIP_STEP, EVAL_TASKS, "hard_stop"],
+        "no_key": [EVAL_TASKS, "hard_stop"],
     },
     "olmo3-7b-pretrain-2.yaml": {
         "script": SCRIPTS + "OLMo-3-1025-7B-pretrain-2.py",
@@ -54,7 +53,7 @@ OFFICIAL = {
         "sequence_length": 8192, "global_batch_size": 8192 * 512, "data_seed": 34521,
         "rank_microbatch_size": 2 * 8192,
         "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-        "embeddings_weight_decay": 0.0,
+        "embeddings_weight_decay": 0.0, "skip_step": (128, 6.0),  # SkipStepAdamWConfig defaults
         # original_max_steps // 2 + original_warmup_steps // 2, on the resumed step count
         "scheduler": HalfCosWithWarmup(warmup=int(5e12) // (8192 * 512) // 2 + 2000 // 2),
         "max_duration": ("tokens", int(7e12)), "hard_stop": ("epochs", 1),
@@ -65,7 +64,7 @@ OFFICIAL = {
         "ac": None, "lm_eval": (V3_SMALL, 10_000), "save_interval": 1000,
         "load_path": "https://storage.googleapis.com/ai2-llm/checkpoints/OLMo25/step596047/",
         "load_optim_state": True, "load_trainer_state": True,
-        "no_key": [SKIP_STEP, EVAL_TASKS, "HalfCosWithWarmup", "load_trainer_state"],
+        "no_key": [EVAL_TASKS, "HalfCosWithWarmup", "load_trainer_state"],
     },
     "olmo3-7b-midtrain.yaml": {
         "script": SCRIPTS + "OLMo-3-1025-7B-midtrain.py",
@@ -74,7 +73,7 @@ OFFICIAL = {
         "sequence_length": 8192, "global_batch_size": 2**21, "data_seed": 1337,
         "rank_microbatch_size": 2 * 8192,
         "lr": 0.00020712352850360292, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-        "embeddings_weight_decay": 0.0,
+        "embeddings_weight_decay": 0.0, "skip_step": (128, 6.0),  # SkipStepAdamWConfig defaults
         "scheduler": LinearWithWarmup(warmup=0, alpha_f=0.0),
         "max_duration": ("tokens", 100_000_000_000), "hard_stop": None,
         "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0, "compile_model": True,
@@ -83,7 +82,7 @@ OFFICIAL = {
         "save_interval": 1000, "ephemeral_save_interval": 100,
         "load_path": "https://olmo-checkpoints.org/ai2-llm/Olmo-3-1025-7B/stage1/step1413814/",
         "load_optim_state": True, "load_trainer_state": False,
-        "no_key": [SKIP_STEP, "selected_modules", "ephemeral_save_interval"],
+        "no_key": ["selected_modules", "ephemeral_save_interval"],
     },
     "olmo3-32b-pretrain.yaml": {
         "script": SCRIPTS + "OLMo-3-1025-32B-pretrain.py",
@@ -92,7 +91,7 @@ OFFICIAL = {
         "sequence_length": 8192, "global_batch_size": 8 * 1024 * 1024, "data_seed": 34521,
         "rank_microbatch_size": 8192,
         "lr": 6e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-        "embeddings_weight_decay": 0.0,
+        "embeddings_weight_decay": 0.0, "skip_step": (128, 6.0),  # SkipStepAdamWConfig defaults
         "scheduler": CosWithWarmup(warmup=2000),
         # One epoch of the mix: its length is the data's. The README's 5.50T tokens end at
         # step 656000, the checkpoint 32B mid-training loads (stego32-highlr-filter3/step656000).
@@ -101,7 +100,7 @@ OFFICIAL = {
         "param_dtype": "bfloat16", "reduce_dtype": "float32", "shard_degree": 64,
         "ac": None, "lm_eval": (V3_SMALL, 1000), "save_interval": 1000,
         "load_path": None, "load_optim_state": False,
-        "no_key": [SKIP_STEP, EVAL_TASKS, "InstanceFilterConfig"],
+        "no_key": [EVAL_TASKS, "InstanceFilterConfig"],
     },
     "olmo3-32b-midtrain.yaml": {
         "script": SCRIPTS + "OLMo-3-1025-32B-midtrain.py",
@@ -110,7 +109,7 @@ OFFICIAL = {
         "sequence_length": 8192, "global_batch_size": 4 * 1024 * 1024, "data_seed": 1337,
         "rank_microbatch_size": 8192,
         "lr": 0.0002071235285, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-        "embeddings_weight_decay": 0.0,
+        "embeddings_weight_decay": 0.0, "skip_step": (128, 6.0),  # SkipStepAdamWConfig defaults
         "scheduler": LinearWithWarmup(warmup=0, alpha_f=0.0),
         "max_duration": ("tokens", 100_000_000_000), "hard_stop": None,
         "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0, "compile_model": True,
@@ -118,7 +117,7 @@ OFFICIAL = {
         "ac": ("budget", 0.5), "lm_eval": None, "save_interval": 1000,
         "load_path": "https://olmo-checkpoints.org/ai2-llm/stego32-highlr-filter3/step656000/",
         "load_optim_state": True, "load_trainer_state": False,
-        "no_key": [SKIP_STEP, "InstanceFilterConfig", "activation_memory_budget"],
+        "no_key": ["InstanceFilterConfig", "activation_memory_budget"],
     },
 }
 PRESET = {"olmo3_7B": "olmo3-7b", "olmo3_32B": "olmo3-32b"}
@@ -156,6 +155,8 @@ def expected(script: dict) -> dict:
         "optim.weight_decay": script["weight_decay"],
         "optim.decay_embeddings": script["embeddings_weight_decay"] == script["weight_decay"],
         "optim.final_lr_frac": sched.alpha_f,
+        "optim.skip_spikes": script["skip_step"] is not None,
+        "optim.skip_window": script["skip_step"][0], "optim.skip_sigma": script["skip_step"][1],
         "parallel.fsdp_param_dtype": {"bfloat16": "bf16", "float32": "fp32"}[
             script["param_dtype"]],
         "parallel.fsdp": script["shard_degree"] or 1,
