@@ -19,7 +19,7 @@ from olmo_core.data import DataMix, TokenizerConfig  # noqa: E402
 from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
 from olmo_core.optim import CosWithWarmup, HalfCosWithWarmup, LinearWithWarmup  # noqa: E402
 
-from relaytrain.config import load_config  # noqa: E402
+from relaytrain.config import load_config
 from relaytrain.model.config import PRESETS  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -8,7 +8,7 @@ import pytest
 
 from relaytrain.bench.recovery import FAULT_SPACING, bench_recovery, fault_plan, settings
 from relaytrain.cli import main
-from relaytrain.config import RunConfig
+from relaytrain.config.sections import RunConfig
 from relaytrain.errors import UserError
 
 

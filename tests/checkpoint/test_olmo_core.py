@@ -30,7 +30,7 @@ from relaytrain.checkpoint.olmo_core import (
     read_olmo_core,
     read_olmo_core_metadata,
 )
-from relaytrain.config import OptimSection
+from relaytrain.config.sections import OptimSection
 from relaytrain.errors import CheckpointError
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.train.optim import build_optimizer, load_optimizer_state

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from relaytrain.config import OptimSection
+from relaytrain.config.sections import OptimSection
 from relaytrain.model.config import PRESETS
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from relaytrain.cli import main
-from relaytrain.config import RunConfig, load_config
+from relaytrain.config import load_config
+from relaytrain.config.sections import RunConfig
 from relaytrain.runtime.controller import Controller
 from relaytrain.runtime.summary import RunSummary
 

@@ -11,7 +11,7 @@ import torch
 
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.cli import main
-from relaytrain.config import FaultsSection
+from relaytrain.config.sections import FaultsSection
 from relaytrain.runtime.catalogue import PendingCheckpoint
 from relaytrain.runtime.controller import Controller
 from relaytrain.runtime.faults import (

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from relaytrain.config import RunConfig
+from relaytrain.config.sections import RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.runtime import rendezvous
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import relaytrain.train.auto_backends as auto_backends
-from relaytrain.config import ModelSection
+from relaytrain.config.sections import ModelSection
 from relaytrain.model import backend_choice, cpu_kernels
 from relaytrain.model.backend_choice import MARGIN
 from relaytrain.model.config import PRESETS

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from relaytrain.config import ModelSection
+from relaytrain.config.sections import ModelSection
 from relaytrain.model import cpu_kernels
 from relaytrain.model.backend_choice import choose_matmul
 from relaytrain.model.config import PRESETS

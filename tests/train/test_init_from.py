@@ -21,7 +21,8 @@ from relaytrain.checkpoint.keys import (
     tensor_param,
 )
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import InitSection, RunConfig, load_config
+from relaytrain.config import load_config
+from relaytrain.config.sections import InitSection, RunConfig
 from relaytrain.errors import CheckpointError, ConfigError
 from relaytrain.model.hf import read_hf, write_hf
 from relaytrain.train.init_from import read_origin, resolve

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relaytrain.checkpoint.keys import optim_key
-from relaytrain.config import OptimSection
+from relaytrain.config.sections import OptimSection
 from relaytrain.model.config import PRESETS
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
@@ -158,7 +158,7 @@ def test_a_training_step_imports_neither_the_compiler_nor_fsdp():
         "from relaytrain.runtime import worker\n"
         "from relaytrain.model.config import PRESETS\n"
         "from relaytrain.model.olmo3 import Olmo3\n"
-        "from relaytrain.config import OptimSection\n"
+        "from relaytrain.config.sections import OptimSection\n"
         "from relaytrain.train.optim import build_optimizer\n"
         "m = Olmo3(PRESETS['tiny'].with_vocab(60)); o = build_optimizer(m, OptimSection())\n"
         "t = torch.randint(0, 60, (1, 9)); m(t[:, :-1], labels=t[:, 1:])[0].backward()\n"

@@ -9,7 +9,8 @@ import torch
 
 from relaytrain.checkpoint.pieces import cut
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import RunConfig, load_config
+from relaytrain.config import load_config
+from relaytrain.config.sections import RunConfig
 from relaytrain.errors import CheckpointError
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.state import TrainState

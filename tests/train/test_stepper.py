@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from relaytrain.config import OptimSection, load_config
+from relaytrain.config import load_config
+from relaytrain.config.sections import OptimSection
 from relaytrain.data.loader import Batch
 from relaytrain.train import stepper
 from relaytrain.train.optim import build_optimizer, lr_at

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from relaytrain.bench import progress
-from relaytrain.config import ModelSection, OptimSection, TrainSection, load_config
+from relaytrain.config import load_config
+from relaytrain.config.sections import ModelSection, OptimSection, TrainSection
 from relaytrain.errors import UserError
 from relaytrain.model.accounting import flops_per_token, layer_params, param_count
 from relaytrain.model.config import PRESETS, Olmo3Config
@@ -102,7 +103,7 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     """
     dtype = gather_dtype(gather, "cuda", exact) if fsdp > 1 else "fp32"
     if exact and dtype == "bf16":
-        raise ValueError("memory_plan: exact mode gathers fp32 (config.py refuses bf16)")
+        raise ValueError("memory_plan: exact mode gathers fp32 (config/checks.py refuses bf16)")
     width = 2 if dtype == "bf16" else 4  # bytes of a gathered value and of the residual stream
     n = param_count(cfg)
     tokens = seq_len * micro_batch

@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relaytrain.bench import progress
-from relaytrain.config import ParallelSection, load_config
+from relaytrain.config import load_config
+from relaytrain.config.sections import ParallelSection
 from relaytrain.data.prepare import prepare
 from relaytrain.parallel.pipeline.schedules import (
     FLUSH_SCHEDULES,

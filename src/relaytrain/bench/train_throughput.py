@@ -75,7 +75,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from relaytrain.bench import progress
-from relaytrain.config import ModelSection, OptimSection, TrainSection
+from relaytrain.config.sections import ModelSection, OptimSection, TrainSection
 from relaytrain.errors import UserError
 from relaytrain.model.accounting import flops_per_token, param_count
 from relaytrain.model.backend_choice import Choice

@@ -17,7 +17,8 @@ import yaml
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import RunConfig, check_resume_compatible, init_section
+from relaytrain.config import check_resume_compatible, init_section
+from relaytrain.config.sections import RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order

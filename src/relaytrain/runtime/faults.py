@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from relaytrain.config import FaultsSection
+from relaytrain.config.sections import FaultsSection
 from relaytrain.errors import UserError
 
 FAULT_SEED_TAG = 0xFA17

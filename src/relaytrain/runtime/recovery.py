@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from relaytrain.config import RunConfig
+from relaytrain.config.sections import RunConfig
 from relaytrain.errors import warn
 from relaytrain.parallel.groups import Placement, placements, shard_size
 from relaytrain.parallel.shards import misaligned, parameter_shapes

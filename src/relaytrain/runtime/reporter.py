@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from relaytrain.config import RunConfig
+from relaytrain.config.sections import RunConfig
 from relaytrain.data.eval_sets import OWN_EVAL_SET, absolute_paths
 from relaytrain.data.ledger import (
     LedgerWriter,

@@ -4,7 +4,7 @@ process (each ping's answer) and what it joined a generation as (setup's), one s
 train/step.py), the window of earlier steps optim.skip_spikes compares a step with
 (train/skip_step.py) and one checkpoint write's report (by its writes, checkpoint/writer.py). Plain
 dataclasses of Python values, so every engine can carry them (in process, or pickled between
-Ray actors); the run's config crosses as the `RunConfig` it is (config.py)."""
+Ray actors); the run's config crosses as the `RunConfig` it is (config/sections.py)."""
 
 from __future__ import annotations
 

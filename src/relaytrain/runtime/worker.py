@@ -20,7 +20,7 @@ import torch
 from relaytrain.checkpoint.pieces import Piece
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.checkpoint.writer import AsyncCheckpointWriter, PartWrites
-from relaytrain.config import RunConfig
+from relaytrain.config.sections import RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.loader import Loader
 from relaytrain.parallel.groups import Placement

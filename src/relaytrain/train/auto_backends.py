@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from relaytrain.config import ModelSection, RunConfig
+from relaytrain.config.sections import ModelSection, RunConfig
 from relaytrain.errors import ConfigError
 from relaytrain.model import backend_choice, cpu_kernels
 from relaytrain.model.backend_choice import (

@@ -83,7 +83,8 @@ def evaluate_checkpoint(target: str, data_path: str | None = None) -> dict[str, 
     was. `data_path` defaults to the run's; the first of "sets" is the run's own split."""
     from relaytrain.checkpoint.keys import model_tensors
     from relaytrain.checkpoint.store import open_checkpoint
-    from relaytrain.config import ModelSection, config_from_dict
+    from relaytrain.config import config_from_dict
+    from relaytrain.config.sections import ModelSection
     from relaytrain.data.eval_sets import eval_ids
     from relaytrain.model.config import Olmo3Config
     from relaytrain.model.olmo3 import Olmo3

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from relaytrain.config import ModelSection
+from relaytrain.config.sections import ModelSection
 from relaytrain.model.olmo3 import Olmo3
 
 # cuBLAS picks reduction orders per workspace; a fixed workspace makes its matmuls repeatable.

@@ -38,7 +38,7 @@ from relaytrain.checkpoint.pieces import Rows
 from relaytrain.checkpoint.reading import Into, KeyFilter, load_dir, stored_keys
 from relaytrain.checkpoint.store import locate_checkpoint
 from relaytrain.checkpoint.streaming import DIGEST, digest_hex, hash_stream
-from relaytrain.config import InitSection
+from relaytrain.config.sections import InitSection
 from relaytrain.errors import CheckpointError, ConfigError, UserError, warn
 from relaytrain.model.config import Olmo3Config
 from relaytrain.model.olmo3 import Olmo3

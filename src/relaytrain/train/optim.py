@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from relaytrain.checkpoint.keys import optim_key
-from relaytrain.config import OptimSection
+from relaytrain.config.sections import OptimSection
 from relaytrain.parallel.shards import as_like, local_tensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # shaped as the parameter (sharded as it is)

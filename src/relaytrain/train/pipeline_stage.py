@@ -80,7 +80,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.func import functional_call
 
-from relaytrain.config import RunConfig
+from relaytrain.config.sections import RunConfig
 from relaytrain.data.loader import Batch
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relaytrain.config import RunConfig
+from relaytrain.config.sections import RunConfig
 
 
 @dataclass(frozen=True)

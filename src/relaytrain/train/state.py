@@ -18,7 +18,7 @@ from relaytrain.checkpoint.keys import model_key, optim_key, tensor_param
 from relaytrain.checkpoint.pieces import Piece, Rows, assemble, cut
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.checkpoint.writer import snapshot_to_host
-from relaytrain.config import RunConfig
+from relaytrain.config.sections import RunConfig
 from relaytrain.model.config import Olmo3Config
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3

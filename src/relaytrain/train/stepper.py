@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from relaytrain.checkpoint.writer import WriteReport
-from relaytrain.config import RunConfig
+from relaytrain.config.sections import RunConfig
 from relaytrain.data.loader import Loader
 from relaytrain.parallel.groups import PipelineGroups
 from relaytrain.parallel.reduce import GradReducer

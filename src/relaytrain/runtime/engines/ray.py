@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from relaytrain.config import RunConfig
+from relaytrain.config.sections import RunConfig
 from relaytrain.runtime.engines.base import Engine, Invocation
 from relaytrain.runtime.failures import (
     NodeLost,
