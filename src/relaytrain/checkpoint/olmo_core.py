@@ -38,7 +38,7 @@ import fsspec
 import torch
 
 from relaytrain import storage
-from relaytrain.checkpoint.keys import MODEL_PREFIX, model_key, optim_key
+from relaytrain.checkpoint.keys import MODEL_PREFIX, model_key, optim_key, rename_parameter
 from relaytrain.errors import CheckpointError
 
 DCP_DIR = "model_and_optim"  # where OLMo-core's trainer writes the DCP inside a step directory
@@ -65,12 +65,8 @@ _BLOCK_NAMES = {  # after "blocks.{i}." -> after "layers.{i}."
 
 def olmo_core_to_ours_name(name: str) -> str:
     """`blocks.3.feed_forward.w1.weight` -> `layers.3.mlp.gate_proj.weight`."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
-    if m and m[2] in _BLOCK_NAMES:
-        return f"layers.{m[1]}.{_BLOCK_NAMES[m[2]]}"
-    raise ValueError(f"not an OLMo-core Olmo 3 parameter name: {name!r}")
+    return rename_parameter(name, _GLOBAL_NAMES, _BLOCK_NAMES, "blocks.", "layers.",
+                            "OLMo-core Olmo 3")
 
 
 def olmo_core_names(n_layers: int) -> list[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from relaytrain.checkpoint.keys import model_key, model_tensors
+from relaytrain.checkpoint.keys import model_key, model_tensors, rename_parameter
 from relaytrain.errors import CheckpointError, UserError
 from relaytrain.model.config import FULL, SLIDING, Olmo3Config, pad_vocab
 
@@ -46,24 +45,14 @@ _LAYER_NAMES_INV = {v: k for k, v in _LAYER_NAMES.items()}
 VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # tensors with one row per vocabulary entry
 
 
-def _rename(name: str, names: dict[str, str], layer_names: dict[str, str], src: str, dst: str,
-            what: str) -> str:
-    if name in names:
-        return names[name]
-    m = re.fullmatch(rf"{re.escape(src)}(\d+)\.(.+)", name)
-    if m and m[2] in layer_names:
-        return f"{dst}{m[1]}.{layer_names[m[2]]}"
-    raise ValueError(f"not an {what} parameter name: {name!r}")
-
-
 def ours_to_hf_name(name: str) -> str:
     """`layers.3.attn_norm.weight` -> `model.layers.3.post_attention_layernorm.weight`."""
-    return _rename(name, _GLOBAL_NAMES, _LAYER_NAMES, "layers.", "model.layers.", "Olmo 3")
+    return rename_parameter(name, _GLOBAL_NAMES, _LAYER_NAMES, "layers.", "model.layers.", "Olmo 3")
 
 
 def hf_to_ours_name(name: str) -> str:
     """`model.layers.3.post_attention_layernorm.weight` -> `layers.3.attn_norm.weight`."""
-    return _rename(name, _GLOBAL_NAMES_INV, _LAYER_NAMES_INV, "model.layers.", "layers.",
+    return rename_parameter(name, _GLOBAL_NAMES_INV, _LAYER_NAMES_INV, "model.layers.", "layers.",
                    "HF Olmo 3")
 
 
