@@ -133,10 +133,25 @@ def test_sharded_pipeline_stages_run_the_flush_schedules_only(schedule):
                                           "parallel.pp=2", f"parallel.schedule={flush}"])
 
 
-def test_skipping_spikes_is_refused_on_a_pipeline_and_defaults_to_olmo_cores_rule():
+@pytest.mark.parametrize("schedule", [
+    ["parallel.schedule=pipedream"], ["parallel.schedule=paci"],
+    ["parallel.schedule=paci", "parallel.paci.flush=true", "parallel.paci.a=3"]])
+def test_skipping_spikes_is_refused_on_a_pipeline_whose_stages_update_apart(schedule):
+    """tiny.yaml: 4 micro-batches per global batch, so paci with flush and a=3 updates twice
+    in a batch."""
     with pytest.raises(ConfigError, match=r"^config key 'optim.skip_spikes': got true with "
-                                          r"parallel.pp=2, .* expected parallel.pp=1"):
-        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2",
+                                          r"parallel.pp=2 and schedule '(pipedream|paci)' .* "
+                                          r"expected a flush schedule \(gpipe, 1f1b, or paci "
+                                          r"with parallel.paci.flush=true and parallel.paci.a "
+                                          r">= the micro-batches per DP rank\)"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2", *schedule,
+                                          "optim.skip_spikes=true"])
+
+
+def test_skipping_spikes_takes_the_flush_schedules_and_defaults_to_olmo_cores_rule():
+    for schedule in (["parallel.schedule=gpipe"], ["parallel.schedule=1f1b"],
+                     ["parallel.schedule=paci", "parallel.paci.flush=true", "parallel.paci.a=4"]):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2", *schedule,
                                           "optim.skip_spikes=true"])
     o = load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2"]).optim
     assert (o.skip_spikes, o.skip_window, o.skip_sigma) == (False, 128, 6.0)  # SkipStepAdamW's

@@ -1,7 +1,8 @@
 """optim.skip_spikes in whole runs: a learning rate far too high makes spikes the rule skips; in
-exact mode dp 2 and fsdp 2 skip the same steps as dp 1 and end on the same bits, a run resumed
-from a checkpoint skips the steps an uninterrupted one skips (the window rides in the manifest),
-and a skipped step's data counts as consumed (the audit passes)."""
+exact mode dp 2, fsdp 2 and pp 2 (flush schedules) skip the same steps as dp 1 and end on the
+same bits, a run resumed from a checkpoint skips the steps an uninterrupted one skips (the
+window rides in the manifest), and a skipped step's data counts as consumed (the audit
+passes)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,20 @@ def test_exact_mode_skips_the_same_steps_to_the_bit_at_dp_2_and_fsdp_2(
         tmp_path, corpus_data, ray_cluster, one_worker, dp, fsdp):
     run = tmp_path / "run"
     run_layout(run, corpus_data, dp, *DP, *SPIKES, "train.max_steps=8", fsdp=fsdp)
+    assert skipped(run) == skipped(one_worker)
+    assert curve(run) == curve(one_worker)
+    assert same_tensors(final_state(run), final_state(one_worker))
+
+
+@pytest.mark.parametrize(("schedule", "dp"), [("gpipe", 1), ("1f1b", 1), ("1f1b", 2)])
+def test_exact_mode_skips_the_same_steps_to_the_bit_on_a_two_stage_pipeline(
+        tmp_path, corpus_data, ray_cluster, one_worker, schedule, dp):
+    """The losses live on the last stage: they reach the first through the pipeline group (and
+    the other replicas through each stage's DP group), so every stage decides alike (a stage
+    that updated where the other skipped ends on other weights)."""
+    run = tmp_path / "run"
+    run_layout(run, corpus_data, dp, *DP, *SPIKES, "train.max_steps=8",
+               f"parallel.schedule={schedule}", pp=2)
     assert skipped(run) == skipped(one_worker)
     assert curve(run) == curve(one_worker)
     assert same_tensors(final_state(run), final_state(one_worker))

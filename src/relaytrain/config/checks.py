@@ -109,9 +109,17 @@ def _validate_optim(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
          ">= 6 (the rule starts at window // 2 steps and needs two earlier ones for a standard "
          "deviation)")
     need(o.skip_sigma > 0, f"config key 'optim.skip_sigma': got {o.skip_sigma}, expected > 0")
-    need(not o.skip_spikes or cfg.parallel.pp == 1, "config key 'optim.skip_spikes': got true "
-         f"with parallel.pp={cfg.parallel.pp}, but pipeline stages do not skip steps yet; "
-         "expected parallel.pp=1 (dp and fsdp layouts) or optim.skip_spikes=false")
+    p = cfg.parallel
+    # one update per global batch on every stage, after the global norm's pipeline barrier
+    per_batch = p.paci.flush and p.paci.a >= cfg.micro_batches // cfg.data_parallel
+    need(not o.skip_spikes or p.pp == 1 or not asynchronous(p.schedule)
+         or (p.schedule == "paci" and per_batch), "config key 'optim.skip_spikes': got true "
+         f"with parallel.pp={p.pp} and schedule '{p.schedule}' (parallel.paci.flush="
+         f"{str(p.paci.flush).lower()}, parallel.paci.a={p.paci.a}), whose stages do not "
+         "update once per global batch together; expected a flush schedule "
+         f"({', '.join(FLUSH_SCHEDULES)}, or paci with parallel.paci.flush=true and "
+         "parallel.paci.a >= the micro-batches per DP rank), parallel.pp=1 or "
+         "optim.skip_spikes=false")
     need(o.t_max is None or o.t_max >= 1, f"config key 'optim.t_max': got {o.t_max}, "
          "expected >= 1 (or null: train.max_steps)")
 

@@ -95,6 +95,7 @@ from relaytrain.parallel.reduce import GradReducer
 from relaytrain.parallel.shards import local_tensor, whole_tensor
 from relaytrain.train.evaluate import eval_chunks, instance_losses
 from relaytrain.train.optim import AdamW, set_lr
+from relaytrain.train.skip_step import SkipCheck, SkipHistory, SkipRule, global_ce
 from relaytrain.train.step import PipelineStats, StepOutcome, autocast_for
 
 ACTIVATION_DTYPE = torch.float32  # residual stream between stages (fp32 under bf16 autocast too)
@@ -119,6 +120,7 @@ class StageSpec:
     in_flight: int | None = None
     flush: bool = False
     recompute: bool = False
+    skip: SkipRule | None = None  # optim.skip_spikes (flush schedules only: config.py)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, stage: int, d_model: int) -> StageSpec:
@@ -134,7 +136,8 @@ class StageSpec:
                    a=p.paci.a if is_async else 1,
                    in_flight=p.paci.in_flight if is_async else None,
                    flush=p.paci.flush and p.schedule == "paci",
-                   recompute=p.paci.mode == "mem" and p.schedule == "paci")
+                   recompute=p.paci.mode == "mem" and p.schedule == "paci",
+                   skip=SkipRule.from_config(cfg))
 
     @property
     def first(self) -> bool:
@@ -241,6 +244,7 @@ class _Update:
     step: int
     norm: float
     finite: bool
+    skipped: bool = False
 
 
 @dataclass
@@ -283,6 +287,10 @@ class StageRunner:
         if sharded and not spec.global_clip:
             raise ValueError(f"schedule {spec.schedule}: a sharded stage runs flush schedules "
                              "only")
+        per_batch = spec.global_clip and (spec.schedule != "paci" or spec.a >= spec.micro_per_batch)
+        if spec.skip is not None and not per_batch:
+            raise ValueError(f"schedule {spec.schedule}: optim.skip_spikes needs every stage "
+                             "to update once per global batch (a flush schedule)")
         self.sharded = sharded  # see "Sharded stages" above
         self.params = dict(module.named_parameters())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
@@ -290,11 +298,14 @@ class StageRunner:
         self._norm_sizes: list[int] | None = None  # per stage: gradient tensors + 1 flag
 
     # ---- training ----------------------------------------------------------------------------
-    def run_span(self, first_step: int, batches: list[Batch]) -> list[StepOutcome]:
+    def run_span(self, first_step: int, batches: list[Batch],
+                 history: SkipHistory | None = None) -> list[StepOutcome]:
         """Train global batches `batches` (steps first_step, first_step + 1, ...) by this stage's
         list for a span of that many batches; one result per step. The pipeline is empty at the
-        start and drained at the end (a consistent cut)."""
+        start and drained at the end (a consistent cut). `history`: the steps before as
+        optim.skip_spikes compares them."""
         spec, M = self.spec, self.spec.micro_per_batch
+        check = None if spec.skip is None else SkipCheck(spec.skip, history or SkipHistory())
         if any(len(b.micro_batches) != M for b in batches):
             raise ValueError(f"expected {M} micro-batches per batch on this DP rank")
         every = spec.schedule_actions(len(batches))
@@ -329,8 +340,10 @@ class StageRunner:
                                        f"{stale[act.mb]} updates, above the bound {bound}")
                 transient = self._backward(act.mb, held)
             else:
-                group = groups[act.k - 1]
-                updates.append(self._update(first_step + group[-1] // M, inflight))
+                group = groups[act.k - 1]  # a global batch under optim.skip_spikes
+                own = {batches[m // M].micro_batches[m % M][0]: losses[m]
+                       for m in group if m in losses}
+                updates.append(self._update(first_step + group[-1] // M, inflight, check, own))
             busy = time.perf_counter() - t0 - (self.transport.waited - w0)
             stats.record(act.kind, busy, inflight, self._live_weights(), transient)
         self.transport.drain()
@@ -360,6 +373,7 @@ class StageRunner:
         finite = all(u.finite for u in mine) and all(
             math.isfinite(v) for values in own.values() for v in values)
         return StepOutcome(losses=own, grad_norm=norm, finite=finite,
+                           skipped=any(u.skipped for u in mine),
                            pipeline=PipelineStats(**shared, staleness=[stale[m] for m in mbs]))
 
     def _receives(self, actions: list[Action]) -> Iterator[tuple[int, int]]:
@@ -463,16 +477,27 @@ class StageRunner:
         self.reducer.after_backward()
         return held.nbytes + extra
 
-    def _update(self, step: int, inflight: dict[int, _InFlight]) -> _Update:
-        """Reduce over DP, clip, step, clear: the update of one group, at `lr_at(step)`."""
+    def _update(self, step: int, inflight: dict[int, _InFlight], check: SkipCheck | None = None,
+                own: dict[int, tuple[float, float, float]] | None = None) -> _Update:
+        """Reduce over DP, clip, step, clear: the update of one group, at `lr_at(step)`. With
+        `check` (optim.skip_spikes, flush schedules: the group is step `step`'s global batch),
+        every stage and DP rank decides alike from the global CE loss, the losses `own` (global
+        micro-batch index -> losses; the last stage's) gathered over the replica's pipeline and
+        then the DP group, and the pre-clip global norm: a skip leaves weights and AdamW's state
+        as they were on every stage, as train_step does."""
         spec = self.spec
         set_lr(self.optimizer, self.lr_of(step))
         ok = self.reducer.finish()
         params = list(self.params.values())
         grads = [p.grad for p in params if p.grad is not None]
+        ce = 0.0
         if spec.global_clip:
             t0 = time.perf_counter()
             norm, ok = self._global_norm(grads, ok)
+            if check is not None:  # every rank joins, whatever its own losses hold
+                pipe = dist.group.WORLD if self.pipe_group is None else self.pipe_group  # dp 1
+                ce = global_ce(own or {}, spec.micro_per_batch * spec.dp,
+                               self.reducer.group, self.device, pipe)
             self.transport.waited += time.perf_counter() - t0
         else:
             norm = torch.nn.utils.get_total_norm(grads, foreach=True)
@@ -480,7 +505,8 @@ class StageRunner:
             torch.nn.utils.clip_grads_with_norm_(params, spec.clip, norm, foreach=True)
         value = float(norm)
         finite = ok and math.isfinite(value)
-        if finite:
+        skipped = finite and check is not None and check(ce, value)
+        if finite and not skipped:
             live = self._live_weights()
             if spec.schedule == "pipedream" and any(h.weights == live for h in inflight.values()):
                 with torch.no_grad():  # stash: in-flight graphs keep the old storage
@@ -489,7 +515,7 @@ class StageRunner:
             self.optimizer.step()
         self.optimizer.zero_grad()
         self.reducer.start()
-        return _Update(step, value, finite)
+        return _Update(step, value, finite, skipped)
 
     def _global_norm(self, grads: list[Tensor], ok: bool) -> tuple[Tensor, bool]:
         """The norm of the whole model's gradient, bit for bit `get_total_norm` of the

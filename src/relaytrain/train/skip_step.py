@@ -94,17 +94,20 @@ def above(previous: Sequence[float], x: float, sigma: float) -> bool:
 
 
 def global_ce(losses: dict[int, tuple[float, float, float]], micro_batches: int,
-              group: dist.ProcessGroup | None, device: torch.device) -> float:
+              group: dist.ProcessGroup | None, device: torch.device,
+              pipe: dist.ProcessGroup | None = None) -> float:
     """The step's CE loss over every DP rank's micro-batches, as the reporter computes it (fsum
     in global micro-batch index order / M): one slot per micro-batch, each filled by the one
-    rank that computed it, summed over the group (x + 0.0 is exact), so the value does not
-    depend on the layout. A collective on every rank of `group`."""
+    rank that computed it, summed over the replica's pipeline group `pipe` (a pipeline stage:
+    only the last stage holds losses) and then the DP group (x + 0.0 is exact), so the value
+    does not depend on the layout. A collective on every rank of `pipe` and `group`."""
     values = [0.0] * micro_batches
     for index, (_, ce, _) in losses.items():
         values[index] = ce
     slots = torch.tensor(values, dtype=torch.float64, device=device)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(slots, group=group)
+    for g in (pipe, group):
+        if g is not None and dist.get_world_size(g) > 1:
+            dist.all_reduce(slots, group=g)
     return math.fsum(slots.tolist()) / micro_batches
 
 

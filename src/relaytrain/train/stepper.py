@@ -145,11 +145,10 @@ class PipelineStepper:
 
     def run(self, first: int, count: int, history: SkipHistory | None = None
             ) -> list[StepResult]:
-        # (optim.skip_spikes is refused with parallel.pp > 1: `history` is always None here)
         t0 = time.perf_counter()
         batches = [self.loader.get(step - 1) for step in range(first, first + count)]
         t1 = time.perf_counter()
-        outs = self.runner.run_span(first, batches)
+        outs = self.runner.run_span(first, batches, history)
         compute = synced_since(t1, self.device)
         return [step_result(first + i, out, batch.ids.tolist(), (t1 - t0) / count,
                             compute / count)
