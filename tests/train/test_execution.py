@@ -75,7 +75,10 @@ def test_exact_on_cuda_turns_every_switch_on_and_fast_turns_them_off(determinism
 
 
 # Buffers a little larger each time, as a step's grow while glibc's moving threshold follows:
-# each allocated, touched and freed. Prints the pages each one faulted in.
+# each allocated, touched and freed. Prints the pages each one faulted in. 24 of them: where the
+# heap lies depends on what the process imported (numpy, say), and in some layouts the first
+# eight or so retained buffers do not fit the one freed before them; the steady state after
+# them is what a training step sees every step (the medians below read it).
 FAULT_CYCLES = """
 import resource, sys, torch
 from relaytrain.train.execution import freed_memory_retained, retain_freed_memory
@@ -85,7 +88,7 @@ if sys.argv[1].endswith("timed"):  # work timed as a worker runs it, before the 
     with freed_memory_retained():
         pass
 counts = []
-for i in range(12):
+for i in range(24):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     buffer = torch.ones(((32 + i) << 18) // 4)  # 8 MiB, then 256 KiB more each time
     del buffer
