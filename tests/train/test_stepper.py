@@ -94,8 +94,8 @@ def test_the_pipeline_stepper_runs_a_span_at_once_and_splits_its_timings(clock):
     spans = []
 
     class FakeRunner:
-        def run_span(self, first, batches):
-            spans.append((first, [b.batch_index for b in batches]))
+        def run_span(self, first, batches, history):
+            spans.append((first, [b.batch_index for b in batches], history))
             clock.now += STEP_S
             return [outcome(b.batch_index, stats[i]) for i, b in enumerate(batches)]
 
@@ -103,8 +103,9 @@ def test_the_pipeline_stepper_runs_a_span_at_once_and_splits_its_timings(clock):
             return {i: float(part + parts) for i in ids}
 
     pipeline = PipelineStepper(FakeRunner(), FakeLoader(clock), CPU)
-    results = pipeline.run(1, 3)
-    assert spans == [(1, [0, 1, 2])]
+    window = object()  # the skip rule's window (optim.skip_spikes), passed to the stage as is
+    results = pipeline.run(1, 3, window)
+    assert spans == [(1, [0, 1, 2], window)]
     assert [r.step for r in results] == [1, 2, 3]
     assert [r.ids for r in results] == [[0, 1], [10, 11], [20, 21]]
     assert [r.pipeline for r in results] == stats
