@@ -4,6 +4,7 @@ checkpoint."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import random
 import signal
@@ -62,7 +63,9 @@ def test_sigkill_while_writing_never_leaves_a_loadable_broken_checkpoint(tmp_pat
     torn = 0  # kills that left a half-written step behind
     progress = []
     try:
-        for _ in range(KILLS):
+        # At least KILLS kills, and on until half of KILLS landed mid-write: under load a forked
+        # writer may still be starting when its kill comes, which tests nothing.
+        for kills in itertools.count(1):
             server.stdin.write("go\n")
             server.stdin.flush()
             line = server.stdout.readline()
@@ -76,11 +79,13 @@ def test_sigkill_while_writing_never_leaves_a_loadable_broken_checkpoint(tmp_pat
             committed, uncommitted = check_store(root)
             torn += bool(uncommitted or list(root.glob("**/*.tmp")))
             progress.append(committed[-1] if committed else 0)
+            if kills >= 3 * KILLS or (kills >= KILLS and torn >= KILLS // 2):
+                break
     finally:
         server.kill()
         server.wait()
     assert progress[-1] > KILLS  # writers made progress between kills
-    assert torn >= KILLS // 2  # and most kills landed mid-write
+    assert torn >= KILLS // 2  # and at least half of KILLS landed mid-write
     # the next clean commit clears the debris the kills left
     store = CheckpointStore(str(root), keep_last=crash_writer.KEEP_LAST)
     step = progress[-1] + 1
