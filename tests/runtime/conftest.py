@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -203,3 +206,21 @@ def assert_bit_identical(run: Path | str, reference: Path | str,
     assert [b[s]["grad_norm"] for s in a] == [a[s]["grad_norm"] for s in a]
     assert same_tensors(final_state(run), final_state(reference))
     assert main(["data", "audit", str(run)]) == 0
+
+
+@pytest.fixture
+def cluster_env(monkeypatch):
+    """Environment for every process of the test cluster (this one's too, which starts the
+    cluster's nodes): token auth, fast node-death checks, and every address on loopback (Ray
+    otherwise swaps 127.0.0.1 for the host's IP)."""
+    # Ray keeps the first token a process loaded: reuse the one this process may have.
+    token = os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32)
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="4",
+               RAY_TMPDIR=tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: socket paths
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+    yield env
+    shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)

@@ -7,11 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,20 +17,6 @@ import pytest
 from tests.runtime.conftest import step_records
 
 pytestmark = pytest.mark.timeout(300)
-
-@pytest.fixture
-def cluster_env():
-    """Environment for every process of the test cluster: token auth, fast node-death checks,
-    and every address on loopback (Ray otherwise swaps 127.0.0.1 for the host's IP)."""
-    # Ray keeps the first token a process loaded: reuse the one this process may have.
-    token = os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32)
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
-               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-               RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="4",
-               RAY_TMPDIR=tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: socket paths
-    yield env
-    shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
-
 
 def _train(env, run, data, address, *extra) -> subprocess.Popen:
     return subprocess.Popen(
@@ -54,15 +37,12 @@ def _prepare_on(env, address, data, out, workers: int = 4) -> subprocess.Complet
 
 
 def test_data_is_prepared_on_a_clusters_nodes_then_a_run_joins_it_forwards_worker_logs_and_survives_losing_a_node(  # noqa: E501
-        tmp_path, corpus_data, cluster_env, monkeypatch):
+        tmp_path, corpus_data, cluster_env):
     """Two Ray nodes on this machine (Ray's own multi-node test cluster: `ray start` refuses a
     second node on one host), two CPUs each. `data prepare --address` encodes on both nodes
     and writes the bytes one process writes; then a `relaytrain train` process joins by
     address with four workers, two on each node, and the second node is removed mid-run: its
     raylet and its workers die together."""
-    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
-                "RAY_health_check_period_ms", "RAY_health_check_failure_threshold", "RAY_TMPDIR"):
-        monkeypatch.setenv(key, cluster_env[key])
     from ray.cluster_utils import Cluster
 
     from relaytrain.cli import main

@@ -98,10 +98,10 @@ class Controller:
         """Train to train.max_steps, recovering from worker failures; the run's summary."""
         t_run = time.perf_counter()
         cfg, start = self.cfg, self.start
-        self._prepare_run_dir()
-        self.reporter.open(start, cfg.data_parallel)
-        self.engine = make_engine(cfg)
+        self.engine = make_engine(cfg)  # first: a cluster that cannot be joined writes nothing
         try:
+            self._prepare_run_dir()
+            self.reporter.open(start, cfg.data_parallel)
             self.recovery = Recovery(cfg, self.engine, (cfg, self.dataset.vocab_size),
                                      self.catalogue, self.reporter, self.faults)
             self.recovery.start(start)

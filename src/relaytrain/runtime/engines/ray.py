@@ -22,7 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from relaytrain.config.sections import RunConfig
+from relaytrain.errors import ConfigError
 from relaytrain.runtime.engines.base import Engine, Invocation
+from relaytrain.runtime.engines.ray_join import check_join
 from relaytrain.runtime.failures import (
     NodeLost,
     WorkerDied,
@@ -229,6 +231,7 @@ class RayEngine(Engine):
                     "before relaytrain could configure it; set "
                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in the environment")
         else:
+            check_join(rt.address, f"runtime.address={rt.address}", ConfigError)
             ray.init(address=rt.address, runtime_env={"env_vars": env}, log_to_driver=True,
                      configure_logging=False)
         self._owns_cluster = True

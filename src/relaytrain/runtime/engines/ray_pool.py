@@ -11,15 +11,14 @@ cluster would only be this machine's cores, which `process_map` already uses.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from relaytrain.data.prepare import ChunkMap, in_order
 from relaytrain.errors import DataError
+from relaytrain.runtime.engines.ray_join import check_join
 
-CONNECT_S = 5.0  # a cluster's GCS that does not accept a connection within this is not there
 PLACE_S = 120.0  # the workers must all be placed within this
 
 
@@ -39,13 +38,7 @@ class _Mapper:
 
 def _connect(address: str) -> None:
     """Join the cluster, or one line saying why not (Ray itself would retry for minutes)."""
-    if address != "auto":
-        host, _, port = address.removeprefix("ray://").rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
-        except (OSError, ValueError) as e:
-            raise DataError(f"--address {address}: no Ray cluster answers there ({e}); expected "
-                            "HOST:PORT of a running cluster's head, or auto") from None
+    check_join(address, f"--address {address}", DataError)
     import ray
 
     try:
