@@ -105,6 +105,7 @@ def test_training_rides_out_a_storage_outage_to_the_same_bits(tmp_path, corpus_d
         store.verify(step)
     assert not os.path.lexists(str(run / "checkpoints") + OUTAGE_SUFFIX)
     assert main(["data", "audit", str(run)]) == 0
+    assert records(run, "unsaved") == []  # late commits are no failed saves: nothing to say
 
 
 def test_a_commit_that_meets_an_outage_waits_for_storage_and_is_never_half_done(
@@ -179,9 +180,14 @@ def test_a_full_disk_is_loud_stops_after_max_unsaved_steps_and_resumes_to_the_sa
         for s in (2, 4)}
     store = CheckpointStore(str(run / "checkpoints"))
     assert [store.verify(s)["step"] for s in store.committed_steps()] == [2, 4]
-    # Space freed: the resume continues from step 4, to the bits of a run that never failed.
+    # Space freed: the resume deletes what a killed save left, continues from step 4, to the
+    # bits of a run that never failed.
     assert end_disk_full(str(run / "checkpoints"))
+    (run / "checkpoints" / "step_00000009").mkdir()
+    (run / "checkpoints" / "step_00000009" / "stage0.safetensors.tmp").write_bytes(b"torn")
     assert main([*args[:-1]]) == 0
+    assert "deleted what earlier failed or interrupted saves left in " \
+        f"{run / 'checkpoints'}: uncommitted step 9" in capsys.readouterr().err
     assert records(run, "restart")[-1]["step"] == 4
     assert same_tensors(final_state(run), final_state(clean))
     a, b = step_records(clean), step_records(run)

@@ -164,6 +164,44 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus_data, 
     assert not run.exists()
 
 
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory this process cannot write in, however privileged: a read-only tmpfs where
+    mounting is allowed (root here), else one without write permission (not root), else (root
+    without mounts: permissions do not stop root) a path under a regular file."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                      capture_output=True).returncode == 0:
+        yield path, "Read-only file system"
+        subprocess.run(["umount", str(path)], check=True)
+    elif os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path, "Permission denied"
+        path.chmod(0o755)
+    else:
+        path.rmdir()
+        path.write_text("a file where a directory should be")
+        yield path / "under-a-file", "Not a directory"
+
+
+@pytest.mark.parametrize("key", ["checkpoint.url", "run_dir"])
+def test_an_unwritable_location_is_one_line_exit_2_before_step_1(tmp_path, corpus_data, capsys,
+                                                                 read_only_dir, key):
+    where, error = read_only_dir
+    run = tmp_path / "run" if key == "checkpoint.url" else where / "run"
+    target = where / "checkpoints" if key == "checkpoint.url" else run
+    args = [f"run_dir={run}", f"data.path={corpus_data}", "log.progress=false"]
+    assert main(["train", "configs/tiny.yaml", *args, f"checkpoint.url={where / 'checkpoints'}"
+                 if key == "checkpoint.url" else "train.max_steps=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"relaytrain: error: config key '{key}': {target} is not writable ("), \
+        err
+    assert error in err
+    assert not run.exists()  # nothing trained, nothing written
+
+
 def test_resume_refuses_a_changed_seed_and_a_finished_run(tmp_path, corpus_data, capsys):
     run = tmp_path / "run"
     Controller(tiny_config(run, corpus_data, "train.max_steps=3")).run()
