@@ -172,9 +172,9 @@ def read_only_dir(tmp_path):
     path = tmp_path / "read-only"
     path.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
-                      capture_output=True).returncode == 0:
+                      capture_output=True, timeout=30).returncode == 0:
         yield path, "Read-only file system"
-        subprocess.run(["umount", str(path)], check=True)
+        subprocess.run(["umount", str(path)], check=True, timeout=30)
     elif os.geteuid() != 0:
         path.chmod(0o555)
         yield path, "Permission denied"
@@ -185,6 +185,7 @@ def read_only_dir(tmp_path):
         yield path / "under-a-file", "Not a directory"
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("key", ["checkpoint.url", "run_dir"])
 def test_an_unwritable_location_is_one_line_exit_2_before_step_1(tmp_path, corpus_data, capsys,
                                                                  read_only_dir, key):
@@ -209,12 +210,13 @@ def small_disk(tmp_path):
     path = tmp_path / "disk"
     path.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(path)],
-                      capture_output=True).returncode != 0:
+                      capture_output=True, timeout=30).returncode != 0:
         pytest.skip("cannot mount a size-limited file system here")
     yield path
-    subprocess.run(["umount", str(path)], check=True)
+    subprocess.run(["umount", str(path)], check=True, timeout=30)
 
 
+@pytest.mark.timeout(180)
 def test_a_real_full_disk_stops_loud_leaves_no_debris_and_resumes_once_space_is_freed(
         tmp_path, corpus_data, capsys, small_disk):
     run, root = tmp_path / "run", small_disk / "checkpoints"
@@ -233,7 +235,7 @@ def test_a_real_full_disk_stops_loud_leaves_no_debris_and_resumes_once_space_is_
     assert sorted(os.listdir(root)) == ["step_00000002", "step_00000004"]  # no debris
     assert all(not name.endswith(".tmp") for d in os.listdir(root)
                for name in os.listdir(root / d))
-    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True, timeout=30)
     assert main(args) == 0  # space freed: it resumes from step 4 and ends done
     assert "done: 12 steps" in capsys.readouterr().out
     assert store.committed_steps() == [8, 10, 12]
