@@ -159,6 +159,24 @@ def test_newest_checkpoint_is_found_with_one_root_listing(object_server, http_re
     assert_same(tensors, training_state(200))
 
 
+def test_a_failed_upload_completes_no_object(object_server, monkeypatch) -> None:
+    """An upload in pieces that fails midway is discarded (S3 multipart aborted, GCS resumable
+    upload cancelled), never completed with the pieces already sent."""
+    monkeypatch.setattr(streaming, "MIN_UPLOAD", 0)  # the options' 5 MiB pieces
+    store = CheckpointStore(object_server.url("run/checkpoints"),
+                            storage_options=small_blocks(object_server))
+    path = f"{store.root}/step_00000002/stage0.safetensors"
+
+    def fails_midway(f) -> None:
+        f.write(b"x" * (3 * BLOCK))  # pieces gone up already
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        store._write(path, fails_midway)
+    store.fs.invalidate_cache()
+    assert not store.fs.exists(path) and store.sweep() == []
+
+
 def uploads(store: CheckpointStore) -> list[str]:
     """The keys of the S3 multipart uploads in the store's bucket never completed or aborted."""
     bucket = store.root.split("/")[0]
