@@ -233,3 +233,18 @@ def test_a_bucket_that_refuses_writes_is_one_line_exit_2_before_step_1(
             monkeypatch.setenv(name, value)
         assert "(PermissionError: The AWS Access Key Id you provided does not exist" in \
             train(locked.url("run/checkpoints"))
+
+
+@pytest.mark.timeout(120)
+def test_a_run_on_an_object_store_proves_it_writable_and_leaves_no_probe(
+        object_server, tmp_path, corpus_data, capsys) -> None:
+    from relaytrain.cli import main
+
+    url = object_server.url("run/checkpoints")
+    assert main(["train", "configs/tiny.yaml", f"run_dir={tmp_path / 'run'}",
+                 f"data.path={corpus_data}", "log.progress=false", "train.max_steps=2",
+                 "eval.every=0", f"checkpoint.url={url}"]) == 0
+    assert f"checkpoints: {url} (step 2)" in capsys.readouterr().out
+    store = CheckpointStore(url)
+    assert store.committed_steps() == [2]
+    assert [p for p in store.fs.find(store.root) if ".relaytrain-probe-" in p] == []
