@@ -11,14 +11,18 @@ options, and `redact` strips them from anything it prints or logs.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
+import secrets
 import sys
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from relaytrain.errors import UserError
 
@@ -35,6 +39,8 @@ _SECRET_NAMES = re.compile(
     r"secret|token|password|passwd|credential|signature|session|private|^key$|access_key|"
     r"^sig$|authorization|api_?key", re.IGNORECASE)
 _REDACTED = "***"
+FULL_SUFFIX = ".full"  # beside a local root: its injected quota (charge_injected_quota)
+PROBE_PREFIX = ".relaytrain-probe-"  # the object `probe_writable` writes and deletes
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
@@ -90,6 +96,66 @@ def filesystem(url: str, options: Mapping[str, Any] | None = None,
         raise StorageError(_missing_backend(url, e)) from None
 
 
+def probe_writable(url: str) -> None:
+    """A small object written under `url`, read back and deleted: what proves a location
+    writable before a run spends compute. Directories made for it (a local path that does not
+    exist yet) are removed again, so a refusal leaves nothing behind. Raises what the storage
+    raised."""
+    fs, root = filesystem(url)
+    root = root.rstrip("/") or "/"
+    made: list[str] = []
+    try:
+        if isinstance(fs, LocalFileSystem):
+            missing = root
+            while not os.path.lexists(missing):
+                made.insert(0, missing)
+                missing = os.path.dirname(missing)
+            for d in made:
+                os.mkdir(d)
+        path = f"{root}/{PROBE_PREFIX}{secrets.token_hex(6)}"
+        data = b"relaytrain writability probe\n"
+        fs.pipe_file(path, data)
+        try:
+            if isinstance(fs, LocalFileSystem):
+                charge_injected_quota(root, path)
+            if fs.cat_file(path) != data:
+                raise OSError(errno.EIO, "the probe object read back differs from what was "
+                              "written")
+        finally:
+            fs.rm_file(path)
+    finally:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+
+def charge_injected_quota(root: str, path: str) -> None:
+    """`faults.disk_full_at` (runtime/faults.py), seen by everything that writes under the
+    local directory `root`: while `root + FULL_SUFFIX` holds a byte count, a file just written
+    at `path` (not yet renamed into place) that takes the bytes under `root` past it fails
+    with ENOSPC, as on a full disk; deleting files frees room again."""
+    try:
+        with open(root + FULL_SUFFIX) as f:
+            quota = int(f.read())
+    except (FileNotFoundError, ValueError):
+        return
+    used = local_bytes(root)
+    if used > quota:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by "
+                      f"faults.disk_full_at: {used} bytes > {quota})", path)
+
+
+def local_bytes(root: str) -> int:
+    """The bytes the files under the local directory `root` hold."""
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(root)
+               for n in names if os.path.isfile(os.path.join(d, n)))
+
+
+def is_space_error(exc: BaseException) -> bool:
+    """Whether `exc` says the storage is full (ENOSPC, or a quota: EDQUOT)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def redact(value: Any) -> Any:
     """`value` with credentials replaced by "***": user:password in URLs, secret-looking query
     parameters (presigned URLs) and option keys, recursively through dicts and lists."""
@@ -107,10 +173,13 @@ def is_transient(exc: BaseException) -> bool:
     """Whether another attempt might succeed: connection refused or reset, timeouts, throttling
     and server errors, as raised by fsspec, s3fs (botocore) and gcsfs (aiohttp, google-auth).
 
-    Missing files, permissions and bad requests are permanent.
+    Missing files, permissions, bad requests, a full disk and a read-only file system are
+    permanent: retrying with backoff does not free space (the writer frees it: `is_space_error`).
     """
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError,
                         IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return False
     if isinstance(exc, OSError):  # includes TimeoutError and aiohttp's connection errors
         return True
@@ -148,7 +217,7 @@ def _missing_backend(url: str, err: ImportError) -> str:
     if s in BACKENDS:
         package, what = BACKENDS[s]
         return f"{s}:// ({what}) needs {package}, which is not installed: {INSTALL_HINT}"
-    return f"{redact(url)}: no filesystem for {s}:// ({_one_line(err)})"
+    return f"{redact(url)}: no filesystem for {s}:// ({one_line(err)})"
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -181,5 +250,6 @@ def _redact_one_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
+    """An error as one redacted line of at most 300 characters, for the CLI."""
     return redact(" ".join(str(err).split()))[:300]

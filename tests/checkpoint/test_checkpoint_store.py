@@ -334,6 +334,65 @@ def test_step_without_manifest_is_not_a_checkpoint(tmp_path):
         store.read(2)
 
 
+def test_a_reader_names_the_half_written_steps_it_passes_over(tmp_path):
+    """eval and convert (`open_checkpoint`) load the newest committed step and say which
+    newer step directories they skipped: a save that failed, was interrupted or is running."""
+    save(CheckpointStore(str(tmp_path)), 1)
+    CheckpointStore(str(tmp_path)).write_part(2, "model", state(2))
+    (tmp_path / "step_00000003").mkdir()
+    with pytest.warns(CheckpointWarning) as seen:
+        manifest, tensors = open_checkpoint(str(tmp_path))
+    assert manifest["step"] == 1
+    assert_state(tensors, 1)
+    assert [str(w.message) for w in seen] == [
+        f"skipping checkpoint step {s}: {tmp_path}/step_0000000{s} has no manifest.json: a save "
+        "that failed, was interrupted or is in progress" for s in (3, 2)]
+
+
+def test_a_failed_write_leaves_no_temporary_file_and_no_empty_directory(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+
+    def full(f):
+        f.write(b"x" * 1000)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        store._write(f"{tmp_path}/step_00000002/model.safetensors", full)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sweep_at_start_deletes_debris_and_never_a_committed_checkpoint(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=1)
+    save(store, 1)
+    store.write_part(2, "model", state(2))  # a save that never committed
+    (tmp_path / "step_00000001" / "optim.safetensors.tmp").write_bytes(b"torn")
+    (tmp_path / "step_00000003").mkdir()
+    (tmp_path / ".relaytrain-probe-0123").write_bytes(b"left by a killed start")
+    assert store.sweep() == [f"{tmp_path}/step_00000001/optim.safetensors.tmp",
+                             "uncommitted step 2", "uncommitted step 3",
+                             f"{tmp_path}/.relaytrain-probe-0123"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    assert sorted(os.listdir(tmp_path / "step_00000001")) == [
+        "manifest.json", "model.record.json", "model.safetensors", "optim.record.json",
+        "optim.safetensors"]
+    assert store.verify(1)["step"] == 1 and store.sweep() == []
+
+
+def test_a_full_disk_releases_only_what_retention_would_delete_once_the_save_commits(tmp_path):
+    """keep_last K: a save that meets a full disk may delete all but the newest K - 1
+    committed steps (its commit would retire them), never the newest; K = 1 keeps the newest."""
+    for keep_last, released in ((3, [1, 2]), (2, [1, 2, 3]), (1, [1, 2, 3])):
+        root = tmp_path / str(keep_last)
+        store = CheckpointStore(str(root))
+        for step in (1, 2, 3, 4):
+            save(store, step)
+        store.write_part(0, "model", state(0))  # an uncommitted leftover older than the newest
+        store.keep_last = keep_last
+        assert store.release_for_space() == [0, *released]
+        assert store.committed_steps() == [s for s in (1, 2, 3, 4) if s not in released]
+    assert CheckpointStore(str(tmp_path / "1")).release_for_space() == []  # keep_last None
+
+
 @pytest.mark.parametrize("manifest", [
     b'{"format_version": 1, "step": 2, "fil',  # torn write
     b'{"format_version": 2, "step": 2, "files": {}}',  # from the future

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.runtime.catalogue import CheckpointCatalogue, wait_for_storage
+from relaytrain.runtime.catalogue import CheckpointCatalogue, prove_writable, wait_for_storage
 from relaytrain.runtime.wire import WriteReport
+from relaytrain.storage import FULL_SUFFIX, StorageError, local_bytes
 
 
 def _catalogue(tmp_path, failed: list[int] | None = None) -> CheckpointCatalogue:
@@ -96,3 +97,48 @@ def test_the_wait_for_storage_gives_up_after_its_deadline():
 
     with pytest.raises(OSError):
         wait_for_storage(down, "/ckpt", "to restore", seconds=0.0, poll=0.0)
+
+
+def test_a_failed_save_leaves_nothing_once_its_writes_returned_and_spares_committed_ones(
+        tmp_path, capsys):
+    cat = _catalogue(tmp_path)
+    cat.expect(2, {"stage0"})
+    cat.record([_part(cat, 2, "stage0")])
+    cat.expect(4, {"stage0", "stage1"})
+    cat.record([WriteReport(4, "stage0", error="OSError: [Errno 28] No space left on device")])
+    step4 = tmp_path / "checkpoints" / "step_00000004"
+    cat.store.write_part(4, "stage1", {"w": torch.ones(2)})  # stage 1 was still writing
+    assert step4.exists() and [p.step for p in cat.pending] == [4]
+    cat.record([WriteReport(4, "stage1", info=cat.store.part_record(4, "stage1"))])
+    assert not step4.exists() and not cat.pending  # its last write returned: deleted
+    assert [(f.step, "No space left" in f.error) for f in cat.take_failures()] == [(4, True)]
+    assert cat.take_failures() == [] and cat.last_committed == 2
+    assert not cat.store.discard(2) and cat.store.verify(2)["step"] == 2  # never touched
+    assert "checkpoint step 4: writing part stage0 failed" in capsys.readouterr().err
+
+
+def test_a_commit_that_meets_a_full_disk_is_a_failed_save_not_a_deferred_one(tmp_path):
+    cat = _catalogue(tmp_path)
+    cat.expect(2, {"stage0"})
+    part = _part(cat, 2, "stage0")
+    root = str(tmp_path / "checkpoints")
+    with open(root + FULL_SUFFIX, "w") as f:  # no room for the manifest
+        f.write(str(local_bytes(root)))
+    cat.record([part])
+    assert not cat.pending and cat.store.committed_steps() == []
+    assert not (tmp_path / "checkpoints" / "step_00000002").exists()
+    [failed] = cat.take_failures()
+    assert failed.step == 2 and "its commit failed (OSError: [Errno 28]" in failed.error
+
+
+def test_a_location_is_proven_writable_and_the_proof_leaves_nothing(tmp_path):
+    prove_writable(str(tmp_path / "new" / "run"), "run_dir")
+    assert list(tmp_path.iterdir()) == []  # the directories made for the probe are gone too
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    with pytest.raises(StorageError) as err:
+        prove_writable(str(blocked / "checkpoints"), "checkpoint.url")
+    assert str(err.value) == (
+        f"config key 'checkpoint.url': {blocked}/checkpoints is not writable "
+        f"(NotADirectoryError: [Errno 20] Not a directory: '{blocked}/checkpoints'); nothing "
+        "was trained: give a location this process can write, read and delete in")

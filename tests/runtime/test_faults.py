@@ -18,12 +18,19 @@ from relaytrain.runtime.faults import (
     OUTAGE_SUFFIX,
     InjectedFault,
     RaiseHook,
+    end_disk_full,
     end_storage_outage,
     plan_faults,
     start_storage_outage,
 )
 from relaytrain.storage import is_transient
-from tests.runtime.conftest import final_state, same_tensors, step_records, tiny_config
+from tests.runtime.conftest import (
+    final_state,
+    records,
+    same_tensors,
+    step_records,
+    tiny_config,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,6 +105,7 @@ def test_training_rides_out_a_storage_outage_to_the_same_bits(tmp_path, corpus_d
         store.verify(step)
     assert not os.path.lexists(str(run / "checkpoints") + OUTAGE_SUFFIX)
     assert main(["data", "audit", str(run)]) == 0
+    assert records(run, "unsaved") == []  # late commits are no failed saves: nothing to say
 
 
 def test_a_commit_that_meets_an_outage_waits_for_storage_and_is_never_half_done(
@@ -127,3 +135,91 @@ def test_a_run_killed_during_an_outage_gets_its_storage_back_on_resume(tmp_path,
     assert summary.resumed_from == 4
     assert "left unavailable by an injected storage outage" in capsys.readouterr().err
     assert CheckpointStore(str(run / "checkpoints")).latest_step() == 6
+
+
+FULL = ("determinism=exact", "checkpoint.every=2", "checkpoint.keep_last=3", "eval.every=0",
+        "checkpoint.async_write=false",
+        "faults.disk_full_at=[5]")  # steps 2 and 4 commit, then the disk is full
+
+
+def checkpoint_files(root) -> dict[str, list[str]]:
+    """Every step directory under `root` and the files in it (debris included)."""
+    return {d.name: sorted(f.name for f in d.iterdir()) for d in sorted(root.iterdir())}
+
+
+def test_a_full_disk_is_loud_stops_after_max_unsaved_steps_and_resumes_to_the_same_bits(
+        tmp_path, corpus_data, capsys):
+    clean, run = tmp_path / "clean", tmp_path / "full"
+    Controller(tiny_config(clean, corpus_data, *FULL[:-1], "train.max_steps=12")).run()
+    args = ["train", "configs/tiny.yaml", f"run_dir={run}", f"data.path={corpus_data}",
+            "log.progress=false", "train.max_steps=12", *FULL]
+    assert main([*args, "checkpoint.max_unsaved_steps=6"]) == 3
+    err = capsys.readouterr().err
+    # Every failed save says what is now unsaved; past the limit one last attempt, then the
+    # stop, naming the newest committed step and the steps lost.
+    for step, unsaved in ((6, 2), (8, 4), (10, 6)):
+        assert f"checkpoint step {step}: writing part stage0 failed (OSError: [Errno 28] No " \
+            "space left on device" in err
+        assert f"checkpoint step {step} was not saved: {unsaved} steps are unsaved since the " \
+            "newest committed checkpoint (step 4)" in err
+    assert "step 11: 7 steps are unsaved, over checkpoint.max_unsaved_steps=6; a last attempt" \
+        in err
+    assert err.strip().splitlines()[-1] == (
+        "relaytrain: stopped at step 11: steps 5..11 (7) are not saved, over "
+        "checkpoint.max_unsaved_steps=6, and the last attempt failed; the newest committed "
+        f"checkpoint is step 4 in {run / 'checkpoints'} (free or fix the storage, then run "
+        "again to resume from it)")
+    assert "done:" not in capsys.readouterr().out
+    assert [(r["step"], r["save_step"], r["unsaved"], r["last_committed"])
+            for r in records(run, "unsaved")] == [(6, 6, 2, 4), (8, 8, 4, 4), (10, 10, 6, 4),
+                                                  (11, 11, 7, 4)]
+    # No debris: the failed saves left no temporary file and no step directory; the committed
+    # checkpoints are intact.
+    assert checkpoint_files(run / "checkpoints") == {
+        f"step_0000000{s}": ["manifest.json", "stage0.record.json", "stage0.safetensors"]
+        for s in (2, 4)}
+    store = CheckpointStore(str(run / "checkpoints"))
+    assert [store.verify(s)["step"] for s in store.committed_steps()] == [2, 4]
+    # Space freed: the resume deletes what a killed save left, continues from step 4, to the
+    # bits of a run that never failed.
+    assert end_disk_full(str(run / "checkpoints"))
+    (run / "checkpoints" / "step_00000009").mkdir()
+    (run / "checkpoints" / "step_00000009" / "stage0.safetensors.tmp").write_bytes(b"torn")
+    assert main([*args[:-1]]) == 0
+    assert "deleted what earlier failed or interrupted saves left in " \
+        f"{run / 'checkpoints'}: uncommitted step 9" in capsys.readouterr().err
+    assert records(run, "restart")[-1]["step"] == 4
+    assert same_tensors(final_state(run), final_state(clean))
+    a, b = step_records(clean), step_records(run)
+    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
+    assert main(["data", "audit", str(run)]) == 0
+
+
+def test_a_final_checkpoint_that_cannot_be_committed_is_a_distinct_exit_naming_the_steps(
+        tmp_path, corpus_data, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "configs/tiny.yaml", f"run_dir={run}", f"data.path={corpus_data}",
+                 "log.progress=false", "train.max_steps=7", *FULL,
+                 "checkpoint.max_unsaved_steps=0"]) == 3  # 0: never stops before the end
+    out, err = capsys.readouterr()
+    assert "done:" not in out
+    assert err.count("the final checkpoint (step 7) is not committed; saving it again from "
+                     "memory") == 2
+    assert err.strip().splitlines()[-1] == (
+        "relaytrain: the final checkpoint (step 7) could not be committed after 3 attempts: "
+        "steps 5..7 (3) are not saved; the newest committed checkpoint is step 4 in "
+        f"{run / 'checkpoints'} (free or fix the storage, then run again to resume from it)")
+    assert [r["save_step"] for r in records(run, "unsaved")] == [6, 7, 7, 7]
+    assert sorted(checkpoint_files(run / "checkpoints")) == ["step_00000002", "step_00000004"]
+
+
+def test_a_full_disk_releases_what_retention_would_delete_and_the_save_goes_through(
+        tmp_path, corpus_data, capsys):
+    run = tmp_path / "run"
+    summary = Controller(tiny_config(run, corpus_data, *FULL, "train.max_steps=8",
+                                     "checkpoint.keep_last=2")).run()
+    # keep_last=2: each save met the full disk, released the older of the two committed
+    # checkpoints (which its commit would have retired) and went through.
+    assert summary.checkpoint_step == 8 and records(run, "unsaved") == []
+    assert sorted(checkpoint_files(run / "checkpoints")) == ["step_00000006", "step_00000008"]
+    assert "injected full disk" in capsys.readouterr().err

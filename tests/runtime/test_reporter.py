@@ -72,3 +72,25 @@ def test_a_skipped_step_says_so_in_its_metrics_record_and_its_data_counts_as_con
     assert [r["parts"] for r in ledger if r["kind"] == "step"] == [[[0, 1], [12, 13]]] * 2
     plain = tiny_config(tmp_path, "data", "train.global_batch=4", "train.micro_batch=1")
     assert "skipped" not in combine(1, per_step[1], _placements(2), plain)
+
+
+def test_the_progress_bar_shows_the_unsaved_steps_until_a_newer_checkpoint_commits(
+        tmp_path, capsys):
+    cfg = tiny_config(tmp_path / "run", "data", "log.progress=true", "train.max_steps=20")
+    (tmp_path / "run").mkdir()
+    committed = [4]
+    reporter = StepReporter(cfg, "fp", 100, quiet=False, last_checkpoint=lambda: committed[0])
+    reporter.open(0, 1)
+    reporter.start_progress(0, 1.0, 1.0)
+    reporter.progress(5)
+    assert "unsaved" not in reporter.bar.postfix  # a save may be in flight: not a failure
+    reporter.unsaved(6, 6, 2, 4, "OSError: [Errno 28] No space left on device")
+    reporter.progress(7)
+    assert "unsaved=3" in reporter.bar.postfix
+    committed[0] = 8  # a newer checkpoint committed
+    reporter.progress(9)
+    assert "unsaved" not in reporter.bar.postfix
+    reporter.close()
+    [rec] = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if '"unsaved"' in x]
+    assert (rec["step"], rec["save_step"], rec["unsaved"], rec["last_committed"]) == (6, 6, 2, 4)

@@ -164,6 +164,84 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus_data, 
     assert not run.exists()
 
 
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory this process cannot write in, however privileged: a read-only tmpfs where
+    mounting is allowed (root here), else one without write permission (not root), else (root
+    without mounts: permissions do not stop root) a path under a regular file."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                      capture_output=True, timeout=30).returncode == 0:
+        yield path, "Read-only file system"
+        subprocess.run(["umount", str(path)], check=True, timeout=30)
+    elif os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path, "Permission denied"
+        path.chmod(0o755)
+    else:
+        path.rmdir()
+        path.write_text("a file where a directory should be")
+        yield path / "under-a-file", "Not a directory"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("key", ["checkpoint.url", "run_dir"])
+def test_an_unwritable_location_is_one_line_exit_2_before_step_1(tmp_path, corpus_data, capsys,
+                                                                 read_only_dir, key):
+    where, error = read_only_dir
+    run = tmp_path / "run" if key == "checkpoint.url" else where / "run"
+    target = where / "checkpoints" if key == "checkpoint.url" else run
+    args = [f"run_dir={run}", f"data.path={corpus_data}", "log.progress=false"]
+    assert main(["train", "configs/tiny.yaml", *args, f"checkpoint.url={where / 'checkpoints'}"
+                 if key == "checkpoint.url" else "train.max_steps=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"relaytrain: error: config key '{key}': {target} is not writable ("), \
+        err
+    assert error in err
+    assert not run.exists()  # nothing trained, nothing written
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 5 MiB file system (tmpfs), room for two checkpoints of the tiny model; skipped where
+    this process may not mount (tests/runtime/test_faults.py injects ENOSPC instead)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(path)],
+                      capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("cannot mount a size-limited file system here")
+    yield path
+    subprocess.run(["umount", str(path)], check=True, timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_a_real_full_disk_stops_loud_leaves_no_debris_and_resumes_once_space_is_freed(
+        tmp_path, corpus_data, capsys, small_disk):
+    run, root = tmp_path / "run", small_disk / "checkpoints"
+    args = ["train", "configs/tiny.yaml", f"run_dir={run}", f"data.path={corpus_data}",
+            "log.progress=false", f"checkpoint.url={root}", "train.max_steps=12",
+            "checkpoint.every=2", "checkpoint.keep_last=3", "eval.every=0",
+            "checkpoint.max_unsaved_steps=6"]
+    assert main(args) == 3
+    out, err = capsys.readouterr()
+    assert "done:" not in out and "[Errno 28] No space left on device" in err
+    assert "steps are unsaved since the newest committed checkpoint (step 4)" in err
+    assert err.strip().splitlines()[-1].startswith(
+        "relaytrain: stopped at step 11: steps 5..11 (7) are not saved")
+    store = CheckpointStore(str(root))
+    assert [store.verify(s)["step"] for s in store.committed_steps()] == [2, 4]
+    assert sorted(os.listdir(root)) == ["step_00000002", "step_00000004"]  # no debris
+    assert all(not name.endswith(".tmp") for d in os.listdir(root)
+               for name in os.listdir(root / d))
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True, timeout=30)
+    assert main(args) == 0  # space freed: it resumes from step 4 and ends done
+    assert "done: 12 steps" in capsys.readouterr().out
+    assert store.committed_steps() == [8, 10, 12]
+    assert main(["data", "audit", str(run)]) == 0
+
+
 def test_resume_refuses_a_changed_seed_and_a_finished_run(tmp_path, corpus_data, capsys):
     run = tmp_path / "run"
     Controller(tiny_config(run, corpus_data, "train.max_steps=3")).run()

@@ -157,3 +157,94 @@ def test_newest_checkpoint_is_found_with_one_root_listing(object_server, http_re
     manifest, tensors = store.load_latest_good()
     assert manifest["step"] == 200 and len(_root_listings(http_requests, store)) == 1
     assert_same(tensors, training_state(200))
+
+
+def test_a_failed_upload_completes_no_object(object_server, monkeypatch) -> None:
+    """An upload in pieces that fails midway is discarded (S3 multipart aborted, GCS resumable
+    upload cancelled), never completed with the pieces already sent."""
+    monkeypatch.setattr(streaming, "MIN_UPLOAD", 0)  # the options' 5 MiB pieces
+    store = CheckpointStore(object_server.url("run/checkpoints"),
+                            storage_options=small_blocks(object_server))
+    path = f"{store.root}/step_00000002/stage0.safetensors"
+
+    def fails_midway(f) -> None:
+        f.write(b"x" * (3 * BLOCK))  # pieces gone up already
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        store._write(path, fails_midway)
+    store.fs.invalidate_cache()
+    assert not store.fs.exists(path) and store.sweep() == []
+
+
+def uploads(store: CheckpointStore) -> list[str]:
+    """The keys of the S3 multipart uploads in the store's bucket never completed or aborted."""
+    bucket = store.root.split("/")[0]
+    return [u["Key"] for u in store.fs.call_s3("list_multipart_uploads",
+                                               Bucket=bucket).get("Uploads", [])]
+
+
+def test_a_failed_upload_is_aborted_and_the_sweep_aborts_the_orphans(s3_server,
+                                                                     monkeypatch) -> None:
+    monkeypatch.setattr(streaming, "MIN_UPLOAD", 0)  # the options' 5 MiB pieces
+    store = CheckpointStore(s3_server.url("run/checkpoints"),
+                            storage_options=small_blocks(s3_server))
+    path = f"{store.root}/step_00000002/stage0.safetensors"
+
+    def fails_midway(f) -> None:
+        f.write(b"x" * (3 * BLOCK))  # two pieces gone up already
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        store._write(path, fails_midway)
+    assert uploads(store) == [] and not store.fs.exists(path)  # aborted, nothing completed
+    bucket, _, key = path.partition("/")
+    store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)  # a killed writer's
+    assert uploads(store) == [key]
+    assert store.sweep() == [f"upload of s3://{path}"] and uploads(store) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_bucket_that_refuses_writes_is_one_line_exit_2_before_step_1(
+        s3_server, tmp_path, corpus_data, capsys, monkeypatch) -> None:
+    """A bucket that does not exist, and a server that refuses the credentials (moto with
+    authentication enforced: the keys are unknown to it), stop the run before step 1."""
+    from relaytrain.cli import main
+    from tests.storage.servers import S3Server
+
+    def train(url: str) -> str:
+        run = tmp_path / "run"
+        assert main(["train", "configs/tiny.yaml", f"run_dir={run}", f"data.path={corpus_data}",
+                     "log.progress=false", f"checkpoint.url={url}"]) == 2
+        assert not run.exists()
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(
+            f"relaytrain: error: config key 'checkpoint.url': {url} is not writable ("), err
+        return err
+
+    assert "(FileNotFoundError: " in train("s3://no-such-bucket/run/checkpoints")
+
+    class Locked(S3Server):
+        def _process_env(self) -> dict[str, str]:  # authentication after the bucket exists
+            return {**super()._process_env(), "INITIAL_NO_AUTH_ACTION_COUNT": "1"}
+
+    with Locked() as locked:
+        for name, value in locked.env.items():
+            monkeypatch.setenv(name, value)
+        assert "(PermissionError: The AWS Access Key Id you provided does not exist" in \
+            train(locked.url("run/checkpoints"))
+
+
+@pytest.mark.timeout(120)
+def test_a_run_on_an_object_store_proves_it_writable_and_leaves_no_probe(
+        object_server, tmp_path, corpus_data, capsys) -> None:
+    from relaytrain.cli import main
+
+    url = object_server.url("run/checkpoints")
+    assert main(["train", "configs/tiny.yaml", f"run_dir={tmp_path / 'run'}",
+                 f"data.path={corpus_data}", "log.progress=false", "train.max_steps=2",
+                 "eval.every=0", f"checkpoint.url={url}"]) == 0
+    assert f"checkpoints: {url} (step 2)" in capsys.readouterr().out
+    store = CheckpointStore(url)
+    assert store.committed_steps() == [2]
+    assert [p for p in store.fs.find(store.root) if ".relaytrain-probe-" in p] == []

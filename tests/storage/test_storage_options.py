@@ -81,6 +81,10 @@ def test_missing_backend_names_the_package_to_install(monkeypatch: pytest.Monkey
     (FileNotFoundError("gone"), False),
     (PermissionError("denied"), False),
     (ValueError("Bad Request"), False),
+    # a full disk, a quota and a read-only file system do not pass with time: no backoff
+    (OSError(28, "No space left on device"), False),
+    (OSError(122, "Disk quota exceeded"), False),
+    (OSError(30, "Read-only file system"), False),
 ])
 def test_transient_errors_are_told_apart_from_permanent_ones(exc: BaseException,
                                                             transient: bool) -> None:

@@ -25,6 +25,7 @@ tensors, or rows of them, read verified against the manifest) and `checkpoint.st
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import posixpath
@@ -36,6 +37,7 @@ from typing import Any, BinaryIO
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractBufferedFile
 
 from relaytrain import storage
 from relaytrain.checkpoint.manifest import (
@@ -60,6 +62,8 @@ from relaytrain.checkpoint.streaming import (
     upload_size,
 )
 from relaytrain.errors import CheckpointError
+
+TMP_SUFFIX = ".tmp"  # a local file being written, renamed into place once whole
 
 
 class CheckpointWarning(UserWarning):
@@ -262,8 +266,9 @@ class CheckpointStore:
         With `keys`, only the files read are verified: stages restoring one checkpoint together
         should agree on a step first (`latest_step` or `verify`) and then each `read(step, keys)`.
         `into` as for `read` (a skipped step's bytes are overwritten by the one loaded).
+        Uncommitted step directories newer than the one loaded are named in a warning too.
         """
-        for step, _ in self._newest_committed():
+        for step, _ in self._newest_committed(say_skipped=True):
             try:
                 return load_dir(self.fs, self._step_dir(step), keys, step, rows, into)
             except CheckpointError as e:
@@ -290,20 +295,39 @@ class CheckpointStore:
         return path if self._local else self.fs.unstrip_protocol(path)
 
     def _write(self, path: str, fill: Callable[[BinaryIO], Any]) -> Any:
-        """Create `path` with `fill(file)` so that readers never see a partial file under it."""
+        """Create `path` with `fill(file)` so that readers never see a partial file under it.
+        A write that fails leaves nothing: its temporary file is removed (and the step
+        directory, if that left it empty), an upload in pieces is aborted."""
         if not self._local:
-            # Objects appear at close. A failed upload may leave a partial object, which is
-            # harmless: only a manifest makes a file count, and it is written after the check.
-            with self.fs.open(path, "wb", block_size=upload_size(self.fs)) as f:
-                return fill(f)
+            # Objects appear at close; a failed upload is discarded, never completed with what
+            # had been sent (S3 multipart uploads aborted, GCS resumable uploads cancelled).
+            f = self.fs.open(path, "wb", block_size=upload_size(self.fs))
+            try:
+                out = fill(f)
+                f.close()
+                return out
+            except BaseException:
+                if isinstance(f, AbstractBufferedFile):
+                    with contextlib.suppress(Exception):
+                        f.discard()
+                    f.closed = True  # a discarded file must not be completed when collected
+                raise
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            out = fill(EarlyWriteback(f))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        tmp = path + TMP_SUFFIX
+        try:
+            with open(tmp, "wb") as f:
+                out = fill(EarlyWriteback(f))
+                f.flush()
+                storage.charge_injected_quota(self.root, tmp)  # faults.disk_full_at
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            with contextlib.suppress(OSError):  # only if empty: another part may be in it
+                os.rmdir(parent)
+            raise
         _fsync_dir(parent)
         return out
 
@@ -325,18 +349,24 @@ class CheckpointStore:
         return {posixpath.basename(e["name"].rstrip("/")): e["size"] for e in entries
                 if e.get("type") == "file"}
 
-    def _newest_committed(self) -> Iterator[tuple[int, dict[str, int]]]:
+    def _newest_committed(self, say_skipped: bool = False
+                          ) -> Iterator[tuple[int, dict[str, int]]]:
         """(step, file name -> size) of each step directory holding a manifest, newest first.
 
         One listing of the root (on object stores a delimited listing: one request per 1000
         steps however many parts each holds, where `committed_steps` lists every object), then
         one listing per directory visited; directories without a manifest (a save in progress
-        or one that failed) are passed over.
+        or one that failed) are passed over, with a `CheckpointWarning` if `say_skipped` (a
+        reader: eval, convert, init.from).
         """
         for step in sorted(self._step_dirs(), reverse=True):
             sizes = self._sizes(self._step_dir(step))
             if MANIFEST in sizes:
                 yield step, sizes
+            elif say_skipped:
+                _skip(step, CheckpointError(f"{self._show(self._step_dir(step))} has no "
+                                            f"{MANIFEST}: a save that failed, was interrupted "
+                                            "or is in progress"))
 
     def _step_dirs(self) -> dict[int, str]:
         self.fs.invalidate_cache(self.root)
@@ -355,24 +385,91 @@ class CheckpointStore:
         """keep_last retention: drop committed steps beyond the newest K, and uncommitted
         leftovers older than the newest commit (a crashed or failed write). Newer uncommitted
         directories may be writes in progress and stay."""
+        if self.keep_last is not None:
+            self._release(self.keep_last)
+
+    def release_for_space(self) -> list[int]:
+        """Room for a save that met a full disk: the committed steps that retention would
+        delete once that save commits (all but the newest keep_last - 1, never the newest) and
+        uncommitted leftovers older than the newest commit, oldest first; the steps whose
+        directories were deleted. Nothing with keep_last None."""
         if self.keep_last is None:
-            return
+            return []
+        return self._release(max(1, self.keep_last - 1))
+
+    def _release(self, keep: int) -> list[int]:
+        """Delete every step directory but the newest `keep` committed ones and those newer
+        than the newest commit; the steps deleted."""
         committed = self.committed_steps()
         if not committed:
-            return
-        keep = set(committed[-self.keep_last:])
-        for step, path in self._step_dirs().items():
-            if step in keep or step > committed[-1]:
+            return []
+        kept = set(committed[-keep:])
+        gone = []
+        for step, path in sorted(self._step_dirs().items()):
+            if step in kept or step > committed[-1]:
                 continue
             try:
-                # marker first: a crash mid-delete leaves an uncommitted leftover, never a
-                # manifest pointing at deleted files
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(f"{path}/{MANIFEST}")
-                self.fs.rm(path, recursive=True)
+                self._delete(path)
+                gone.append(step)
             except OSError as e:
                 warnings.warn(f"checkpoint retention could not delete {self._show(path)}: {e}",
                               CheckpointWarning, stacklevel=3)
+        return gone
+
+    def _delete(self, path: str) -> None:
+        """Delete a step directory; its marker first: a crash mid-delete leaves an uncommitted
+        leftover, never a manifest pointing at deleted files."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{path}/{MANIFEST}")
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+
+    def discard(self, step: int) -> bool:
+        """Delete what a failed save of `step` left (parts, records, an empty directory),
+        unless `step` is committed: a committed checkpoint is never touched. Whether anything
+        was there to delete."""
+        d = self._step_dir(step)
+        if not self._local:
+            self.fs.invalidate_cache(d)
+        if self.fs.exists(f"{d}/{MANIFEST}") or not self.fs.exists(d):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(d, recursive=True)
+        return True
+
+    def sweep(self) -> list[str]:
+        """At the start of a run, when no save is in progress: delete the debris of earlier
+        failed or interrupted saves (uncommitted step directories, temporary files, left
+        probe objects; on S3, multipart uploads never completed). Committed checkpoints are
+        not touched. What was deleted, for the user."""
+        gone = []
+        for step, path in sorted(self._step_dirs().items()):
+            if self.discard(step):
+                gone.append(f"uncommitted step {step}")
+            elif self._local:
+                for tmp in glob.glob(os.path.join(glob.escape(path), "*" + TMP_SUFFIX)):
+                    os.remove(tmp)
+                    gone.append(tmp)
+        if self._local and os.path.isdir(self.root):
+            for probe in glob.glob(os.path.join(glob.escape(self.root),
+                                                storage.PROBE_PREFIX + "*")):
+                os.remove(probe)
+                gone.append(probe)
+        return gone + self._abort_uploads()
+
+    def _abort_uploads(self) -> list[str]:
+        """S3 multipart uploads under the root that were never completed (their pieces take
+        space, and are billed, until aborted); aborted. Other stores: none."""
+        if not hasattr(self.fs, "list_multipart_uploads"):
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket,
+                                  Prefix=prefix + "/" if prefix else "")
+        gone = []
+        for up in listing.get("Uploads", []):
+            self.fs.abort_mpu(bucket, up["Key"], up["UploadId"])
+            gone.append(f"upload of {self.fs.unstrip_protocol(bucket + '/' + up['Key'])}")
+        return gone
 
     def _nothing_loadable(self) -> str:
         steps = self.committed_steps()
@@ -416,7 +513,7 @@ def locate_checkpoint(path_or_url: str) -> tuple[fsspec.AbstractFileSystem, str,
             verify_file(fs, f"{path}/{name}", info)
         return fs, path, manifest
     broken = []
-    for step, _ in store._newest_committed():
+    for step, _ in store._newest_committed(say_skipped=True):
         try:
             manifest = store.verify(step)
         except CheckpointError as e:

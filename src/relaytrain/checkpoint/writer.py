@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.storage import is_transient, redact
+from relaytrain.storage import is_space_error, is_transient, redact
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,7 +59,8 @@ class AsyncCheckpointWriter:
     host snapshot, so this bounds memory, and a step loop that outpaces storage slows down
     instead of piling up snapshots. Transient errors (`storage.is_transient`: connection
     failures, timeouts, throttling) are retried `attempts` times with exponential backoff from
-    `backoff_s`; a part that still fails fails its Future, `wait()`, and every commit that lists
+    `backoff_s`; a write that meets a full disk releases what retention allows and is tried
+    once more; a part that still fails fails its Future, `wait()`, and every commit that lists
     it, so a failed write never becomes a committed checkpoint.
     """
 
@@ -143,10 +144,20 @@ class AsyncCheckpointWriter:
     def _retry(self, fn: Callable[..., T], *args: Any,
                also: tuple[type[Exception], ...] = ()) -> T:
         attempt = 1
+        released = False
         while True:
             try:
                 return fn(*args)
             except Exception as e:
+                if is_space_error(e) and not released:
+                    # A full disk: what retention would delete once this save commits goes
+                    # first (CheckpointStore.release_for_space), then one more try.
+                    released = True
+                    steps = self.store.release_for_space()
+                    if steps:
+                        log.warning("checkpoint %s failed (%s); released checkpoint steps %s "
+                                    "to make room, trying again", fn.__name__, e, steps)
+                        continue
                 # Not only OSError: s3fs lets botocore's connection errors through unchanged.
                 if not (is_transient(e) or isinstance(e, also)) or attempt == self.attempts:
                     raise

@@ -17,9 +17,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Exit 1 when the run stops itself (divergence, too many recoveries), 0 when it is done."""
+    """Exit 1 when the run stops itself (divergence, too many recoveries), 3 when trained
+    steps are left unsaved (the final checkpoint failed, checkpoint.max_unsaved_steps), 0 when
+    it is done and its final state is committed (docs/CONTRACTS.md "Exit codes")."""
     from relaytrain.config import load_config
-    from relaytrain.runtime.controller import Controller
+    from relaytrain.runtime.controller import Controller, WorkNotSaved
     from relaytrain.runtime.failures import RecoveryLimitExceeded
     from relaytrain.runtime.reporter import TrainingStopped
 
@@ -29,6 +31,9 @@ def run_train(args: argparse.Namespace) -> int:
     except (TrainingStopped, RecoveryLimitExceeded) as e:
         print(f"relaytrain: {e}", file=sys.stderr)
         return 1
+    except WorkNotSaved as e:
+        print(f"relaytrain: {e}", file=sys.stderr)
+        return WorkNotSaved.EXIT_CODE
     if args.json:
         print(json.dumps(summary.to_dict()))
     else:

@@ -83,14 +83,13 @@ def validate(cfg: RunConfig) -> None:
          "config key 'runtime.address' is set, which needs runtime.engine=ray")
     need(cfg.runtime.threads_per_worker >= 1, "config key 'runtime.threads_per_worker': "
          f"got {cfg.runtime.threads_per_worker}, expected >= 1")
-    need(cfg.checkpoint.keep_last >= 1, "config key 'checkpoint.keep_last': got "
-         f"{cfg.checkpoint.keep_last}, expected >= 1")
     need(cfg.elastic.min_workers >= 1, "config key 'elastic.min_workers': got "
          f"{cfg.elastic.min_workers}, expected >= 1")
     need(cfg.eval.instances >= 1, f"config key 'eval.instances': got {cfg.eval.instances}, "
          "expected >= 1")
     # one section each
-    for part in (_validate_optim, _validate_eval_sets, _validate_faults, _validate_init):
+    for part in (_validate_optim, _validate_eval_sets, _validate_faults, _validate_init,
+                 _validate_checkpoint):
         part(cfg, need)
 
 
@@ -173,10 +172,19 @@ def _validate_init(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
          "without init.from; name the checkpoint whose optimizer state to load")
 
 
+def _validate_checkpoint(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    need(cfg.checkpoint.keep_last >= 1, "config key 'checkpoint.keep_last': got "
+         f"{cfg.checkpoint.keep_last}, expected >= 1")
+    unsaved, every = cfg.max_unsaved_steps, cfg.checkpoint.every
+    need(unsaved == 0 or unsaved >= every, "config key 'checkpoint.max_unsaved_steps': got "
+         f"{unsaved}, expected 0 (never stop), null (4 x checkpoint.every) or at least "
+         f"checkpoint.every ({every})")
+
+
 def _validate_faults(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
     f = cfg.faults
     for key in ("kill_at", "hang_at", "slow_at", "fail_checkpoint_at", "raise_at",
-                "storage_outage_at"):
+                "storage_outage_at", "disk_full_at"):
         steps = getattr(f, key)
         need(all(s >= 1 for s in steps), f"config key 'faults.{key}': got {steps}, expected "
              "optimizer steps >= 1")
@@ -189,7 +197,9 @@ def _validate_faults(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
     need(f.storage_outage_seconds > 0, "config key 'faults.storage_outage_seconds': got "
          f"{f.storage_outage_seconds}, expected > 0")
     url = cfg.checkpoint_url
-    need(not f.storage_outage_at or scheme(url) == "file", "config key "
-         "'faults.storage_outage_at' works on a local checkpoint root (a path or file://), but "
-         f"checkpoint.url is {redact(url)!r}; make an object store unavailable from outside "
-         "(stop or pause its server)")
+    for key, instead in (("storage_outage_at", "make an object store unavailable from "
+                          "outside (stop or pause its server)"),
+                         ("disk_full_at", "use a local checkpoint root")):
+        need(not getattr(f, key) or scheme(url) == "file", f"config key 'faults.{key}' works "
+             "on a local checkpoint root (a path or file://), but checkpoint.url is "
+             f"{redact(url)!r}; {instead}")

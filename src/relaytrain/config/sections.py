@@ -103,6 +103,9 @@ class CheckpointSection:
     # When every checkpoint of the run directory fails verification the run stops (exit 2)
     # rather than silently spend its compute again; true trains again from step 0.
     start_over: bool = False
+    # Steps trained since the newest committed checkpoint past which the run stops (exit 3)
+    # after one last save attempt; 0: never stop. None: 4 x `every` (0 when `every` is 0).
+    max_unsaved_steps: int | None = None
 
 
 @dataclass
@@ -173,6 +176,9 @@ class FaultsSection:
     # steps at which the (local) checkpoint storage becomes unavailable, for this long
     storage_outage_at: list[int] = field(default_factory=list)
     storage_outage_seconds: float = 2.0
+    # steps from which the (local) checkpoint storage is full: writes fail with ENOSPC until
+    # files are deleted (by retention) or `checkpoint.url` + ".full" is removed
+    disk_full_at: list[int] = field(default_factory=list)
     random_kills: int = 0  # that many kills at random steps (from the seed)
     random_hangs: int = 0
     hold_capacity_s: float = 0.0  # after a failure, keep its slot occupied this long
@@ -239,6 +245,12 @@ class RunConfig:
     @property
     def checkpoint_url(self) -> str:
         return run_checkpoint_url(self.run_dir, self.checkpoint.url)
+
+    @property
+    def max_unsaved_steps(self) -> int:
+        """`checkpoint.max_unsaved_steps` resolved: 0 never stops."""
+        c = self.checkpoint
+        return 4 * c.every if c.max_unsaved_steps is None else c.max_unsaved_steps
 
     @property
     def world_size(self) -> int:

@@ -10,6 +10,7 @@ wait for storage, up to STORAGE_WAIT_S.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -36,10 +37,26 @@ class PendingCheckpoint:
     failed: bool = False
     deferred: bool = False  # its commit met unavailable storage and is retried
     attempt: str = ""  # names this save of the step (its part records carry it)
+    reported: set[str] = field(default_factory=set)  # parts whose writes returned
+
+
+@dataclass(frozen=True)
+class FailedSave:
+    """A save that will not be committed: its step and why."""
+
+    step: int
+    error: str
 
 
 class StorageUnavailable(Exception):
     """Some commit is still deferred by unavailable storage."""
+
+
+class WorkNotSaved(Exception):
+    """The run stopped, or ended, with trained steps that no committed checkpoint holds: the
+    final checkpoint failed, or checkpoint.max_unsaved_steps was exceeded (exit EXIT_CODE)."""
+
+    EXIT_CODE = 3
 
 
 def wait_for_storage(attempt: Callable[[], T], url: str, what: str,
@@ -62,6 +79,18 @@ def wait_for_storage(attempt: Callable[[], T], url: str, what: str,
             time.sleep(poll)
 
 
+def prove_writable(url: str, key: str) -> None:
+    """`storage.probe_writable(url)`, waiting out unavailable storage as a restore does; a
+    `StorageError` naming config key `key` and the error if the location refuses it."""
+    try:
+        wait_for_storage(lambda: storage.probe_writable(url), url, "to prove it writable")
+    except Exception as e:
+        raise storage.StorageError(
+            f"config key {key!r}: {storage.redact(url)} is not writable ({type(e).__name__}: "
+            f"{storage.one_line(e)}); nothing was trained: give a location this process can "
+            "write, read and delete in") from None
+
+
 class CheckpointCatalogue:
     def __init__(self, store: CheckpointStore, manifest_meta: Callable[[int], dict[str, Any]],
                  on_failed_write: Callable[[int], None] = lambda step: None):
@@ -70,6 +99,7 @@ class CheckpointCatalogue:
         self.on_failed_write = on_failed_write
         self.pending: list[PendingCheckpoint] = []
         self.last_committed = 0
+        self.failures: list[FailedSave] = []  # failed saves not yet taken (take_failures)
 
     def newest_good_manifest(self, start_over: bool = False) -> dict[str, Any] | None:
         """The newest committed checkpoint whose files all verify; broken ones are skipped
@@ -102,11 +132,11 @@ class CheckpointCatalogue:
             for p in self.pending:
                 if p.step != w.step:
                     continue
+                p.reported.add(w.part)
                 if w.error is not None:
-                    p.failed = True
                     self.on_failed_write(p.step)
-                    warn(f"checkpoint step {p.step}: writing part {w.part} failed "
-                         f"({w.error}); it will not be committed")
+                    self._fail(p, f"writing part {w.part} failed ({w.error}); it will not be "
+                               "committed")
                 else:
                     p.parts[w.part] = w.info
         self.commit_ready()
@@ -114,19 +144,28 @@ class CheckpointCatalogue:
     def commit_ready(self) -> None:
         """Commit every checkpoint whose parts are all written. A commit that meets
         unavailable storage (a transient error: nothing was committed) stays pending and is
-        tried again later, so training does not wait for storage."""
+        tried again later, so training does not wait for storage; one that meets a full disk
+        releases what retention allows and is tried once more. A failed save's leftovers are
+        deleted once all its writes returned."""
         keep = []
         for p in self.pending:
             if p.failed:
+                if p.reported >= p.expected:
+                    self.store.discard(p.step)
+                else:
+                    keep.append(p)
                 continue
             if set(p.parts) != p.expected:
                 keep.append(p)
                 continue
             try:
-                self.store.commit(p.step, p.parts, self.manifest_meta(p.step))
+                self._commit(p)
             except Exception as e:
                 if not storage.is_transient(e):
-                    raise
+                    self._fail(p, f"its commit failed ({type(e).__name__}: "
+                               f"{storage.one_line(e)})")
+                    self.store.discard(p.step)
+                    continue
                 if not p.deferred:
                     warn(f"checkpoint step {p.step}: storage unavailable "
                          f"({type(e).__name__}: {storage.redact(str(e))}); the commit is "
@@ -137,9 +176,30 @@ class CheckpointCatalogue:
             self.last_committed = p.step
         self.pending = keep
 
+    def _commit(self, p: PendingCheckpoint) -> None:
+        try:
+            self.store.commit(p.step, p.parts, self.manifest_meta(p.step))
+        except OSError as e:
+            if not (storage.is_space_error(e) and self.store.release_for_space()):
+                raise
+            self.store.commit(p.step, p.parts, self.manifest_meta(p.step))
+
+    def _fail(self, p: PendingCheckpoint, error: str) -> None:
+        """`p` will not be committed: said at once, and kept for `take_failures`."""
+        warn(f"checkpoint step {p.step}: {error}")
+        if not p.failed:
+            p.failed = True
+            self.failures.append(FailedSave(p.step, error))
+
+    def take_failures(self) -> list[FailedSave]:
+        """The saves that failed since the last call."""
+        failed, self.failures = self.failures, []
+        return failed
+
     def finish(self, reports: list[WriteReport], wait: float) -> None:
         """At the end of a run, with every write returned: commit what is complete, waiting up
-        to `wait` seconds for storage; warn about every checkpoint left uncommitted."""
+        to `wait` seconds for storage; every checkpoint left uncommitted is a failed save
+        (`take_failures`), its leftovers deleted."""
         self.record(reports)
 
         def all_committed() -> None:
@@ -154,11 +214,14 @@ class CheckpointCatalogue:
             pass
         for p in self.pending:
             if p.deferred:
-                warn(f"checkpoint step {p.step}: storage still unavailable after "
-                     f"{wait:g}s; it was not committed")
+                self._fail(p, f"storage still unavailable after {wait:g}s; it was not "
+                           "committed")
             else:  # every write has returned: the missing parts went with a failed worker
-                warn(f"checkpoint step {p.step}: parts {sorted(p.expected - set(p.parts))} "
-                     "were lost with a failed worker; it was not committed")
+                self._fail(p, f"parts {sorted(p.expected - set(p.parts))} were lost with a "
+                           "failed worker; it was not committed")
+            with contextlib.suppress(Exception):  # best effort: the next start sweeps it
+                self.store.discard(p.step)
+        self.pending = []
 
     def latest_readable_step(self) -> int:
         """The newest committed step (0 if none), after committing what is complete (parts

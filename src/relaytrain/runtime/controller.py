@@ -26,10 +26,20 @@ from relaytrain.errors import ConfigError, UserError, warn
 from relaytrain.model.accounting import flops_per_token
 from relaytrain.parallel.pipeline.schedules import asynchronous
 from relaytrain.parallel.precision import gather_dtype
-from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
+from relaytrain.runtime.catalogue import (
+    STORAGE_WAIT_S,
+    CheckpointCatalogue,
+    WorkNotSaved,
+    prove_writable,
+)
 from relaytrain.runtime.engines.base import Engine, WorkerCall
 from relaytrain.runtime.failures import WorkerFailure
-from relaytrain.runtime.faults import FaultInjector, end_storage_outage, plan_faults
+from relaytrain.runtime.faults import (
+    FaultInjector,
+    end_storage_outage,
+    plan_faults,
+    start_disk_full,
+)
 from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped
 from relaytrain.runtime.summary import RunSummary
@@ -39,7 +49,9 @@ from relaytrain.train.init_from import resolve as resolve_init
 from relaytrain.train.metrics import peak_flops
 from relaytrain.train.skip_step import SkipRule, SkipWindow
 
-__all__ = ["Controller", "TrainingStopped"]
+__all__ = ["Controller", "TrainingStopped", "WorkNotSaved"]
+
+FINAL_SAVE_TRIES = 2  # saves of the final state from the workers' memory after its first
 
 
 def make_engine(cfg: RunConfig) -> Engine:
@@ -66,6 +78,13 @@ class Controller:
         self.store = CheckpointStore(cfg.checkpoint_url, keep_last=cfg.checkpoint.keep_last)
         self.catalogue = CheckpointCatalogue(self.store, self._manifest_meta,
                                              on_failed_write=lambda step: self.faults.unblock(step))
+        if storage.scheme(self.store.url) == "file" and end_storage_outage(self.store.url):
+            warn(f"{self.store.url} was left unavailable by an injected storage outage of a "
+                 "run that was killed; restored it")
+        # Proven writable before anything is read, settled or trained (and nothing is left
+        # by the proof): a run whose work could never be saved does not start.
+        prove_writable(cfg.run_dir, "run_dir")
+        prove_writable(self.store.url, "checkpoint.url")
         resume = self._resume_manifest(cfg)
         self.start = 0 if resume is None else int(resume["step"])
         cfg = self._settle_init(cfg, resume)
@@ -123,6 +142,7 @@ class Controller:
                 step = done
                 self.reporter.progress(step)
             self._finish_writes(wait=STORAGE_WAIT_S)
+            self._final_save(cfg.train.max_steps)
             return self._summary(start, setup_s, peak * cfg.world_size, peak_src,
                                  time.perf_counter() - t_run)
         finally:
@@ -156,6 +176,7 @@ class Controller:
         if (cfg.checkpoint.every and end % cfg.checkpoint.every == 0) \
                 or end == cfg.train.max_steps:
             t_ckpt = self._save(end)  # a failure here loses the span with the snapshot
+        self._saves_failed(end)
         self.reporter.steps(step + 1, per_step, records, placements, elapsed, t_ckpt)
         recovery.recovered(end)
 
@@ -167,6 +188,7 @@ class Controller:
                                            lambda w: w.evaluate(self.eval_ids),
                                            self.cfg.runtime.call_timeout)
             self.reporter.evaluation(step, results, self.eval_ids)
+        self._limit_unsaved(step)
         self.recovery.maybe_grow(step)
 
     def _span(self, step: int) -> int:
@@ -200,9 +222,6 @@ class Controller:
         """The manifest of the checkpoint the run resumes from (None: a fresh run), read before
         the run's config is settled (it records the backends the run chose); refused where
         `cfg` may not continue it."""
-        if storage.scheme(self.store.url) == "file" and end_storage_outage(self.store.url):
-            warn(f"{self.store.url} was left unavailable by an injected storage outage of a "
-                 "run that was killed; restored it")
         manifest = self.catalogue.newest_good_manifest(cfg.checkpoint.start_over)
         if manifest is None:
             return None
@@ -237,6 +256,10 @@ class Controller:
         """Create or reopen the run directory, with the run's settled config."""
         os.makedirs(self.cfg.run_dir, exist_ok=True)
         self.catalogue.last_committed = self.start
+        debris = self.store.sweep()
+        if debris:
+            warn(f"deleted what earlier failed or interrupted saves left in "
+                 f"{storage.redact(self.store.url)}: {', '.join(debris)}")
         with open(os.path.join(self.cfg.run_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(self.cfg.to_dict(), f, sort_keys=False)
 
@@ -269,6 +292,61 @@ class Controller:
             self.catalogue.finish(reports, wait)
         else:
             self.catalogue.record(reports)
+
+    def _saves_failed(self, step: int) -> None:
+        """Say, loudly, what each failed save leaves unsaved, `step` being trained: a warning,
+        a metrics record and the progress bar."""
+        newest = self.catalogue.last_committed
+        for failed in self.catalogue.take_failures():
+            unsaved = step - newest
+            warn(f"checkpoint step {failed.step} was not saved: {unsaved} steps are unsaved "
+                 f"since the newest committed checkpoint (step {newest})")
+            self.reporter.unsaved(step, failed.step, unsaved, newest, failed.error)
+
+    def _save_now(self, step: int) -> None:
+        """Every write finished and committed where it can be; then, unless that committed
+        `step`, a save of the workers' state at `step`, waited for."""
+        self._finish_writes(wait=STORAGE_WAIT_S)
+        if self.catalogue.last_committed < step:
+            self._save(step)
+            self._finish_writes(wait=STORAGE_WAIT_S)
+        self._saves_failed(step)
+
+    def _limit_unsaved(self, step: int) -> None:
+        """checkpoint.max_unsaved_steps: past it, one last attempt to save, then the stop."""
+        limit = self.cfg.max_unsaved_steps
+        if not limit or step - self.catalogue.last_committed <= limit:
+            return
+        warn(f"step {step}: {step - self.catalogue.last_committed} steps are unsaved, over "
+             f"checkpoint.max_unsaved_steps={limit}; a last attempt to save step {step}")
+        self._save_now(step)
+        newest = self.catalogue.last_committed
+        if step - newest > limit:
+            raise WorkNotSaved(
+                f"stopped at step {step}: steps {newest + 1}..{step} ({step - newest}) are not "
+                f"saved, over checkpoint.max_unsaved_steps={limit}, and the last attempt failed;"
+                f" the newest committed checkpoint is step {newest} in "
+                f"{storage.redact(self.store.url)} (free or fix the storage, then run again to "
+                "resume from it)")
+
+    def _final_save(self, step: int) -> None:
+        """The final state committed: its save tried again from the workers' memory, which
+        still holds it, FINAL_SAVE_TRIES times; `WorkNotSaved` if it never commits."""
+        self._saves_failed(step)
+        for attempt in range(FINAL_SAVE_TRIES):
+            if self.catalogue.last_committed >= step:
+                return
+            warn(f"the final checkpoint (step {step}) is not committed; saving it again from "
+                 f"memory ({attempt + 1}/{FINAL_SAVE_TRIES})")
+            self._save_now(step)
+        newest = self.catalogue.last_committed
+        if newest < step:
+            raise WorkNotSaved(
+                f"the final checkpoint (step {step}) could not be committed after "
+                f"{FINAL_SAVE_TRIES + 1} attempts: steps {newest + 1}..{step} "
+                f"({step - newest}) are not saved; the newest committed checkpoint is step "
+                f"{newest} in {storage.redact(self.store.url)} (free or fix the storage, then "
+                "run again to resume from it)")
 
     def _manifest_meta(self, step: int) -> dict[str, Any]:
         return {"model": self.model_cfg.to_dict(), "config": self.cfg.to_dict(),
@@ -305,6 +383,10 @@ class Controller:
             if self.faults.storage_outage(self.store.url, seconds):
                 warn(f"step {fault.step}: injected storage outage: {self.store.url} is "
                      f"unavailable for {seconds:g}s")
+        for fault in self.faults.due(first, last, ("disk_full",)):
+            quota = start_disk_full(self.store.url)
+            warn(f"step {fault.step}: injected full disk: {self.store.url} may hold no more "
+                 f"than {quota} bytes")
         members = self.recovery.members
         for fault in self.faults.due(first, last, ("kill", "hang", "slow", "raise")):
             wid = members[fault.rank % len(members)]

@@ -6,7 +6,12 @@ filesystem error (a file standing where the step directory must be created), and
 outage makes the local checkpoint root a symbolic link to itself for a while, so every access
 by any process fails with ELOOP (an OSError the writer retries as transient) until the real
 directory is swapped back in (`renameat2(RENAME_EXCHANGE)`: atomic, so no writer can recreate
-an empty root in between).
+an empty root in between). A full disk (`faults.disk_full_at`) is a quota of the bytes the
+local checkpoint root holds when it fires (and 64 KiB more), in a file beside the root that the
+storage layer's local writes are charged against (`storage.charge_injected_quota`): a write
+that would take the root past it fails with a real ENOSPC `OSError`, in every process, until
+files are deleted (retention makes room) or the quota file is removed (`end_disk_full`: space
+freed). It stays after the run, as a full disk does.
 
 The one exception is `faults.raise_at`, a worker that raises. A genuine error from the real
 data path cannot be aimed at one rank and one step from outside: every worker reads the same
@@ -30,8 +35,10 @@ import numpy as np
 
 from relaytrain.config.sections import FaultsSection
 from relaytrain.errors import UserError
+from relaytrain.storage import FULL_SUFFIX, local_bytes
 
 FAULT_SEED_TAG = 0xFA17
+DISK_FULL_FREE = 64 << 10  # bytes a disk made full by faults.disk_full_at still takes
 OUTAGE_SUFFIX = ".outage"  # where the real checkpoint root waits during an outage
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
@@ -39,7 +46,8 @@ _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 @dataclass(frozen=True)
 class Fault:
     step: int
-    kind: str  # "kill" | "hang" | "slow" | "raise" | "fail_checkpoint" | "storage_outage"
+    # "kill" | "hang" | "slow" | "raise" | "fail_checkpoint" | "storage_outage" | "disk_full"
+    kind: str
     rank: int
 
 
@@ -56,6 +64,7 @@ def plan_faults(cfg: FaultsSection, seed: int, max_steps: int, world: int) -> li
     faults += [Fault(s, "raise", rank(cfg.raise_rank)) for s in cfg.raise_at]
     faults += [Fault(s, "fail_checkpoint", 0) for s in cfg.fail_checkpoint_at]
     faults += [Fault(s, "storage_outage", 0) for s in cfg.storage_outage_at]
+    faults += [Fault(s, "disk_full", 0) for s in cfg.disk_full_at]
     n_random = cfg.random_kills + cfg.random_hangs
     if n_random:
         lo, hi = 2, max(3, max_steps)
@@ -199,6 +208,26 @@ def end_storage_outage(root: str) -> bool:
         return False
     _exchange(root, aside)
     os.unlink(aside)
+    return True
+
+
+def start_disk_full(root: str) -> int:
+    """Make the local directory `root` full: from now on it may hold no more than the bytes
+    it holds now and DISK_FULL_FREE more (a full disk keeps a little room: small files such
+    as a manifest may still fit, a checkpoint's part does not); the quota."""
+    root = root.removeprefix("file://").rstrip("/")
+    quota = local_bytes(root) + DISK_FULL_FREE
+    with open(root + FULL_SUFFIX, "w") as f:
+        f.write(str(quota))
+    return quota
+
+
+def end_disk_full(root: str) -> bool:
+    """Free the space of a disk made full by `start_disk_full`; False if it was not full."""
+    try:
+        os.remove(root.removeprefix("file://").rstrip("/") + FULL_SUFFIX)
+    except FileNotFoundError:
+        return False
     return True
 
 

@@ -74,7 +74,8 @@ class StepReporter:
     def __init__(self, cfg: RunConfig, fingerprint: str, n_instances: int, quiet: bool,
                  last_checkpoint: Callable[[], int]):
         self.cfg = cfg
-        self.last_checkpoint = last_checkpoint  # for the message of a diverged run
+        # the newest committed step: a diverged run's message, the unsaved steps on the bar
+        self.last_checkpoint = last_checkpoint
         self.fingerprint = fingerprint
         self.n_instances = n_instances
         self.quiet = quiet
@@ -91,6 +92,7 @@ class StepReporter:
         self.ledger: LedgerWriter | None = None
         self.tensorboard: TensorBoard | None = None
         self.bar: Any = None
+        self.failed_save = 0  # the step of the newest save that failed (0: none)
 
     # ---- the run's files -------------------------------------------------------------------
     def open(self, start: int, dp: int) -> None:
@@ -185,11 +187,22 @@ class StepReporter:
                               f"norm {rec['grad_norm']}); the update was skipped and the last "
                               f"good checkpoint (step {self.last_checkpoint()}) is intact")
 
+    def unsaved(self, step: int, save_step: int, unsaved: int, last_committed: int,
+                error: str) -> None:
+        """A save failed: `unsaved` steps trained by `step` are held by no committed
+        checkpoint; the progress bar shows the count until a newer checkpoint commits."""
+        self.failed_save = max(self.failed_save, save_step)
+        self.metrics.write("unsaved", step=step, save_step=save_step, unsaved=unsaved,
+                           last_committed=last_committed, error=error)
+
     def progress(self, step: int) -> None:
         if self.bar is None:
             return
+        newest = self.last_checkpoint()
+        unsaved = {"unsaved": step - newest} if self.failed_save > newest else {}
         self.bar.set_postfix(loss=f"{self.last['loss']:.3f}", heldout=f"{self.heldout:.3f}",
-                             tok_s=f"{self.last.get('tokens_per_s', 0):,.0f}", refresh=False)
+                             tok_s=f"{self.last.get('tokens_per_s', 0):,.0f}", **unsaved,
+                             refresh=False)
         self.bar.n = step
         self.bar.refresh()
 

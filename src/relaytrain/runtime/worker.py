@@ -49,7 +49,7 @@ class Worker:
         self.dataset = TokenDataset.open(self.cfg.data.path)
         self.train_split = self.dataset.split("train")
         self.membership = Membership(self.device)
-        store = CheckpointStore(self.cfg.checkpoint_url)
+        store = CheckpointStore(self.cfg.checkpoint_url, keep_last=self.cfg.checkpoint.keep_last)
         self.state = TrainState(self.cfg, self.model_cfg, self.device, store)
         self.writes = PartWrites(AsyncCheckpointWriter(store))
         self.evaluator = Evaluator(self.dataset, self.cfg.eval.sets)
