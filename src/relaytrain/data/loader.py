@@ -20,7 +20,7 @@ import torch
 from relaytrain.data import olmo_order
 from relaytrain.data.dataset import TokenDataset, TokenSplit
 from relaytrain.data.order import Order, micro_batch_indices, rank_part
-from relaytrain.data.packing import PackedSplit, micro_batch_documents
+from relaytrain.data.packing import Docs, PackedSplit, micro_batch_documents
 from relaytrain.data.token_arrays import ArraySplit
 from relaytrain.errors import DataError
 
@@ -52,9 +52,8 @@ class Batch:
     # (global micro-batch index, LongTensor [micro_batch, seq_len + 1]); inputs [:, :-1],
     # labels [:, 1:]
     micro_batches: list[tuple[int, torch.Tensor]]
-    # packed instances: global micro-batch index -> (doc_lens, real tokens per row)
-    # (`packing.micro_batch_documents`); empty for concatenated ones
-    documents: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # packed instances: global micro-batch index -> its documents; empty for concatenated ones
+    documents: dict[int, Docs] = field(default_factory=dict)
 
 
 class Loader:

@@ -35,6 +35,9 @@ from relaytrain.data.token_arrays import ArraySplit
 from relaytrain.errors import DataError
 
 INSTANCES = ("concatenated", "packed")
+# A packed micro-batch's documents: (doc_lens int32 [rows, D], OLMo-core's, zero-padded; the
+# tokens of each row that are not padding, int64 [rows])
+Docs = tuple[torch.Tensor, torch.Tensor]
 
 
 def permuted_files(n: int, seed: int | None) -> list[int]:
@@ -166,10 +169,9 @@ def check_packable(split: object, seq_len: int, pad_id: int | None) -> None:
 
 
 
-def micro_batch_documents(split: PackedSplit, ids: np.ndarray,
-                          tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(doc_lens int32 [rows, D], zero-padded as OLMo-core's collator pads them; real tokens
-    int64 [rows]) of packed instances `ids` whose tokens are `tokens`."""
+def micro_batch_documents(split: PackedSplit, ids: np.ndarray, tokens: np.ndarray) -> Docs:
+    """The `Docs` of packed instances `ids` whose tokens are `tokens` (doc_lens zero-padded as
+    OLMo-core's collator pads them)."""
     lens = [document_lengths(row, split.eos_id) for row in tokens]
     out = torch.zeros(len(lens), max(len(x) for x in lens), dtype=torch.int32)
     for row, x in enumerate(lens):
@@ -177,7 +179,7 @@ def micro_batch_documents(split: PackedSplit, ids: np.ndarray,
     return out, torch.from_numpy(split.real_tokens(ids))
 
 
-def model_inputs(tokens: torch.Tensor, documents: tuple[torch.Tensor, torch.Tensor] | None,
+def model_inputs(tokens: torch.Tensor, documents: Docs | None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(inputs, next-token labels, document lengths of the inputs or None) of a micro-batch's
     tokens [rows, T]: inputs are T - 1 tokens, so each row's last span is one shorter; a label
