@@ -1,6 +1,7 @@
 """Training on packed instances with intra-document masking (data.instances packed): two
-workers on real Ray actors are bit-identical to one in exact mode, stopped and resumed too, and
-`data audit` passes; packed instances on data without OLMo-core's documents are refused."""
+workers on real Ray actors, then one (a resize), are bit-identical to one in exact mode, stopped
+and resumed too, and `data audit` passes; packed instances on data without OLMo-core's
+documents are refused."""
 
 from __future__ import annotations
 
@@ -49,23 +50,23 @@ def _run(run_dir: Path, data: str, dp: int, *extra: str) -> RunSummary:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, mix: str) -> Path:
     run = tmp_path_factory.mktemp("packed-reference") / "dp1"
-    _run(run, mix, 1, "train.max_steps=4")
+    _run(run, mix, 1, "train.max_steps=6")
     return run
 
 
-def test_two_workers_are_bit_identical_to_one_and_pass_the_audit(tmp_path: Path, mix: str,
-                                                                 reference: Path,
-                                                                 ray_cluster: object) -> None:
+def test_two_workers_then_one_are_bit_identical_to_one_and_pass_the_audit(
+        tmp_path: Path, mix: str, reference: Path, ray_cluster: object) -> None:
     run = tmp_path / "dp2"
     _run(run, mix, 2, "train.max_steps=4")
-    assert_bit_identical(run, reference, range(1, 5))
+    _run(run, mix, 1, "train.max_steps=6")  # resized 2 -> 1
+    assert_bit_identical(run, reference, range(1, 7))
 
 
 def test_stopped_and_resumed_is_bit_identical(tmp_path: Path, mix: str, reference: Path) -> None:
     run = tmp_path / "resumed"
-    _run(run, mix, 1, "train.max_steps=2")
-    _run(run, mix, 1, "train.max_steps=4")
-    assert_bit_identical(run, reference, range(1, 5))
+    _run(run, mix, 1, "train.max_steps=3")
+    _run(run, mix, 1, "train.max_steps=6")
+    assert_bit_identical(run, reference, range(1, 7))
 
 
 def test_the_masking_changes_the_run(tmp_path: Path, mix: str, reference: Path) -> None:
