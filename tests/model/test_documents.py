@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from relaytrain.model.config import PRESETS
-from relaytrain.model.documents import document_positions, document_spans
+from relaytrain.model.documents import document_block_mask, document_positions, document_spans
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
 
@@ -38,6 +38,7 @@ def alone(m, tokens, doc_lens):
     return out
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("attention, kernels", [("chunks", "torch"), ("sdpa", "torch"),
                                                 ("chunks", "fused"), ("flex", "torch")])
 @torch.no_grad()
@@ -74,6 +75,45 @@ def test_positions_restart_at_every_document_as_olmo_cores_rope_counts_them():
     assert mine.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4], list(range(8))]
     torch.testing.assert_close(theirs[0, 3:], second[0])
     torch.testing.assert_close(theirs[1], r(q, q, head_first=False)[0][1])
+
+
+def visible(block_mask, row, t):
+    """The [T, T] pairs row `row` of a block mask lets through (FlexAttention's semantics: a
+    listed full tile, or a listed partial tile where mask_mod says yes)."""
+    bq, bk = block_mask.BLOCK_SIZE
+    q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    elementwise = block_mask.mask_mod(torch.tensor(row), 0, q, k)
+    out = torch.zeros(t, t, dtype=torch.bool)
+    for counts, indices, full in ((block_mask.kv_num_blocks, block_mask.kv_indices, False),
+                                  (block_mask.full_kv_num_blocks,
+                                   block_mask.full_kv_indices, True)):
+        for i in range(counts.shape[-1]):
+            for j in indices[row, 0, i, : counts[row, 0, i]].tolist():
+                rows, cols = slice(i * bq, (i + 1) * bq), slice(j * bk, (j + 1) * bk)
+                out[rows, cols] |= True if full else elementwise[rows, cols][:, :t]
+    return out
+
+
+@pytest.mark.parametrize("t, block, window", [(200, 16, 40), (200, 16, None), (600, 128, 300),
+                                              (600, 128, None), (100, 32, 7)])
+def test_the_document_block_mask_lets_through_exactly_each_documents_causal_window(
+        t, block, window):
+    rng = torch.Generator().manual_seed(t + block)
+    rows = []
+    for _ in range(3):  # documents within a tile, across tiles, whole tiles and the whole row
+        cuts = sorted(torch.randperm(t - 1, generator=rng)[:int(torch.randint(0, 9, (1,),
+                      generator=rng))].add(1).tolist())
+        lens = [b - a for a, b in zip([0, *cuts], [*cuts, t], strict=True)]
+        rows.append(lens + [0] * (10 - len(lens)))
+    doc_lens = torch.tensor(rows, dtype=torch.int32)
+    bm = document_block_mask(doc_lens, t, window, block)
+    q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    for r, lens in enumerate(rows):
+        doc = torch.repeat_interleave(torch.arange(10), torch.tensor(lens))
+        want = (k <= q) & (doc[:, None] == doc[None, :]) & (q - k < (window or t))
+        assert torch.equal(visible(bm, r, t), want), r
+    n = -(-t // block)  # tile counts only: nothing of size T x T is built
+    assert bm.kv_indices.shape == bm.full_kv_indices.shape == (3, 1, n, n)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
