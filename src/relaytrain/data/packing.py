@@ -34,7 +34,6 @@ from relaytrain.data.dataset import TokenDataset, TokenSplit
 from relaytrain.data.token_arrays import ArraySplit
 from relaytrain.errors import DataError
 
-INSTANCES = ("concatenated", "packed")
 # A packed micro-batch's documents: (doc_lens int32 [rows, D], OLMo-core's, zero-padded; the
 # tokens of each row that are not padding, int64 [rows])
 Docs = tuple[torch.Tensor, torch.Tensor]
