@@ -17,7 +17,8 @@ over capacities 1..seq_len, which needs seq_len a power of two; here a sorted li
 capacities open does the same search.
 
 The packing is computed once per process when the split is opened (a pass over the EOS
-positions of every file; OLMo-core caches it on disk in its work dir instead).
+positions of every file, a remote one read whole; OLMo-core caches it on disk in its work dir
+and takes a remote file's documents from its metadata file instead): not yet cached here.
 """
 
 from __future__ import annotations
