@@ -18,7 +18,8 @@ capacities open does the same search.
 
 The packing is computed once per process when the split is opened (a pass over the EOS
 positions of every file, a remote one read whole; OLMo-core caches it on disk in its work dir
-and takes a remote file's documents from its metadata file instead): not yet cached here.
+and takes a remote file's documents from its metadata file instead, which matches the EOS
+spans read here when every document ends in EOS, as Dolma's do): not yet cached here.
 """
 
 from __future__ import annotations
