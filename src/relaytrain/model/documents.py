@@ -8,8 +8,9 @@ only, so restarting them changes the results by rounding alone: the masking is w
 Two ways, neither ever building a T x T mask:
 - per-document spans (`Documents`, the CPU's path): attention runs once per document on its
   own [L, L] problem through the kernels a whole sequence uses (SDPA `is_causal` for full
-  layers; the window kernel, the chunks or the dense window mask of L for sliding ones), with
-  RoPE's tables cut to the first L positions. The cost is the sum of L^2 (or L x window) over
+  layers; the window kernel or the chunks for sliding ones, or under `model.attention: sdpa`
+  the L x L window mask that backend builds for a whole sequence anyway), with RoPE's tables
+  cut to the first L positions. The cost is the sum of L^2 (or L x window) over
   the documents, never T^2, and a document's result is bitwise what it would be alone. At
   65K tokens of a few dozen documents the Python loop over documents is noise next to the
   attention itself.
