@@ -295,3 +295,35 @@ def test_a_checkpoint_from_before_data_seed_existed_resumes_as_the_seeds_order()
                                                           "data.seed=34521"]))
     with pytest.raises(ConfigError, match=r"'seed': .* trained with 5, got 6"):
         check_resume_compatible(saved, load_config(None, ["run_dir=x", "seed=6"]))
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["data.instances=packed", "data.seq_len=48"], "'data.seq_len': got 48, but packed "
+     "instances need a power of two"),
+    (["data.source_group_size=8"], "expected data.instances=packed"),
+    (["data.source_permutation_seed=123"], "expected data.instances=packed"),
+    (["data.source_group_size=0", "data.instances=packed"], "expected >= 1"),
+    (["model.document_masking=true"], "concatenated instances keep no document lengths"),
+    (["data.instances=packed", "parallel.pp=2", "runtime.engine=ray"],
+     "pipeline stages carry neither the document lengths nor the padding's label mask"),
+])
+def test_packed_instances_and_document_masking_refuse_what_cannot_run(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["run_dir=x", *overrides])
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_document_masking_is_on_for_packed_instances_unless_turned_off():
+    assert not load_config(None, []).document_masking
+    assert load_config(None, ["data.instances=packed"]).document_masking
+    assert not load_config(None, ["data.instances=packed",
+                                  "model.document_masking=false"]).document_masking
+
+
+def test_a_checkpoint_from_before_the_packing_keys_resumes_as_concatenated():
+    saved = saved_config()
+    del saved["data"]["instances"], saved["data"]["source_group_size"]
+    del saved["data"]["source_permutation_seed"], saved["model"]["document_masking"]
+    check_resume_compatible(saved, load_config(None, ["run_dir=x"]))
+    with pytest.raises(ConfigError, match=r"'data.instances': .* 'concatenated', got 'packed'"):
+        check_resume_compatible(saved, load_config(None, ["run_dir=x", "data.instances=packed"]))

@@ -8,19 +8,23 @@ every field of the presets); the schedulers' defaults (`alpha_f`) from OLMo-core
 What a script sets that relaytrain has no key for must be named in the config's comments
 (`no_key`): the test reads the YAML's text for each name."""
 
+import dataclasses
 import math
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("olmo_core")
 
 from olmo_core.data import DataMix, TokenizerConfig  # noqa: E402
+from olmo_core.nn.rope import RotaryEmbedding, YaRNRoPEScalingConfig  # noqa: E402
 from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
 from olmo_core.optim import CosWithWarmup, HalfCosWithWarmup, LinearWithWarmup  # noqa: E402
 
 from relaytrain.config import load_config
 from relaytrain.model.config import PRESETS  # noqa: E402
+from relaytrain.model.olmo3 import rope_cos_sin  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SCRIPTS = "src/scripts/official/OLMo3/"
@@ -119,6 +123,47 @@ OFFICIAL = {
         "load_optim_state": True, "load_trainer_state": False,
         "no_key": ["InstanceFilterConfig", "activation_memory_budget"],
     },
+    # Stage 3: YaRN (factor, beta_fast, beta_slow, old_context_len), packed instances
+    # (source_group_size, source_permutation_seed) with doc lengths, context parallelism
+    # (degree, head_stride), whose key is another branch's: a comment line until merged.
+    "olmo3-7b-long-context.yaml": {
+        "script": SCRIPTS + "OLMo-3-1025-7B-long-context.py",
+        "commit": "138b1fca4992c704f320c05718ef8168ffb44ea1",
+        "builder": "olmo3_7B", "init_seed": 12536,
+        "sequence_length": 65536, "global_batch_size": 65536 * 64, "data_seed": 34521,
+        "rank_microbatch_size": 65536,
+        "yarn": (8, 32, 1, 8192), "packed": (8, 123), "cp": (8, 4),
+        "lr": 0.00020712352850360292, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+        "embeddings_weight_decay": 0.0, "skip_step": (128, 6.0),  # SkipStepAdamWConfig defaults
+        "scheduler": LinearWithWarmup(warmup=200, alpha_f=0.0),
+        "max_duration": ("tokens", int(5e12)), "hard_stop": ("steps", 597046),
+        "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0, "compile_model": True,
+        "param_dtype": "bfloat16", "reduce_dtype": "float32", "shard_degree": 1,
+        "ac": None, "lm_eval": None, "save_interval": 1000,
+        "load_path": "https://olmo-checkpoints.org/ai2-llm/Olmo-3-1025-7B/stage2/step47684/",
+        "load_optim_state": True, "load_trainer_state": False,
+        "no_key": ["Float8Config", "hard_stop", "TransformerContextParallelConfig"],
+    },
+    "olmo3-32b-long-context.yaml": {
+        "script": SCRIPTS + "OLMo-3-1025-32B-long-context.py",
+        "commit": "00e2b7b842e72ff636767be003d5f1e6cb516718",
+        "builder": "olmo3_32B", "init_seed": 12536,
+        "sequence_length": 65536, "global_batch_size": 8 * 1024 * 1024, "data_seed": 34521,
+        "rank_microbatch_size": 65536,
+        "yarn": (8, 32, 1, 8192), "packed": (8, 123), "cp": (8, 4),
+        "lr": 0.0002071235285, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+        "embeddings_weight_decay": 0.0, "skip_step": (128, 6.0),  # SkipStepAdamWConfig defaults
+        "scheduler": LinearWithWarmup(warmup=200, alpha_f=0.0),
+        "max_duration": ("tokens", 100_000_000_000), "hard_stop": None,
+        "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0, "compile_model": True,
+        "param_dtype": "bfloat16", "reduce_dtype": "float32", "shard_degree": 8,
+        "ac": ("budget", 0.3), "lm_eval": None, "save_interval": 1000,
+        "load_path": "https://storage.googleapis.com/ai2-llm/checkpoints/"
+                     "stego32-highlr-filter3/step656000/",
+        "load_optim_state": True, "load_trainer_state": False,
+        "no_key": ["InstanceFilterConfig", "activation_memory_budget",
+                   "TransformerContextParallelConfig"],
+    },
 }
 PRESET = {"olmo3_7B": "olmo3-7b", "olmo3_32B": "olmo3-32b"}
 SCHEDULE = {CosWithWarmup: "cosine", LinearWithWarmup: "linear"}  # HalfCos: none yet
@@ -167,6 +212,10 @@ def expected(script: dict) -> dict:
         "eval.every": script["lm_eval"][1] if script["lm_eval"] else 0,
         "checkpoint.every": script["save_interval"],
         "init.from_": script["load_path"], "init.optimizer": script["load_optim_state"],
+        "data.instances": "packed" if script.get("packed") else "concatenated",
+        "data.source_group_size": script["packed"][0] if script.get("packed") else 1,
+        "data.source_permutation_seed": script["packed"][1] if script.get("packed") else None,
+        "document_masking": bool(script.get("packed")),  # generate_doc_lengths=True
     }
     assert script["reduce_dtype"] == "float32"  # relaytrain reduces in fp32 always
     if type(sched) in SCHEDULE:
@@ -190,6 +239,9 @@ def test_each_stage_config_holds_its_scripts_values(name):
     text = path.read_text()
     assert script["script"] in text  # the config names its script
     assert [n for n in script["no_key"] if n not in text] == []  # named in a comment
+    if script.get("cp"):  # parallel.cp is another branch's key: a comment line until merged
+        degree, stride = script["cp"]
+        assert f"  # cp: {degree}\n" in text and f"degree={degree}, head_stride={stride}" in text
     sets = DataMix.v3_small_ppl_validation.build("", TokenizerConfig.dolma2().identifier)[1]
     if script["lm_eval"]:
         assert script["lm_eval"][0] == V3_SMALL and list(cfg.eval.sets) == sets
@@ -205,10 +257,39 @@ def test_each_stage_model_is_the_scripts_builder(name):
     attn, ffn = theirs.block.sequence_mixer, theirs.block.feed_forward
     cfg = load_config(CONFIGS / name, [])
     m = cfg.model_config()
-    assert m == PRESETS[cfg.model.preset]  # the preset whole, no overrides
+    # the preset whole, no overrides but the script's YaRN, as OLMo-core hands it to HF
+    assert m == dataclasses.replace(PRESETS[cfg.model.preset], rope_scaling=yarn_of(name))
     assert (m.d_model, m.n_layers, m.vocab_size, m.n_heads, m.n_kv_heads, m.mlp_hidden,
             m.rope_theta, m.rms_eps, m.sliding_window) == \
         (theirs.d_model, theirs.n_layers, theirs.vocab_size, attn.n_heads,
          attn.n_kv_heads or attn.n_heads,  # OLMo-core's None: as many as the heads
          ffn.hidden_size, attn.rope.theta, theirs.block.layer_norm.eps,
          max(attn.sliding_window.pattern))
+
+
+def yarn_of(name: str) -> dict | None:
+    """The script's YaRN in HF's terms (OLMo-core's own `to_hf_config`), or None; its
+    attention factor is the default the model computes (0.1 ln(factor) + 1), left implicit."""
+    if not OFFICIAL[name].get("yarn"):
+        return None
+    factor, fast, slow, old = OFFICIAL[name]["yarn"]
+    hf = YaRNRoPEScalingConfig(factor=factor, beta_fast=fast, beta_slow=slow,
+                               old_context_len=old).to_hf_config()
+    assert hf.pop("rope_type") == "yarn"
+    assert hf.pop("attention_factor") == 0.1 * math.log(factor) + 1.0
+    return hf
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(OFFICIAL) if OFFICIAL[n].get("yarn")])
+def test_each_long_context_models_yarn_tables_are_olmo_cores_to_the_bit(name):
+    """Full layers' RoPE at every position of the script's sequence length, against
+    OLMo-core's RotaryEmbedding with the script's YaRNRoPEScalingConfig."""
+    factor, fast, slow, old = OFFICIAL[name]["yarn"]
+    m = load_config(CONFIGS / name, []).model_config()
+    seq = OFFICIAL[name]["sequence_length"]
+    rope = RotaryEmbedding(head_size=m.head_dim, theta=int(m.rope_theta),
+                           scaling=YaRNRoPEScalingConfig(factor=factor, beta_fast=fast,
+                                                         beta_slow=slow, old_context_len=old))
+    sin, cos = rope._get_rotary_embedding(seq, torch.device("cpu"))
+    my_cos, my_sin = rope_cos_sin(m, True, seq, torch.device("cpu"))
+    assert torch.equal(my_cos, cos) and torch.equal(my_sin, sin)

@@ -132,6 +132,8 @@ def _settled(flat: dict[str, Any]) -> dict[str, Any]:
     if flat.get("data.seed") is None:
         flat["data.seed"] = flat.get("seed")
     flat.setdefault("optim.schedule", "cosine")
+    flat.setdefault("data.instances", "concatenated")  # runs from before the packing keys
+    flat.setdefault("data.source_group_size", 1)
     return flat
 
 

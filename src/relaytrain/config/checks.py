@@ -49,6 +49,7 @@ def validate(cfg: RunConfig) -> None:
         need(onednn_available(), "config key 'model.matmul': got 'onednn', but this torch "
              "build has no oneDNN (mkldnn) kernels; expected auto or aten")
     _validate_seeds(cfg, need)
+    _validate_packing(cfg, need)
     t = cfg.train
     need(t.max_steps >= 1, f"config key 'train.max_steps': got {t.max_steps}, expected >= 1")
     need(t.micro_batch >= 1, f"config key 'train.micro_batch': got {t.micro_batch}, "
@@ -91,6 +92,27 @@ def validate(cfg: RunConfig) -> None:
     for part in (_validate_optim, _validate_eval_sets, _validate_faults, _validate_init,
                  _validate_checkpoint):
         part(cfg, need)
+
+
+def _validate_packing(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    d = cfg.data
+    need(d.source_group_size >= 1, "config key 'data.source_group_size': got "
+         f"{d.source_group_size}, expected >= 1")
+    if d.instances != "packed":
+        need(d.source_group_size == 1 and d.source_permutation_seed is None,
+             "config keys 'data.source_group_size' and 'data.source_permutation_seed' group "
+             "and shuffle the files packed instances are packed from; expected "
+             "data.instances=packed")
+        need(not cfg.model.document_masking, "config key 'model.document_masking': got true, "
+             "but concatenated instances keep no document lengths; expected data.instances="
+             "packed")
+        return
+    seq = cfg.seq_len
+    need(seq >= 2 and not seq & (seq - 1), f"config key 'data.seq_len': got {seq}, but packed "
+         "instances need a power of two (OLMo-core's packer)")
+    need(cfg.parallel.pp == 1, "config key 'data.instances': got packed with parallel.pp="
+         f"{cfg.parallel.pp}, but pipeline stages carry neither the document lengths nor the "
+         "padding's label mask yet; expected parallel.pp=1 (or data.instances=concatenated)")
 
 
 def _validate_seeds(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

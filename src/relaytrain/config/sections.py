@@ -28,6 +28,9 @@ class ModelSection:
     attention: Literal["auto", "sdpa", "chunks", "flex"] = "auto"
     checkpointing: Literal["none", "selective", "full"] = "none"  # activation recompute
     compile: Literal["auto", "blocks", "none"] = "auto"  # auto: blocks on CUDA, none on CPU
+    # Attention only within a document, RoPE positions from each document's start (OLMo-core's
+    # intra-document masking); None: on for packed instances (data.instances), which it needs
+    document_masking: bool | None = None
     # GEMMs of the linear layers and LM head: auto = the faster measured on this CPU, else aten
     matmul: Literal["auto", "aten", "onednn"] = "auto"
     # RMSNorm, SwiGLU, RoPE, softmax: auto = fused CPU kernels where built (model.cpu_kernels)
@@ -45,6 +48,12 @@ class DataSection:
     # The data order's seed, apart from `seed` (initialisation), so a run can take another
     # run's order (AI2's 34521, say) with its own weights; None: `seed`.
     seed: int | None = None
+    # concatenated: instances cut from the token stream; packed: whole documents packed into
+    # seq_len tokens as OLMo-core's NumpyPackedFSLDataset packs them (data/packing.py), files
+    # shuffled by source_permutation_seed and packed source_group_size at a time
+    instances: Literal["concatenated", "packed"] = "concatenated"
+    source_group_size: int = 1
+    source_permutation_seed: int | None = None
 
 
 @dataclass
@@ -236,6 +245,20 @@ class RunConfig:
     @property
     def seq_len(self) -> int:
         return self.data.seq_len or self.model_config().max_seq_len
+
+    @property
+    def document_masking(self) -> bool:
+        """Whether attention stays within documents (`model.document_masking`, by default on
+        exactly for packed instances)."""
+        dm = self.model.document_masking
+        return self.data.instances == "packed" if dm is None else dm
+
+    @property
+    def packing(self) -> dict[str, int | None] | None:
+        """How packed instances are packed (`data.packing.train_split`); None: concatenated."""
+        d = self.data
+        return None if d.instances != "packed" else {"group": d.source_group_size,
+                                                      "seed": d.source_permutation_seed}
 
     @property
     def data_seed(self) -> int:

@@ -36,6 +36,7 @@ from relaytrain.data.eval_sets import open_eval_set
 from relaytrain.data.ledger import LEDGER_FILE, read_ledger
 from relaytrain.data.olmo_order import OlmoOrder, rank_positions
 from relaytrain.data.order import Order
+from relaytrain.data.packing import train_split
 from relaytrain.errors import DataError
 
 CHECKS = ("config", "data", "no_gaps", "shards_disjoint", "continuity", "shards_complete",
@@ -212,7 +213,7 @@ def _check_config(segments: list[_Segment]) -> CheckResult:
     first = segments[0].header
     for seg in segments:
         h = seg.header
-        changed = [k for k in (*ORDER_KEYS, "init") if h.get(k) != first.get(k)]
+        changed = [k for k in (*ORDER_KEYS, "init", "packing") if h.get(k) != first.get(k)]
         if changed:
             k = changed[0]
             c.fail(f"the header of the restart there changed {k} from {first.get(k)!r} to "
@@ -237,7 +238,7 @@ def _check_data(first: dict[str, Any], ds: TokenDataset) -> CheckResult:
     if ds.fingerprint != first["fingerprint"]:
         c.fail(f"{ds.path} has fingerprint {ds.fingerprint[:12]}, the run trained on "
                f"{str(first['fingerprint'])[:12]}")
-    n = ds.split("train").num_instances(first["seq_len"])
+    n = train_split(ds, first["seq_len"], first.get("packing")).num_instances(first["seq_len"])
     if n != first["n_instances"]:
         c.fail(f"{ds.path} has {n} training instances at seq_len {first['seq_len']}, the run "
                f"had {first['n_instances']}")

@@ -25,18 +25,19 @@ LEDGER_FILE = "ledger.jsonl"
 def header_record(*, seed: int, data_seed: int, global_batch: int, micro_batch: int,
                   seq_len: int, n_instances: int, fingerprint: str, data_path: str, dp: int,
                   order: str = "relay", eval_sets: dict[str, str] | None = None,
-                  init: dict[str, Any] | None = None, wall: float | None = None
-                  ) -> dict[str, Any]:
+                  init: dict[str, Any] | None = None, wall: float | None = None,
+                  packing: dict[str, Any] | None = None) -> dict[str, Any]:
     """Written at every start, resume and resize; `data_seed` is the order's seed (`seed` the
     initialisation's), `order` data.order, `eval_sets` the named evaluation sets (name -> data
     directory) the audit checks for contamination, `init` where step 0's weights came from
-    (`init.origin`; None: the seed)."""
+    (`init.origin`; None: the seed), `packing` how packed instances were packed (None:
+    concatenated; `data.packing.train_split`)."""
     return {"kind": "header", "seed": int(seed), "data_seed": int(data_seed),
             "global_batch": int(global_batch), "micro_batch": int(micro_batch),
             "seq_len": int(seq_len),
             "n_instances": int(n_instances), "fingerprint": fingerprint,
             "data_path": str(data_path), "dp": int(dp), "order": order,
-            "eval_sets": dict(eval_sets or {}), "init": init,
+            "eval_sets": dict(eval_sets or {}), "init": init, "packing": packing,
             "wall": time.time() if wall is None else wall}
 
 

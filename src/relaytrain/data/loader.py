@@ -12,7 +12,7 @@ Two orders (`data.order`): "relay" (order.py: rank parts and micro-batches conti
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,14 +20,18 @@ import torch
 from relaytrain.data import olmo_order
 from relaytrain.data.dataset import TokenDataset, TokenSplit
 from relaytrain.data.order import Order, micro_batch_indices, rank_part
+from relaytrain.data.packing import Docs, PackedSplit, micro_batch_documents
 from relaytrain.data.token_arrays import ArraySplit
 from relaytrain.errors import DataError
 
 ORDERS = ("relay", "olmo-core")
 
 
-def _check_split(split: TokenSplit | ArraySplit, order: str) -> None:
-    if order == "olmo-core" and not isinstance(split, ArraySplit):
+Split = TokenSplit | ArraySplit | PackedSplit
+
+
+def _check_split(split: Split, order: str) -> None:
+    if order == "olmo-core" and not isinstance(split, ArraySplit | PackedSplit):
         raise DataError(f"data.order olmo-core reads OLMo-core token arrays, but {split.root} "
                         "was written by `data prepare`; index its token files with `relaytrain "
                         "data index` or use data.order relay")
@@ -48,12 +52,14 @@ class Batch:
     # (global micro-batch index, LongTensor [micro_batch, seq_len + 1]); inputs [:, :-1],
     # labels [:, 1:]
     micro_batches: list[tuple[int, torch.Tensor]]
+    # packed instances: global micro-batch index -> its documents; empty for concatenated ones
+    documents: dict[int, Docs] = field(default_factory=dict)
 
 
 class Loader:
     """Rank `dp_rank` of `dp_world`'s batches of `split`, `prefetch` global batches ahead."""
 
-    def __init__(self, split: TokenSplit | ArraySplit, seq_len: int, seed: int,
+    def __init__(self, split: Split, seq_len: int, seed: int,
                  global_batch: int, micro_batch: int, dp_rank: int, dp_world: int,
                  prefetch: int = 2, order: str = "relay") -> None:
         self.split = split
@@ -96,10 +102,16 @@ class Loader:
     def make(self, batch_index: int) -> Batch:
         """Build batch `batch_index` synchronously (the thread calls this)."""
         epochs, ids = self._global_batch(batch_index)
-        tokens = torch.from_numpy(self.split.instances(ids[self._rows], self.seq_len))
+        rows = self.split.instances(ids[self._rows], self.seq_len)
+        tokens = torch.from_numpy(rows)
         m = self.micro_batch
         micro = [(j, tokens[i * m:(i + 1) * m]) for i, j in enumerate(self.micro_indices)]
-        return Batch(batch_index, ids[self.positions], epochs[self.positions], micro)
+        docs = {}
+        if isinstance(self.split, PackedSplit):
+            docs = {j: micro_batch_documents(self.split, ids[self._rows][i * m:(i + 1) * m],
+                                             rows[i * m:(i + 1) * m])
+                    for i, j in enumerate(self.micro_indices)}
+        return Batch(batch_index, ids[self.positions], epochs[self.positions], micro, docs)
 
     # ---- the read-ahead ---------------------------------------------------------------------
     def get(self, batch_index: int) -> Batch:

@@ -34,6 +34,12 @@ from torch.utils.checkpoint import checkpoint
 from relaytrain.model import cpu_kernels
 from relaytrain.model.backend_choice import choose_matmul
 from relaytrain.model.config import FULL, LAYER_TYPES, SLIDING, Olmo3Config
+from relaytrain.model.documents import (
+    Documents,
+    document_block_mask,
+    document_positions,
+    document_spans,
+)
 from relaytrain.model.loss import lm_head_loss
 from relaytrain.model.matmul import MATMUL_BACKENDS, Linear
 from relaytrain.model.sliding_chunks import Window, sliding_attention
@@ -186,6 +192,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, fused: bool = False) -> Tens
 
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "chunks", "flex")
+Mask = Tensor | BlockMask | Window | Documents | None  # what a layer's attention is given
 CHECKPOINTING = ("none", "selective", "full")
 FLEX_BLOCK = 128  # FlexAttention's tile (its default): block masks are per 128 x 128 tile
 
@@ -278,39 +285,53 @@ class Attention(nn.Module):
         fused kernels are on and take this head dim."""
         return self.fused and self.head_dim % cpu_kernels.WINDOW_HEAD_DIMS == 0
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                mask: Tensor | BlockMask | Window | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask) -> Tensor:
         """Causal attention when `mask` is None, else attention restricted to `mask`: a dense
-        boolean mask through SDPA, a block mask through FlexAttention (GQA native), or a
+        boolean mask through SDPA, a block mask through FlexAttention (GQA native), a
         `Window`: the fused window kernel (`cpu_kernels.window_attention`), else chunk by chunk
-        (`model.sliding_chunks`)."""
+        (`model.sliding_chunks`), or `Documents`: each document on its own (its positions
+        from 0, `model.documents`)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin, self.fused), apply_rope(k, cos, sin, self.fused)
+        if isinstance(mask, Documents):
+            masks = mask.masks or {}
+            rows = [torch.cat([self._attend(q[r:r + 1, :, s:s + n], k[r:r + 1, :, s:s + n],
+                                            v[r:r + 1, :, s:s + n], cos[:n], sin[:n],
+                                            masks.get(n))
+                               for row, s, n in mask.spans if row == r], dim=2)
+                    for r in range(b)]
+            y = torch.cat(rows, dim=0)
+        else:
+            y = self._attend(q, k, v, cos, sin, mask)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                mask: Tensor | BlockMask | Window | None) -> Tensor:
+        """RoPE on q and k (per-token tables [B, 1, T, hd] where positions differ by row),
+        then attention: [B, H, T, hd]."""
+        fused = self.fused and cos.dim() == 2
+        q, k = apply_rope(q, cos, sin, fused), apply_rope(k, cos, sin, fused)
         n_rep = self.n_heads // self.n_kv_heads
         scale = self.head_dim**-0.5
         if mask is None:
             # Flash kernels take GQA natively when there is no mask.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=n_rep > 1)
-        elif isinstance(mask, BlockMask):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=n_rep > 1)
+        if isinstance(mask, BlockMask):
             flex = _compiled_flex_attention() if q.is_cuda else flex_attention
-            y = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=n_rep > 1)
-        elif isinstance(mask, Window) and cpu_kernels.cpu_fp32(q, k, v):
+            return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=n_rep > 1)
+        if isinstance(mask, Window) and cpu_kernels.cpu_fp32(q, k, v):
             if self.window_kernel:
-                y = cpu_kernels.window_attention(q, k, v, mask.size, scale)  # GQA native
-            else:
-                y = sliding_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask.size,
-                                      scale)
-        else:
-            if isinstance(mask, Window):  # what the chunks do not take (bf16): the dense mask
-                mask = sliding_window_mask(q.shape[2], mask.size, q.device)
-            # With a mask, CUDA kernels would fall back to the math path for GQA: expand kv.
-            y = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
-                                               attn_mask=mask, scale=scale)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+                return cpu_kernels.window_attention(q, k, v, mask.size, scale)  # GQA native
+            return sliding_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask.size,
+                                     scale)
+        if isinstance(mask, Window):  # what the chunks do not take (bf16): the dense mask
+            mask = sliding_window_mask(q.shape[2], mask.size, q.device)
+        # With a mask, CUDA kernels would fall back to the math path for GQA: expand kv.
+        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
+                                              attn_mask=mask, scale=scale)
 
 
 class MLP(nn.Module):
@@ -350,14 +371,12 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.checkpoint = False
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                mask: Tensor | BlockMask | Window | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask) -> Tensor:
         if self.checkpoint and torch.is_grad_enabled():
             return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
         return self._forward(x, cos, sin, mask)
 
-    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                 mask: Tensor | BlockMask | Window | None) -> Tensor:
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask) -> Tensor:
         h = x + self.attn_norm(self.attn(x, cos, sin, mask))
         return h + self.mlp_norm(self.mlp(h))
 
@@ -481,32 +500,51 @@ class Olmo3(nn.Module):
                     module.fused = False
             block.compile(dynamic=False, backend=backend)
 
+    def _flex(self, device: torch.device) -> bool:
+        return self.attention == "flex" or (self.attention == "auto" and device.type == "cuda")
+
     def sliding_mask(self, seq_len: int, device: torch.device) -> Tensor | BlockMask | Window:
         """The sliding layers' mask for this forward, in the configured backend's form."""
         window = self.cfg.sliding_window
         auto = self.attention == "auto"
-        if self.attention == "flex" or (auto and device.type == "cuda"):
+        if self._flex(device):
             return sliding_block_mask(seq_len, window, device)
         if self.attention == "chunks" or (auto and device.type == "cpu" and not self.compiled):
             return Window(window)
         return sliding_window_mask(seq_len, window, device)
 
+    def _layout(self, t: int, device: torch.device, doc_lens: Tensor | None,
+                ) -> tuple[dict[bool, tuple[Tensor, Tensor]], Mask, Mask]:
+        """(RoPE tables by `yarn`, the sliding layers' mask, the full layers') of a forward of
+        `t` tokens, within documents where `doc_lens` [B, D] is given (`model.documents`)."""
+        yarns = {b.yarn for b in self.layers.values()}
+        rope = {yarn: rope_cos_sin(self.cfg, yarn, t, device) for yarn in yarns}
+        window = self.cfg.sliding_window
+        sliding = any(b.sliding for b in self.layers.values())
+        if doc_lens is None:
+            # A sliding layer is plain causal attention when the whole sequence fits the window.
+            return rope, self.sliding_mask(t, device) if sliding and t > window else None, None
+        if self._flex(device):
+            lens = doc_lens.to(device)
+            pos = document_positions(lens, t)
+            rope = {y: (cos[pos][:, None], sin[pos][:, None]) for y, (cos, sin) in rope.items()}
+            return (rope, document_block_mask(lens, t, window, FLEX_BLOCK),
+                    document_block_mask(lens, t, None, FLEX_BLOCK))
+        spans = document_spans(doc_lens, t)
+        masks = {n: self.sliding_mask(n, device) for _, _, n in spans if sliding and n > window}
+        return rope, Documents(spans, masks), Documents(spans)
+
     def forward(self, x: Tensor, labels: Tensor | None = None, z_loss: float = 0.0,
-                ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+                doc_lens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+        """See the class; `doc_lens` [B, D] (OLMo-core's: each row's document lengths,
+        zero-padded, summing to T) keeps attention and positions within documents."""
         if labels is not None and not self.last:
             raise ValueError("labels given to a stage without the LM head (last=False)")
         h = self.embed(x) if self.first else x
-        t, device = h.shape[1], h.device
-        blocks = list(self.layers.values())
-        rope = {yarn: rope_cos_sin(self.cfg, yarn, t, device) for yarn in {b.yarn for b in blocks}}
-        # A sliding layer is plain causal attention when the whole sequence fits the window.
-        window = self.cfg.sliding_window
-        mask = None
-        if t > window and any(b.sliding for b in blocks):
-            mask = self.sliding_mask(t, device)
-        for block in blocks:
+        rope, sliding, full = self._layout(h.shape[1], h.device, doc_lens)
+        for block in self.layers.values():
             cos, sin = rope[block.yarn]
-            h = block(h, cos, sin, mask if block.sliding else None)
+            h = block(h, cos, sin, sliding if block.sliding else full)
         if not self.last:
             return h
         h = self.norm(h)

@@ -22,6 +22,7 @@ from relaytrain.config.sections import RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
+from relaytrain.data.packing import train_split
 from relaytrain.errors import ConfigError, UserError, warn
 from relaytrain.model.accounting import flops_per_token
 from relaytrain.parallel.pipeline.schedules import asynchronous
@@ -97,7 +98,7 @@ class Controller:
         rule = SkipRule.from_config(cfg)
         self.skip_window = None if rule is None else \
             SkipWindow(rule, (resume or {}).get("skip_window"))
-        n_train = self.dataset.split("train").num_instances(cfg.seq_len)
+        n_train = train_split(self.dataset, cfg.seq_len, cfg.packing).num_instances(cfg.seq_len)
         if n_train < cfg.train.global_batch:
             raise UserError(f"data.path {cfg.data.path!r} has {n_train} training instances of "
                             f"data.seq_len={cfg.seq_len}; train.global_batch="

@@ -131,7 +131,8 @@ class StepReporter:
             seed=cfg.seed, data_seed=cfg.data_seed, global_batch=cfg.train.global_batch,
             micro_batch=cfg.train.micro_batch, seq_len=cfg.seq_len, n_instances=self.n_instances,
             fingerprint=self.fingerprint, data_path=os.path.abspath(cfg.data.path), dp=dp,
-            order=cfg.data.order, eval_sets=absolute_paths(cfg.eval.sets), init=cfg.init.origin))
+            order=cfg.data.order, eval_sets=absolute_paths(cfg.eval.sets), init=cfg.init.origin,
+            packing=cfg.packing))
 
     def rollback(self, steps: range, to_step: int) -> None:
         """Steps whose updates a restore discarded: their data counts as unconsumed."""

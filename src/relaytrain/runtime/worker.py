@@ -23,6 +23,7 @@ from relaytrain.checkpoint.writer import AsyncCheckpointWriter, PartWrites
 from relaytrain.config.sections import RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.loader import Loader
+from relaytrain.data.packing import train_split
 from relaytrain.parallel.groups import Placement
 from relaytrain.runtime.faults import RaiseHook
 from relaytrain.runtime.kvstore import StoreAccess
@@ -47,7 +48,7 @@ class Worker:
         set_determinism(self.device, self.cfg.determinism == "exact")
         retain_freed_memory()  # no page faults for buffers freed and re-allocated every step
         self.dataset = TokenDataset.open(self.cfg.data.path)
-        self.train_split = self.dataset.split("train")
+        self.train_split = train_split(self.dataset, self.cfg.seq_len, self.cfg.packing)
         self.membership = Membership(self.device)
         store = CheckpointStore(self.cfg.checkpoint_url, keep_last=self.cfg.checkpoint.keep_last)
         self.state = TrainState(self.cfg, self.model_cfg, self.device, store)

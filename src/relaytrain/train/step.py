@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from relaytrain.data.packing import Docs, model_inputs
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.optim import AdamW
 from relaytrain.train.skip_step import global_ce
@@ -60,14 +61,20 @@ def train_step(model: nn.Module, optimizer: AdamW,
                reducer: GradReducer | ShardedGradReducer,
                micro_batches: list[tuple[int, torch.Tensor]], total_micro_batches: int,
                z_loss: float, clip: float, device: torch.device,
-               skip: Callable[[float, float], bool] | None = None) -> StepOutcome:
+               skip: Callable[[float, float], bool] | None = None,
+               documents: Mapping[int, Docs] | None = None,
+               mask_documents: bool = False) -> StepOutcome:
     """Accumulate, reduce, clip, update. A non-finite loss or gradient skips the update so the
     weights (and the last good checkpoint) stay intact; so does `skip`(global CE loss, gradient
-    norm) when true (optim.skip_spikes: the optimizer's state untouched, as OLMo-core's)."""
+    norm) when true (optim.skip_spikes: the optimizer's state untouched, as OLMo-core's).
+    `documents`: packed micro-batches' document lengths (`Batch.documents`): their padding is
+    no label, and with `mask_documents` attention stays within documents."""
     out = StepOutcome()
     reducer.start()
     for index, tokens in micro_batches:
-        total, ce, z = _forward_backward(model, tokens, z_loss, total_micro_batches, device)
+        docs = (documents or {}).get(index)
+        total, ce, z = _forward_backward(model, tokens, z_loss, total_micro_batches, device,
+                                         docs, mask_documents)
         reducer.after_backward()
         out.losses[index] = (float(total.detach()), float(ce), float(z))
     ok = reducer.finish()
@@ -85,11 +92,14 @@ def train_step(model: nn.Module, optimizer: AdamW,
 
 
 def _forward_backward(model: nn.Module, tokens: torch.Tensor, z_loss: float, scale: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      device: torch.device, docs: Docs | None = None,
+                      mask_documents: bool = False,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One micro-batch's losses, its gradients (divided by `scale`) accumulated."""
-    tokens = tokens.to(device, non_blocking=True)
+    inputs, labels, doc_lens = model_inputs(tokens.to(device, non_blocking=True), docs)
+    kwargs = {"doc_lens": doc_lens} if mask_documents and doc_lens is not None else {}
     with autocast_for(device):  # the fused head + loss: no [tokens, vocab] logits held
-        total, ce, z = model(tokens[:, :-1], labels=tokens[:, 1:], z_loss=z_loss)
+        total, ce, z = model(inputs, labels=labels, z_loss=z_loss, **kwargs)
     (total / scale).backward()
     return total, ce, z
 

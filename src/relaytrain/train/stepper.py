@@ -123,7 +123,7 @@ class LocalStepper:
         model.train()
         out = train_step(model, optimizer, self.reducer, batch.micro_batches,
                          self.cfg.micro_batches, self.cfg.train.z_loss, self.cfg.train.clip,
-                         device, check)
+                         device, check, batch.documents, self.cfg.document_masking)
         result = step_result(step, out, batch.ids.tolist(), t1 - t0, synced_since(t1, device))
         if self._state_bytes is None:  # fixed for a generation once AdamW's state exists
             self._state_bytes = state_bytes(model, optimizer)
