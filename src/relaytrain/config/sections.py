@@ -67,8 +67,10 @@ class OptimSection:
     weight_decay: float = 0.1
     decay_embeddings: bool = False
     warmup: int = 10  # steps of linear warm-up
-    # After the warm-up, OLMo-core's CosWithWarmup (cosine) or LinearWithWarmup (linear)
-    schedule: Literal["cosine", "linear"] = "cosine"
+    # After the warm-up, OLMo-core's CosWithWarmup (cosine), LinearWithWarmup (linear) or
+    # HalfCosWithWarmup (half-cosine: the second half of a cosine from lr, after a warm-up to
+    # its midpoint; what a run extended half-way through its cosine continues on)
+    schedule: Literal["cosine", "linear", "half-cosine"] = "cosine"
     final_lr_frac: float = 0.1  # the schedule ends at lr * final_lr_frac (OLMo-core's alpha_f)
     # Step the schedule reaches its floor at (OLMo-core's t_max); None: train.max_steps. A run
     # stopped early (OLMo-core's hard_stop) keeps the horizon of its planned length.
