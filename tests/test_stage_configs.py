@@ -8,6 +8,7 @@ every field of the presets); the schedulers' defaults (`alpha_f`) from OLMo-core
 What a script sets that relaytrain has no key for must be named in the config's comments
 (`no_key`): the test reads the YAML's text for each name."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -205,7 +206,11 @@ def test_each_stage_model_is_the_scripts_builder(name):
     attn, ffn = theirs.block.sequence_mixer, theirs.block.feed_forward
     cfg = load_config(CONFIGS / name, [])
     m = cfg.model_config()
-    assert m == PRESETS[cfg.model.preset]  # the preset whole, no overrides
+    # the preset whole, its loss OLMo-core's (the softmax over every padded row: the model's
+    # `lm_head.w_out` has vocab_size rows, all of them logits), no other override
+    assert cfg.model.overrides == {"softmax_rows": "padded"}
+    assert m == dataclasses.replace(PRESETS[cfg.model.preset], softmax_rows="padded")
+    assert theirs.vocab_size == m.vocab_size > m.tokenizer_vocab
     assert (m.d_model, m.n_layers, m.vocab_size, m.n_heads, m.n_kv_heads, m.mlp_hidden,
             m.rope_theta, m.rms_eps, m.sliding_window) == \
         (theirs.d_model, theirs.n_layers, theirs.vocab_size, attn.n_heads,

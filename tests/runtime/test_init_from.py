@@ -136,17 +136,21 @@ def test_a_run_takes_an_olmo_core_checkpoints_adamw_state_and_steps_as_olmo_core
     ref, saved = olmo_core
     rows = pad_vocab(TokenDataset.open(other_data).vocab_size)
     run = tmp_path / "from-olmo-core"
-    # OLMo-core's logits span every embedding row, the padded ones too (ours, by default, only
-    # the tokenizer's: model.tokenizer_vocab), so its softmax is taken here with all of them
-    run_layout(run, other_data, 1, f"model.vocab_size={rows}", f"model.tokenizer_vocab={rows}",
-               "train.global_batch=2", "train.micro_batch=2",
+    # OLMo-core's logits span every embedding row, the padded ones too: started from its
+    # checkpoint, the run's softmax takes them all (model.softmax_rows unset: the origin's),
+    # though its model has the data's tokenizer's rows (model.tokenizer_vocab) padded to `rows`
+    run_layout(run, other_data, 1, "train.global_batch=2", "train.micro_batch=2",
                f"data.seq_len={ref.SEQ}", "train.max_steps=1", "train.z_loss=0", "train.clip=0",
                f"optim.lr={ref.LR}", "optim.warmup=0", "optim.final_lr_frac=1",
                "eval.every=0", "checkpoint.every=1", *ref.RUN_MODEL, "model.attention=sdpa",
                "model.matmul=aten", "model.kernels=torch", "model.compile=none",
                f"init.from={saved.step_dir}", "init.optimizer=true")
     origin = assert_origin_recorded(run, "olmo-core", ref.STEPS, ("weights", "moments"))
-    assert origin["digest"].startswith("sha256:")
+    assert origin["digest"].startswith("sha256:") and origin["softmax_rows"] == "padded"
+    settled = yaml.safe_load((run / "config.yaml").read_text())["model"]["overrides"]
+    manifest = CheckpointStore(str(run / "checkpoints")).read_manifest(1)
+    assert settled["softmax_rows"] == manifest["model"]["softmax_rows"] == "padded"
+    assert manifest["model"]["tokenizer_vocab"] < manifest["model"]["vocab_size"] == rows
     [step] = records(run, "step")
     assert step["lr"] == ref.LR
     ledger = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]

@@ -112,7 +112,11 @@ RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "trai
 
 def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
     """A resumed run must keep what defines its curve: model, data order, optimizer, seed."""
-    old, new = (_settled(flatten(c)) for c in (saved, cfg.to_dict()))
+    mine = cfg.to_dict()
+    rows = softmax_rows_of(saved)
+    if rows is not None:  # unset: the run's own, settled at its start
+        mine["model"]["overrides"] = {"softmax_rows": rows, **mine["model"]["overrides"]}
+    old, new = (_settled(flatten(c)) for c in (saved, mine))
     # `seed` first: under a default data.seed, changing it changes data.seed too
     for key in sorted(set(old) | set(new), key=lambda k: (k != "seed", k)):
         if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
@@ -133,6 +137,13 @@ def _settled(flat: dict[str, Any]) -> dict[str, Any]:
         flat["data.seed"] = flat.get("seed")
     flat.setdefault("optim.schedule", "cosine")
     return flat
+
+
+def softmax_rows_of(saved: dict[str, Any]) -> str | None:
+    """The `model.softmax_rows` a config stored in a checkpoint settled (None: a run from
+    before the key, which computed its loss over the tokenizer's rows unless its
+    `model.tokenizer_vocab` said otherwise)."""
+    return ((saved.get("model") or {}).get("overrides") or {}).get("softmax_rows")
 
 
 def init_section(saved: dict[str, Any]) -> InitSection:

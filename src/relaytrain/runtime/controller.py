@@ -17,7 +17,7 @@ import yaml
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import check_resume_compatible, init_section
+from relaytrain.config import check_resume_compatible, init_section, softmax_rows_of
 from relaytrain.config.sections import RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
@@ -222,16 +222,28 @@ class Controller:
     def _settle_init(self, cfg: RunConfig, resume: dict[str, Any] | None) -> RunConfig:
         """`cfg` with `init.origin` settled: a new run with `init.from` resolves it (found,
         verified, of the run's dimensions: train/init_from.py), before anything is written; a
-        resumed run keeps the origin its checkpoint recorded, and ignores `init.from`."""
+        resumed run keeps the origin its checkpoint recorded, and ignores `init.from`. An unset
+        `model.softmax_rows` is settled too: the origin's (OLMo-core's `padded` for an OLMo-core
+        checkpoint), the tokenizer's rows for a run from the seed, a resumed run's own."""
         init = dataclasses.replace(cfg.init, origin=None)
         if resume is not None:
             if init.from_ is not None:
                 warn(f"config key 'init.from' is ignored: run_dir {cfg.run_dir!r} resumes its "
                      f"own checkpoint step {self.start}")
             init = init_section(resume.get("config") or {})
+            rows = softmax_rows_of(resume.get("config") or {})
         elif init.from_ is not None:
             init = dataclasses.replace(init, origin=resolve_init(init, self.model_cfg))
-        return dataclasses.replace(cfg, init=init)
+            rows = init.origin["softmax_rows"]
+        else:
+            rows = "tokenizer"
+        cfg = dataclasses.replace(cfg, init=init)
+        if rows is not None and "softmax_rows" not in cfg.model.overrides:
+            # unset: the source's (a continued run computes its loss as it was computed)
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+                cfg.model, overrides={**cfg.model.overrides, "softmax_rows": rows}))
+            self.model_cfg = cfg.model_config(self.dataset.vocab_size)
+        return cfg
 
     def _prepare_run_dir(self) -> None:
         """Create or reopen the run directory, with the run's settled config."""

@@ -60,6 +60,7 @@ class Found:
     moments: bool  # the source holds AdamW's moments and step counts
     dims: dict[str, Any]  # of SHAPE_FIELDS, those it says (the others are not compared)
     params: set[str]  # the parameters it holds weights of
+    softmax_rows: str  # the rows the source's loss normalised over (Olmo3Config.softmax_rows)
     shapes: dict[str, tuple[int, ...]] | None = None  # their shapes, where `dims` says not all
 
 
@@ -95,7 +96,8 @@ def _relay_resolve(url: str, optimizer: bool) -> Found:
     keys = stored_keys(fs, d, manifest)
     return Found(_location(fs, d), int(manifest["step"]), _manifest_digest(manifest),
                  any(k.startswith(OPTIM_PREFIX) for k in keys), manifest["model"],
-                 set(model_tensors(dict.fromkeys(keys))))
+                 set(model_tensors(dict.fromkeys(keys))),
+                 manifest["model"].get("softmax_rows", "tokenizer"))
 
 
 def _relay_read(origin: dict[str, Any], keys: KeyFilter, rows: Rows, into: Into | None
@@ -128,7 +130,7 @@ def _hf_resolve(url: str, optimizer: bool) -> Found:
             size, digest = hash_stream(src)
         parts.append(f"{posixpath.basename(f)}:{size}:{digest}".encode())
     return Found(path, None, f"{DIGEST}:{digest_hex(DIGEST, *parts)}", False, cfg.to_dict(),
-                 set(shapes))
+                 set(shapes), "tokenizer")  # HF's logits: its config's (unpadded) vocabulary
 
 
 def _hf_read(origin: dict[str, Any], keys: KeyFilter, rows: Rows, into: Into | None
@@ -159,8 +161,9 @@ def _olmo_core_resolve(url: str, optimizer: bool) -> Found:
     fs, path = storage.filesystem(url)
     meta = read_olmo_core_metadata(url, optimizer)  # the .metadata (and one step count) only
     weights = {tensor_param(k): s for k, s in meta.shapes.items() if k.startswith(MODEL_PREFIX)}
+    # OLMo-core's logits span every embedding row (its `lm_head.w_out`), the padded ones too
     return Found(_location(fs, path.rstrip("/")), meta.step, meta.digest, meta.moments,
-                 meta.model, set(weights), weights)
+                 meta.model, set(weights), "padded", weights)
 
 
 def _olmo_core_read(origin: dict[str, Any], keys: KeyFilter, rows: Rows, into: Into | None
@@ -211,7 +214,7 @@ def resolve(init: InitSection, model_cfg: Olmo3Config) -> dict[str, Any]:
         warn(f"init.optimizer: {storage.redact(url)} ({kind.name}) holds no optimizer state; "
              "taking its weights only")
     return {"from": url, "kind": kind.name, "location": found.location, "step": found.step,
-            "digest": found.digest, "took": took}
+            "digest": found.digest, "took": took, "softmax_rows": found.softmax_rows}
 
 
 def _check_model(url: str, found: Found, model_cfg: Olmo3Config) -> None:
