@@ -18,10 +18,11 @@ import yaml
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.config import check_resume_compatible, init_section, softmax_rows_of
-from relaytrain.config.sections import RunConfig
+from relaytrain.config.sections import InitSection, RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
+from relaytrain.data.position import Stream
 from relaytrain.errors import ConfigError, UserError, warn
 from relaytrain.model.accounting import flops_per_token
 from relaytrain.parallel.pipeline.schedules import asynchronous
@@ -35,6 +36,7 @@ from relaytrain.runtime.reporter import StepReporter, TrainingStopped
 from relaytrain.runtime.summary import RunSummary
 from relaytrain.train.auto_backends import settle_backends
 from relaytrain.train.execution import pick_device
+from relaytrain.train.init_from import continue_at
 from relaytrain.train.init_from import resolve as resolve_init
 from relaytrain.train.metrics import peak_flops
 from relaytrain.train.skip_step import SkipRule, SkipWindow
@@ -69,6 +71,9 @@ class Controller:
         resume = self._resume_manifest(cfg)
         self.start = 0 if resume is None else int(resume["step"])
         cfg = self._settle_init(cfg, resume)
+        if resume is None:
+            self.start = cfg.start_step  # a continued run starts at its source's step
+        self.catalogue.base = cfg.start_step
         # The run's config is settled once, here, before anything reads it: `auto` replaced by
         # the backends chosen for the run (those the checkpoint recorded, where its host chose
         # them), which every worker runs; the fused kernels are built (once per host) here.
@@ -235,6 +240,8 @@ class Controller:
         elif init.from_ is not None:
             init = dataclasses.replace(init, origin=resolve_init(init, self.model_cfg))
             rows = init.origin["softmax_rows"]
+            if "trainer" in init.origin:
+                cfg, init = self._continue(cfg, init)
         else:
             rows = "tokenizer"
         cfg = dataclasses.replace(cfg, init=init)
@@ -244,6 +251,25 @@ class Controller:
                 cfg.model, overrides={**cfg.model.overrides, "softmax_rows": rows}))
             self.model_cfg = cfg.model_config(self.dataset.vocab_size)
         return cfg
+
+    def _continue(self, cfg: RunConfig, init: InitSection) -> tuple[RunConfig, InitSection]:
+        """A run continuing its origin's trainer state (`init.trainer_state`): its data seed
+        the source's unless `data.seed` says otherwise, its first global batch where the
+        source's data position lies in the run's stream, its steps past the source's."""
+        t = init.origin["trainer"]
+        seed = t.get("data_seed")
+        if cfg.data.seed is None and seed is not None:
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seed=seed))
+        elif seed is not None and cfg.data_seed != seed:
+            warn(f"config key 'data.seed': {cfg.data_seed} is not the data seed of the run "
+                 f"init.trainer_state continues ({seed}): its data order is not the source's")
+        if cfg.train.max_steps <= t["step"]:
+            raise ConfigError(f"config key 'train.max_steps': got {cfg.train.max_steps}, but "
+                              f"init.trainer_state continues from step {t['step']}; expected "
+                              "more (steps count on from the source's)")
+        n = self.dataset.split("train").num_instances(cfg.seq_len)
+        stream = Stream(cfg.data.order, n, cfg.train.global_batch, cfg.seq_len)
+        return cfg, dataclasses.replace(init, origin=continue_at(init.origin, stream))
 
     def _prepare_run_dir(self) -> None:
         """Create or reopen the run directory, with the run's settled config."""
@@ -285,7 +311,9 @@ class Controller:
     def _manifest_meta(self, step: int) -> dict[str, Any]:
         return {"model": self.model_cfg.to_dict(), "config": self.cfg.to_dict(),
                 **{k: {"backend": c.backend, "key": c.key} for k, c in self.backends.items()},
-                "data": {"batch_index": step, "fingerprint": self.dataset.fingerprint,
+                # the global batch the next step trains on: the run's data position
+                "data": {"batch_index": step + self.cfg.batch_offset,
+                         "fingerprint": self.dataset.fingerprint,
                          "n_instances": self.n_train, "seq_len": self.cfg.seq_len},
                 # Nothing draws from global RNG state: init derives from (seed, purpose), the
                 # data order from (data seed, epoch), so the two seeds are the whole RNG state.
