@@ -65,7 +65,7 @@ OFFICIAL = {
         "ac": None, "lm_eval": (V3_SMALL, 10_000), "save_interval": 1000,
         "load_path": "https://storage.googleapis.com/ai2-llm/checkpoints/OLMo25/step596047/",
         "load_optim_state": True, "load_trainer_state": True,
-        "no_key": [EVAL_TASKS, "HalfCosWithWarmup", "load_trainer_state"],
+        "no_key": [EVAL_TASKS],
     },
     "olmo3-7b-midtrain.yaml": {
         "script": SCRIPTS + "OLMo-3-1025-7B-midtrain.py",
@@ -122,19 +122,22 @@ OFFICIAL = {
     },
 }
 PRESET = {"olmo3_7B": "olmo3-7b", "olmo3_32B": "olmo3-32b"}
-SCHEDULE = {CosWithWarmup: "cosine", LinearWithWarmup: "linear"}  # HalfCos: none yet
+SCHEDULE = {CosWithWarmup: "cosine", LinearWithWarmup: "linear",
+            HalfCosWithWarmup: "half-cosine"}
 
 
 def steps(script: dict) -> tuple[int, int | None]:
     """(train.max_steps, optim.t_max) as OLMo-core's trainer counts them: max_duration in tokens
     is ceil(tokens / tokens per step) steps, the schedule's horizon; a hard stop ends it early.
-    A run that loaded a step goes on from it, which relaytrain counts from 0."""
+    A run that loaded a step with its trainer state goes on counting from it (as relaytrain's
+    init.trainer_state); without, relaytrain counts from 0."""
     unit, value = script["max_duration"]
     horizon = math.ceil(value / script["global_batch_size"]) if unit == "tokens" else None
     stop = script["hard_stop"]
     if unit == "epochs" or (stop and stop[0] == "epochs"):
-        end = script["epoch_end_step"] - script.get("load_step", 0)
-        return end, None
+        carried = script.get("load_trainer_state")
+        end = script["epoch_end_step"] - (0 if carried else script.get("load_step", 0))
+        return end, horizon
     if stop:
         return stop[1], horizon
     return horizon, None
@@ -168,6 +171,7 @@ def expected(script: dict) -> dict:
         "eval.every": script["lm_eval"][1] if script["lm_eval"] else 0,
         "checkpoint.every": script["save_interval"],
         "init.from_": script["load_path"], "init.optimizer": script["load_optim_state"],
+        "init.trainer_state": script.get("load_trainer_state", False),
     }
     assert script["reduce_dtype"] == "float32"  # relaytrain reduces in fp32 always
     if type(sched) in SCHEDULE:
