@@ -235,19 +235,24 @@ def test_a_run_continuing_a_relaytrain_checkpoints_trainer_state_is_its_resume_t
 
 
 def test_a_continued_run_of_another_batch_on_other_data_starts_at_the_sources_position(
-        tmp_path, corpus_data, other_data):
+        tmp_path, corpus_data, other_data, ray_cluster):
     """The data position is the source's epoch and tokens consumed of it: A's 2 steps of 8
-    instances of 32 tokens are 512 tokens of epoch 0, so B, of 4-instance batches on other data,
-    starts that epoch of its own order 16 instances in, at its global batch 4 (step 3)."""
+    instances of 32 tokens are 512 tokens of epoch 0, so B (dp 2), of 4-instance batches on
+    other data, starts that epoch of its own order 16 instances in, at its global batch 4
+    (step 3); a worker killed in step 3 with no snapshot in memory restores step 2, the run's
+    start, from the source again."""
     a, b = tmp_path / "a", tmp_path / "b"
     run_layout(a, corpus_data, 1, *CONTINUE, "train.max_steps=2")
-    run_layout(b, other_data, 1, *CONTINUE, "train.max_steps=4", "train.global_batch=4",
-               f"init.from={a}", "init.optimizer=true", "init.trainer_state=true")
-    steps = ledger_records(b, "step")
+    run_layout(b, other_data, 2, *CONTINUE, "train.max_steps=4", "train.global_batch=4",
+               f"init.from={a}", "init.optimizer=true", "init.trainer_state=true",
+               "faults.kill_at=[3]", "elastic.snapshot_every=0")
+    [rec] = records(b, "recovery")
+    assert (rec["source"], rec["restored_step"]) == ("checkpoint", 2), rec
+    steps = {r["step"]: r for r in ledger_records(b, "step")}  # the last record of each
     n = TokenDataset.open(other_data).split("train").num_instances(32)
     want = [Order(0, n).global_batch(4, k)[1].tolist() for k in (4, 5)]
-    assert [(r["step"], r["batch"], r["parts"]) for r in steps] == [
-        (3, 4, [want[0]]), (4, 5, [want[1]])]
+    assert [(k, r["batch"], r["parts"]) for k, r in sorted(steps.items())] == [
+        (3, 4, [want[0][:2], want[0][2:]]), (4, 5, [want[1][:2], want[1][2:]])]
     assert yaml.safe_load((b / "config.yaml").read_text())["init"]["origin"]["trainer"][
         "batch"] == 4
     assert audit(b).ok
