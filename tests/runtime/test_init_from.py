@@ -286,14 +286,14 @@ def test_a_run_continuing_olmo_cores_trainer_state_takes_the_steps_olmo_core_too
     moments after steps 4 and 5 are those OLMo-core's Trainer saved at its steps 4 and 5."""
     ref, root, data = olmo_core_trained
     run = tmp_path / "continued"
-    run_layout(run, data, 1, "data.order=olmo-core", f"data.seq_len={ref.SEQ}",
-               f"train.global_batch={ref.TRAIN_BATCH}", f"train.micro_batch={ref.TRAIN_BATCH}",
-               "train.max_steps=5", "train.z_loss=0", "train.clip=0", f"optim.lr={ref.LR}",
-               f"optim.warmup={ref.TRAIN_WARMUP}", "optim.final_lr_frac=0.1", "eval.every=0",
-               "checkpoint.every=1", *ref.RUN_MODEL, "model.attention=sdpa",
-               "model.matmul=aten", "model.kernels=torch", "model.compile=none",
-               f"init.from={root / 'save' / 'step3'}", "init.optimizer=true",
-               "init.trainer_state=true")
+    given = ("data.order=olmo-core", f"data.seq_len={ref.SEQ}",
+             f"train.global_batch={ref.TRAIN_BATCH}", f"train.micro_batch={ref.TRAIN_BATCH}",
+             "train.z_loss=0", "train.clip=0", f"optim.lr={ref.LR}",
+             f"optim.warmup={ref.TRAIN_WARMUP}", "optim.final_lr_frac=0.1", "eval.every=0",
+             "checkpoint.every=1", *ref.RUN_MODEL, "model.attention=sdpa", "model.matmul=aten",
+             "model.kernels=torch", "model.compile=none", f"init.from={root / 'save' / 'step3'}",
+             "init.optimizer=true", "init.trainer_state=true")
+    run_layout(run, data, 1, *given, "train.max_steps=5")
     settled = yaml.safe_load((run / "config.yaml").read_text())
     trainer = settled["init"]["origin"]["trainer"]
     assert {k: trainer[k] for k in ("step", "epoch", "tokens", "batch", "data_seed")} == {
@@ -305,8 +305,8 @@ def test_a_run_continuing_olmo_cores_trainer_state_takes_the_steps_olmo_core_too
     state = torch.load(root / "save" / "step3" / "train" / "rank0.pt", weights_only=False)
     loader.load_state_dict(state["data_loader"])
     loader.reshuffle(epoch=state["data_loader"]["epoch"], in_memory=True)
-    theirs = [b["index"].tolist() for b, _ in zip(loader, range(2), strict=False)]
-    assert [r["parts"][0] for r in ledger_records(run, "step")] == theirs
+    theirs = [b["index"].tolist() for b, _ in zip(loader, range(3), strict=False)]
+    assert [r["parts"][0] for r in ledger_records(run, "step")] == theirs[:2]
     assert sorted(step_records(run)) == [4, 5]
     for step in (4, 5):
         ours = CheckpointStore(str(run / "checkpoints")).read(step)[1]
@@ -319,6 +319,10 @@ def test_a_run_continuing_olmo_cores_trainer_state_takes_the_steps_olmo_core_too
             bar = 4e-6 if key.endswith(MOMENTS) else 1e-6
             assert (ours[key] - t).abs().max() <= bar * t.abs().max(), (step, key)
     assert audit(run).ok
+    # resumed as given (data.seed unset): it keeps the data seed it took, and its softmax rows
+    run_layout(run, data, 1, *given, "train.max_steps=6")
+    assert [r["step"] for r in records(run, "restart")] == [5] and audit(run).ok
+    assert [r["parts"][0] for r in ledger_records(run, "step")] == theirs
 
 
 def test_each_bad_source_exits_2_with_one_line_and_writes_nothing(tmp_path, source_run,

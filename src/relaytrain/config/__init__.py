@@ -10,6 +10,7 @@ loading (YAML, overrides, a checkpoint's stored config) and which keys may chang
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +113,7 @@ RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "trai
 
 def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
     """A resumed run must keep what defines its curve: model, data order, optimizer, seed."""
-    mine = cfg.to_dict()
-    rows = softmax_rows_of(saved)
-    if rows is not None:  # unset: the run's own, settled at its start
-        mine["model"]["overrides"] = {"softmax_rows": rows, **mine["model"]["overrides"]}
-    old, new = (_settled(flatten(c)) for c in (saved, mine))
+    old, new = (_settled(flatten(c)) for c in (saved, keep_settled(saved, cfg).to_dict()))
     # `seed` first: under a default data.seed, changing it changes data.seed too
     for key in sorted(set(old) | set(new), key=lambda k: (k != "seed", k)):
         if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
@@ -137,6 +134,21 @@ def _settled(flat: dict[str, Any]) -> dict[str, Any]:
         flat["data.seed"] = flat.get("seed")
     flat.setdefault("optim.schedule", "cosine")
     return flat
+
+
+def keep_settled(saved: dict[str, Any], cfg: RunConfig) -> RunConfig:
+    """`cfg` resuming the run whose stored config is `saved`, with what that run settled at its
+    start where `cfg` leaves it unset: `model.softmax_rows`, and the data seed a continued run
+    took from its source (`init.trainer_state`)."""
+    rows = softmax_rows_of(saved)
+    if rows is not None and "softmax_rows" not in cfg.model.overrides:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, overrides={**cfg.model.overrides, "softmax_rows": rows}))
+    carried = ((saved.get("init") or {}).get("origin") or {}).get("trainer")
+    seed = (saved.get("data") or {}).get("seed")
+    if carried and cfg.data.seed is None and seed is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seed=seed))
+    return cfg
 
 
 def softmax_rows_of(saved: dict[str, Any]) -> str | None:

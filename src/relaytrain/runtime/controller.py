@@ -17,7 +17,7 @@ import yaml
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import check_resume_compatible, init_section, softmax_rows_of
+from relaytrain.config import check_resume_compatible, init_section, keep_settled
 from relaytrain.config.sections import InitSection, RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
@@ -229,14 +229,16 @@ class Controller:
         verified, of the run's dimensions: train/init_from.py), before anything is written; a
         resumed run keeps the origin its checkpoint recorded, and ignores `init.from`. An unset
         `model.softmax_rows` is settled too: the origin's (OLMo-core's `padded` for an OLMo-core
-        checkpoint), the tokenizer's rows for a run from the seed, a resumed run's own."""
+        checkpoint), the tokenizer's rows for a run from the seed, a resumed run's own (and its
+        data seed, where it took its source's: `config.keep_settled`)."""
         init = dataclasses.replace(cfg.init, origin=None)
+        rows = None
         if resume is not None:
             if init.from_ is not None:
                 warn(f"config key 'init.from' is ignored: run_dir {cfg.run_dir!r} resumes its "
                      f"own checkpoint step {self.start}")
             init = init_section(resume.get("config") or {})
-            rows = softmax_rows_of(resume.get("config") or {})
+            cfg = keep_settled(resume.get("config") or {}, cfg)
         elif init.from_ is not None:
             init = dataclasses.replace(init, origin=resolve_init(init, self.model_cfg))
             rows = init.origin["softmax_rows"]
@@ -249,7 +251,7 @@ class Controller:
             # unset: the source's (a continued run computes its loss as it was computed)
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(
                 cfg.model, overrides={**cfg.model.overrides, "softmax_rows": rows}))
-            self.model_cfg = cfg.model_config(self.dataset.vocab_size)
+        self.model_cfg = cfg.model_config(self.dataset.vocab_size)
         return cfg
 
     def _continue(self, cfg: RunConfig, init: InitSection) -> tuple[RunConfig, InitSection]:
