@@ -327,3 +327,17 @@ def test_a_checkpoint_from_before_the_packing_keys_resumes_as_concatenated():
     check_resume_compatible(saved, load_config(None, ["run_dir=x"]))
     with pytest.raises(ConfigError, match=r"'data.instances': .* 'concatenated', got 'packed'"):
         check_resume_compatible(saved, load_config(None, ["run_dir=x", "data.instances=packed"]))
+def test_softmax_rows_resumes_as_the_run_settled_it_and_may_not_change():
+    """Unset, `model.softmax_rows` is the run's own (settled at its start, its origin's);
+    given, it must be that; a value other than tokenizer or padded is refused in one line."""
+    saved = saved_config("model.softmax_rows=padded")
+    assert saved["model"]["overrides"] == {"softmax_rows": "padded"}
+    check_resume_compatible(saved, load_config(None, ["run_dir=x"]))
+    check_resume_compatible(saved, load_config(None, ["run_dir=x", "model.softmax_rows=padded"]))
+    with pytest.raises(ConfigError, match="'model.overrides'"):
+        check_resume_compatible(saved, load_config(None, ["run_dir=x",
+                                                          "model.softmax_rows=tokenizer"]))
+    check_resume_compatible(saved_config(), load_config(None, ["run_dir=x"]))  # before the key
+    with pytest.raises(ConfigError, match="model.softmax_rows") as err:
+        load_config(None, ["model.softmax_rows=all"]).model_config()
+    assert "\n" not in str(err.value) and "padded" in str(err.value)

@@ -68,7 +68,7 @@ OFFICIAL = {
         "ac": None, "lm_eval": (V3_SMALL, 10_000), "save_interval": 1000,
         "load_path": "https://storage.googleapis.com/ai2-llm/checkpoints/OLMo25/step596047/",
         "load_optim_state": True, "load_trainer_state": True,
-        "no_key": [EVAL_TASKS, "HalfCosWithWarmup", "load_trainer_state"],
+        "no_key": [EVAL_TASKS],
     },
     "olmo3-7b-midtrain.yaml": {
         "script": SCRIPTS + "OLMo-3-1025-7B-midtrain.py",
@@ -166,19 +166,22 @@ OFFICIAL = {
     },
 }
 PRESET = {"olmo3_7B": "olmo3-7b", "olmo3_32B": "olmo3-32b"}
-SCHEDULE = {CosWithWarmup: "cosine", LinearWithWarmup: "linear"}  # HalfCos: none yet
+SCHEDULE = {CosWithWarmup: "cosine", LinearWithWarmup: "linear",
+            HalfCosWithWarmup: "half-cosine"}
 
 
 def steps(script: dict) -> tuple[int, int | None]:
     """(train.max_steps, optim.t_max) as OLMo-core's trainer counts them: max_duration in tokens
     is ceil(tokens / tokens per step) steps, the schedule's horizon; a hard stop ends it early.
-    A run that loaded a step goes on from it, which relaytrain counts from 0."""
+    A run that loaded a step with its trainer state goes on counting from it (as relaytrain's
+    init.trainer_state); without, relaytrain counts from 0."""
     unit, value = script["max_duration"]
     horizon = math.ceil(value / script["global_batch_size"]) if unit == "tokens" else None
     stop = script["hard_stop"]
     if unit == "epochs" or (stop and stop[0] == "epochs"):
-        end = script["epoch_end_step"] - script.get("load_step", 0)
-        return end, None
+        carried = script.get("load_trainer_state")
+        end = script["epoch_end_step"] - (0 if carried else script.get("load_step", 0))
+        return end, horizon
     if stop:
         return stop[1], horizon
     return horizon, None
@@ -216,6 +219,7 @@ def expected(script: dict) -> dict:
         "data.source_group_size": script["packed"][0] if script.get("packed") else 1,
         "data.source_permutation_seed": script["packed"][1] if script.get("packed") else None,
         "document_masking": bool(script.get("packed")),  # generate_doc_lengths=True
+        "init.trainer_state": script.get("load_trainer_state", False),
     }
     assert script["reduce_dtype"] == "float32"  # relaytrain reduces in fp32 always
     if type(sched) in SCHEDULE:
@@ -257,8 +261,14 @@ def test_each_stage_model_is_the_scripts_builder(name):
     attn, ffn = theirs.block.sequence_mixer, theirs.block.feed_forward
     cfg = load_config(CONFIGS / name, [])
     m = cfg.model_config()
-    # the preset whole, no overrides but the script's YaRN, as OLMo-core hands it to HF
-    assert m == dataclasses.replace(PRESETS[cfg.model.preset], rope_scaling=yarn_of(name))
+    # the preset whole, its loss OLMo-core's (the softmax over every padded row: the model's
+    # `lm_head.w_out` has vocab_size rows, all of them logits), no other override but the
+    # script's YaRN, as OLMo-core hands it to HF
+    assert {k: v for k, v in cfg.model.overrides.items() if k != "rope_scaling"} == \
+        {"softmax_rows": "padded"}
+    assert m == dataclasses.replace(PRESETS[cfg.model.preset], softmax_rows="padded",
+                                    rope_scaling=yarn_of(name))
+    assert theirs.vocab_size == m.vocab_size > m.tokenizer_vocab
     assert (m.d_model, m.n_layers, m.vocab_size, m.n_heads, m.n_kv_heads, m.mlp_hidden,
             m.rope_theta, m.rms_eps, m.sliding_window) == \
         (theirs.d_model, theirs.n_layers, theirs.vocab_size, attn.n_heads,

@@ -2,8 +2,10 @@
 `TransformerConfig.olmo3_*` builder, trained by its `SkipStepAdamW` (embeddings not decayed, as
 the official scripts) and saved by its own `save_model_and_optim_state` (what its trainer's
 Checkpointer writes into a step directory's `model_and_optim/`), with the `config.json` its
-ConfigSaverCallback writes beside it; nothing of OLMo-core is re-implemented here. Importers
-skip themselves first where ai2-olmo-core is not installed
+ConfigSaverCallback writes beside it; or trained and saved whole by OLMo-core's own Trainer on
+its own data loader (`train_olmo_core`: step directories with the trainer state, run as
+`python -m tests.checkpoint.olmo_core_reference`); nothing of OLMo-core is re-implemented
+here. Importers skip themselves first where ai2-olmo-core is not installed
 (`pytest.importorskip("olmo_core.nn.transformer")`)."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from olmo_core.distributed.checkpoint import save_model_and_optim_state
@@ -125,3 +128,64 @@ def counting_chunk_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(olmo_core, "_read_chunk", counted)
     return reads
+
+
+# OLMo-core's own Trainer (`train_olmo_core`): a token file of ids under VOCAB, documents ending
+# in EOS_ID, cut into instances of SEQ tokens, TRAIN_BATCH of them a step, in its data loader's
+# order of DATA_SEED, a cosine of TRAIN_WARMUP steps to alpha_f 0.1 at its last step
+EOS_ID, PAD_ID, DATA_SEED, TRAIN_BATCH, TRAIN_WARMUP = 0, 1, 34521, 2, 1
+
+
+def write_token_file(path: Path, n_tokens: int = 4000) -> None:
+    rng = np.random.default_rng(0)
+    toks = rng.integers(2, VOCAB, size=n_tokens)
+    toks[rng.choice(n_tokens, size=n_tokens // 40, replace=False)] = EOS_ID
+    toks[-1] = EOS_ID
+    toks.astype("<u4").tofile(path)
+
+
+def olmo_core_loader(token_file: Path, work_dir: Path) -> Any:
+    """OLMo-core's own dataset and data loader over `token_file`."""
+    from olmo_core import data as od
+
+    dataset = od.NumpyFSLDataset(str(token_file), sequence_length=SEQ, pad_token_id=PAD_ID,
+                                 eos_token_id=EOS_ID, vocab_size=VOCAB, dtype=np.uint32)
+    dataset.work_dir = work_dir
+    dataset.prepare()
+    return od.NumpyDataLoaderBase.wrap_numpy_dataset(
+        dataset, global_batch_size=TRAIN_BATCH * SEQ, collator=od.DataCollator(
+            pad_token_id=PAD_ID), work_dir=work_dir, seed=DATA_SEED, dp_world_size=1,
+        dp_rank=0, fs_local_rank=0, num_threads=0)
+
+
+def train_olmo_core(token_file: Path, out: Path, steps: int) -> None:
+    """`steps` steps of OLMo-core's Trainer (its TransformerTrainModule, SkipStepAdamW,
+    CosWithWarmup), a checkpoint of every step in `out/stepN/` written by its Checkpointer:
+    `model_and_optim/` and the trainer state `train/rank0.pt`."""
+    from olmo_core.optim import CosWithWarmup
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.callbacks import CheckpointerCallback
+    from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+    torch.manual_seed(0)
+    _, model, _ = olmo_core_model()
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=TRAIN_BATCH * SEQ, max_sequence_length=SEQ,
+        optim=SkipStepAdamWConfig(lr=LR, betas=BETAS, weight_decay=WD, group_overrides=[
+            OptimGroupOverride(params=["embeddings.weight"], opts={"weight_decay": 0.0})]),
+        scheduler=CosWithWarmup(warmup=TRAIN_WARMUP)).build(model, device=torch.device("cpu"))
+    trainer = TrainerConfig(
+        save_folder=str(out), work_dir=str(out / "work"), max_duration=Duration.steps(steps),
+        metrics_collect_interval=1, cancel_check_interval=1).with_callback(
+        "checkpointer", CheckpointerCallback(save_interval=1, ephemeral_save_interval=None,
+                                             save_async=False)).build(
+        module, olmo_core_loader(token_file, out / "work"))
+    with warnings.catch_warnings():  # one process: OLMo-core's save says so
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        trainer.fit()
+
+
+if __name__ == "__main__":
+    import sys
+
+    train_olmo_core(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))

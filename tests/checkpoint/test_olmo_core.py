@@ -26,9 +26,11 @@ import torch.multiprocessing as mp
 from relaytrain.checkpoint.keys import model_key, model_tensors, optim_key
 from relaytrain.checkpoint.olmo_core import (
     DCP_DIR,
+    OlmoCoreTrainerState,
     olmo_core_to_ours_name,
     read_olmo_core,
     read_olmo_core_metadata,
+    read_olmo_core_trainer_state,
 )
 from relaytrain.config.sections import OptimSection
 from relaytrain.errors import CheckpointError
@@ -356,3 +358,62 @@ def test_a_sharded_save_is_read_whole(tmp_path: Path) -> None:
     assert set(c.tensors) == set(whole) and c.step == STEPS
     for key, t in whole.items():
         assert torch.equal(c.tensors[key], t), key
+
+
+# ---- the trainer state (train/rank0.pt) --------------------------------------------------------
+
+def trainer_state(step: int = 7, **loader: Any) -> dict[str, Any]:
+    """A trainer state as OLMo-core's Trainer.state_dict() builds it, its RNG states OLMo-core's
+    own (numpy arrays, a torch tensor: objects the reader must not build)."""
+    from olmo_core.train.utils import EnvRngStates
+
+    return {"global_step": step, "global_train_tokens_seen": step * 2 * SEQ,
+            "global_train_petaflops": 0.0, "max_steps": 10,
+            "data_loader": {"dataset_fingerprint_version": "v2.0", "dataset_fingerprint": "ab",
+                            "batches_processed": step, "tokens_processed": step * 2 * SEQ,
+                            "seed": 34521, "epoch": 1, "dataset_type": "fsl",
+                            "sequence_length": SEQ, "max_target_sequence_length": SEQ,
+                            **loader},
+            "epoch": 1, "world_size": 1, "rng": EnvRngStates.current_state().as_dict(),
+            "callbacks": {"checkpointer": {}}}
+
+
+def write_trainer_state(saved: Saved, tmp_path: Path, state: Any) -> Path:
+    """`saved`'s step directory with `state` as its trainer state, as the Checkpointer writes
+    it (`torch.save`)."""
+    step_dir = tmp_path / "step7"
+    shutil.copytree(saved.step_dir, step_dir)
+    (step_dir / "train").mkdir()
+    torch.save(state, step_dir / "train" / "rank0.pt")
+    return step_dir
+
+
+def test_the_trainer_state_gives_the_step_and_data_position_building_nothing_else(
+        saved: Saved, tmp_path: Path) -> None:
+    """The step count and the data loader's position are read; the RNG states (numpy, torch)
+    and a payload that would run a command stand as inert placeholders: nothing runs."""
+    marker = tmp_path / "ran"
+    state = trainer_state(callbacks={"evil": _Runs(os.system, f"touch {marker}")})
+    step_dir = write_trainer_state(saved, tmp_path, state)
+    got = read_olmo_core_trainer_state(str(step_dir))
+    digest = hashlib.sha256((step_dir / "train" / "rank0.pt").read_bytes()).hexdigest()
+    assert got == OlmoCoreTrainerState(7, 1, 7 * 2 * SEQ, 7, 34521, f"sha256:{digest}")
+    assert read_olmo_core_trainer_state(str(step_dir / DCP_DIR)) == got  # from the DCP too
+    assert not marker.exists()
+    assert read_olmo_core_trainer_state(str(saved.step_dir)) is None  # weights alone
+
+
+@pytest.mark.parametrize(("state", "said"), [
+    ([1, 2], "holds no OLMo-core trainer state"),
+    (trainer_state(step=-1), "the trainer state's global_step is -1, not an integer >= 0"),
+    (trainer_state(seed="34521"), "the trainer state's seed is '34521', not an integer"),
+    (trainer_state(epoch=0, tokens_processed=None), "tokens_processed is None"),
+])
+def test_a_trainer_state_of_other_values_is_refused(saved: Saved, tmp_path: Path, state: Any,
+                                                    said: str) -> None:
+    step_dir = write_trainer_state(saved, tmp_path, state)
+    with pytest.raises(CheckpointError, match=re.escape(said)):
+        read_olmo_core_trainer_state(str(step_dir))
+    (step_dir / "train" / "rank0.pt").write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError, match="is not a trainer state torch.save wrote"):
+        read_olmo_core_trainer_state(str(step_dir))

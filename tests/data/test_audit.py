@@ -46,9 +46,15 @@ class Run:
     returned to each rank, optionally corrupted by `mutate(step, parts)`."""
 
     def __init__(self, run_dir: Path, data: Path, loader: type[Loader] = Loader,
-                 order: str = "relay", seq: int = SEQ, data_seed: int = SEED) -> None:
+                 order: str = "relay", seq: int = SEQ, data_seed: int = SEED,
+                 trainer: dict | None = None) -> None:
         self.dir, self.data, self.loader_cls = run_dir, data, loader
         self.order, self.seq, self.data_seed = order, seq, data_seed
+        # a continued run's carried trainer state (init.trainer_state): its start step, and
+        # the global batch its first step trains on
+        self.init = None if trainer is None else {"kind": "relaytrain", "from": "source",
+                                                  "trainer": trainer}
+        self.offset = 0 if trainer is None else trainer["batch"] - trainer["step"]
         self.dataset = TokenDataset.open(data)
         self.split = self.dataset.split("train")
         self.ledger = LedgerWriter(run_dir)
@@ -58,7 +64,7 @@ class Run:
         return header_record(seed=SEED, data_seed=self.data_seed, global_batch=B, micro_batch=M,
                              seq_len=self.seq, n_instances=self.split.num_instances(self.seq),
                              fingerprint=self.dataset.fingerprint, data_path=str(self.data),
-                             dp=dp, order=self.order)
+                             dp=dp, order=self.order, init=self.init)
 
     def start(self, dp: int) -> Run:
         """A start, resume, recovery or resize: fresh loaders and a header."""
@@ -72,8 +78,9 @@ class Run:
     def steps(self, first: int, last: int,
               mutate: Callable[[int, list[np.ndarray]], list[np.ndarray]] | None = None) -> Run:
         for k in range(first, last + 1):
-            parts = [ld.get(k - 1).ids for ld in self.loaders]
-            self.ledger.write(step_record(k, mutate(k, parts) if mutate else parts))
+            parts = [ld.get(k - 1 + self.offset).ids for ld in self.loaders]
+            self.ledger.write(step_record(k, mutate(k, parts) if mutate else parts,
+                                          k - 1 + self.offset))
         return self
 
     def rollback(self, steps: list[int], to_step: int) -> Run:
@@ -105,6 +112,39 @@ def test_a_correct_run_with_recovery_and_resizes_passes(prepared, tmp_path, caps
     assert (report["steps"], report["instances"]) == (14, 14 * B)
     assert (report["epochs"], report["complete_epochs"]) == (5, 4)  # 112 uses of 27 instances
     assert (report["rollbacks"], report["resumes"], report["resizes"]) == (1, 3, 2)
+
+
+def test_a_continued_run_passes_from_its_start_its_sources_part_of_the_epoch_counted(
+        prepared, tmp_path, capsys):
+    """A run continuing another's trainer state at step 5, its first step on global batch 6
+    (instances 48.. of the stream: 21 into epoch 1, which the source consumed): its steps
+    6..10 hold batches 6..10, every epoch it completes is complete with the source's part."""
+    run = Run(tmp_path, prepared, trainer={"step": 5, "batch": 6}).start(2).steps(6, 8)
+    run.start(1).steps(9, 10)  # a resume, resized
+    code, report = run.audit(capsys)
+    assert code == 0 and report["ok"], report["results"]
+    assert report["results"]["no_gaps"]["detail"] == "steps 6..10 all present"
+    assert "every step k holds pure global batch k-1 + 1 across 1 resumes" in \
+        report["results"]["continuity"]["detail"]
+    assert "; step 5 from init.from relaytrain source" in report["results"]["config"]["detail"]
+    # epochs 1 (the source's 21 instances and 6 of step 6's) and 2 complete, 3 begun
+    assert (report["steps"], report["epochs"], report["complete_epochs"]) == (5, 4, 2)
+
+
+def test_a_continued_run_reusing_what_its_source_consumed_is_caught(prepared, tmp_path,
+                                                                   capsys):
+    used = Order(SEED, 27).global_batch(B, 5)[1]  # of epoch 1, the source's last batch
+
+    def reuse(k: int, parts: list[np.ndarray]) -> list[np.ndarray]:
+        parts[0] = parts[0].copy()  # step 6: positions 48..55, rank 0's 48..51 of epoch 1
+        parts[0][0] = used[-1]
+        return parts
+
+    run = Run(tmp_path, prepared, trainer={"step": 5, "batch": 6}).start(2).steps(6, 6, reuse)
+    code, report = run.audit(capsys)
+    assert code == 1 and "exactly_once" in failed(report)
+    assert f"instance {used[-1]} used twice in epoch 1 (the source's steps and 6)" in \
+        report["results"]["exactly_once"]["detail"]
 
 
 def test_replay_after_resume_is_caught(prepared, tmp_path, capsys):

@@ -52,6 +52,24 @@ def test_logits_cover_the_tokenizer_vocabulary_not_the_padding():
     assert m.lm_head.weight.grad[500:].abs().max() == 0  # padded rows are inert
 
 
+def test_softmax_rows_padded_takes_every_embedding_row_into_the_loss_as_olmo_core_does():
+    """`softmax_rows: padded`: the logits span the padded rows too, so the loss is the
+    cross-entropy over all 512 and the padded rows are trained (pushed down)."""
+    ids = torch.randint(0, 500, (2, 21), generator=torch.Generator().manual_seed(3))
+    padded = model_of(small(softmax_rows="padded"))
+    logits = padded(ids[:, :-1])
+    assert logits.shape == (2, 20, 512)
+    total, ce, _ = padded(ids[:, :-1], labels=ids[:, 1:], z_loss=0.0)
+    assert ce == pytest.approx(F.cross_entropy(logits.reshape(-1, 512).float(),
+                                               ids[:, 1:].reshape(-1)).item(), rel=1e-6)
+    total.backward()
+    assert padded.lm_head.weight.grad[500:].abs().min() > 0
+    tokenizer = model_of(TINY)  # the same weights (seed 0), 500 rows in the softmax
+    assert tokenizer(ids[:, :-1], labels=ids[:, 1:], z_loss=0.0)[1] < ce
+    with pytest.raises(ValueError, match="softmax_rows"):
+        Olmo3(small(softmax_rows="all"))
+
+
 def test_building_needs_a_vocabulary():
     with pytest.raises(ValueError, match="vocab_size"):
         Olmo3(PRESETS["tiny"])

@@ -23,9 +23,10 @@ from relaytrain.checkpoint.keys import (
 from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.config import load_config
 from relaytrain.config.sections import InitSection, RunConfig
+from relaytrain.data.position import Stream
 from relaytrain.errors import CheckpointError, ConfigError
 from relaytrain.model.hf import read_hf, write_hf
-from relaytrain.train.init_from import read_origin, resolve
+from relaytrain.train.init_from import continue_at, read_origin, resolve
 from tests.train.test_state import VOCAB, WHOLE, assert_same, config, state_of, trained
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,19 +39,40 @@ def source(tmp_path, steps: int = 2) -> tuple[str, dict[str, torch.Tensor]]:
     tensors = {k: t.clone() for k, t in state.state_tensors().items()}
     store = CheckpointStore(str(tmp_path / "source" / "checkpoints"))
     store.commit(steps, {"stage0": store.write_part(steps, "stage0", tensors)},
-                 {"model": state.model_cfg.to_dict(), "config": cfg.to_dict()})
+                 {"model": state.model_cfg.to_dict(), "config": cfg.to_dict(),
+                  "data": {"batch_index": steps, "n_instances": 10_000, "seq_len": cfg.seq_len}})
     return store.url, tensors
 
 
-def started_from(cfg: RunConfig, url: str, optimizer: bool = False) -> RunConfig:
+def started_from(cfg: RunConfig, url: str, optimizer: bool = False,
+                 trainer_state: bool = False) -> RunConfig:
     """`cfg` as the controller settles it for `init.from=url`."""
-    init = InitSection(from_=url, optimizer=optimizer)
+    init = InitSection(from_=url, optimizer=optimizer, trainer_state=trainer_state)
     origin = resolve(init, cfg.model_config(VOCAB))
+    if trainer_state:  # the run's stream: its own data, as the controller places it
+        origin = continue_at(origin, Stream("relay", 10_000, cfg.train.global_batch,
+                                            cfg.seq_len))
     return dataclasses.replace(cfg, init=dataclasses.replace(init, origin=origin))
 
 
 def held(state) -> dict[str, torch.Tensor]:
     return {k: t.clone() for k, t in state.state_tensors().items()}
+
+
+def test_a_continued_run_starts_at_the_sources_step_holding_its_state(tmp_path):
+    """With the trainer state the run's start is the source's step: a state built there (the
+    start, a recovery before the run's first checkpoint) holds the source's weights and
+    moments; the step after it is the run's own checkpoint's to restore."""
+    url, src = source(tmp_path)
+    cfg = started_from(config(tmp_path / "run"), url, optimizer=True, trainer_state=True)
+    assert cfg.init.origin["took"] == ["weights", "moments", "trainer_state"]
+    assert (cfg.start_step, cfg.batch_offset) == (2, 0)
+    state = state_of(cfg)
+    for _ in range(2):
+        state.build(2, None, WHOLE)
+        assert_same(held(state), src)
+    with pytest.raises(CheckpointError, match="step_00000003"):  # none of its own yet
+        state.build(3, None, WHOLE)
 
 
 def test_step_0_holds_the_sources_weights_and_fresh_moments_at_start_and_recovery(tmp_path):
@@ -172,7 +194,7 @@ def test_an_olmo_core_checkpoint_gives_its_weights_moments_and_step_count_to_the
     assert cfg.init.origin == {
         "from": str(saved.step_dir), "kind": "olmo-core", "location": str(saved.step_dir),
         "step": ref.STEPS, "digest": "sha256:" + hashlib.sha256(metadata).hexdigest(),
-        "took": ["weights", "moments"]}
+        "took": ["weights", "moments"], "softmax_rows": "padded"}
     state = state_of(cfg)
     for _ in range(2):  # the start, then a recovery before the run's first checkpoint
         state.build(0, None, WHOLE)

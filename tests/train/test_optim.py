@@ -1,6 +1,6 @@
 """AdamW as the Olmo recipe builds it, and the learning-rate schedule: linear warm-up to `lr`,
-cosine (or linear) to `lr * final_lr_frac` at `max_steps` (or `t_max`), flat after: OLMo-core's
-schedulers."""
+cosine (or linear, or a cosine's second half) to `lr * final_lr_frac` at `max_steps` (or
+`t_max`), flat after: OLMo-core's schedulers."""
 
 import math
 import subprocess
@@ -72,14 +72,21 @@ SCHEDULES = [  # (schedule, lr, warmup, alpha_f, train.max_steps, optim.t_max)
     ("linear", 2.0712352850360292e-4, 0, 0.0, 4_000, None),  # the mid-training stages'
     ("linear", 1e-3, 50, 0.1, 300, None),
     ("linear", 1e-3, 7, 0.25, 60, 80),
+    # the 7B pre-training's part 2, scaled down: warm-up to the midpoint over the steps part 1
+    # took, the second half after, on the resumed step count (t_max its extended length)
+    ("half-cosine", 3e-4, 597, 0.1, 1414, 1669),
+    ("half-cosine", 1e-3, 40, 0.25, 200, None),
+    ("half-cosine", 1e-3, 0, 0.0, 90, None),
 ]
+OLMO_CORE = {"cosine": "CosWithWarmup", "linear": "LinearWithWarmup",
+             "half-cosine": "HalfCosWithWarmup"}
 
 
 @pytest.mark.parametrize(("schedule", "lr", "warmup", "alpha_f", "max_steps", "t_max"), SCHEDULES)
 def test_the_schedules_are_olmo_cores(schedule, lr, warmup, alpha_f, max_steps, t_max):
     scheduler = pytest.importorskip("olmo_core.optim.scheduler")
-    theirs = {"cosine": scheduler.CosWithWarmup, "linear": scheduler.LinearWithWarmup}[schedule](
-        warmup=warmup, alpha_f=alpha_f, t_max=t_max)
+    theirs = getattr(scheduler, OLMO_CORE[schedule])(warmup=warmup, alpha_f=alpha_f,
+                                                     t_max=t_max)
     cfg = OptimSection(lr=lr, warmup=warmup, schedule=schedule, final_lr_frac=alpha_f,
                        t_max=t_max)
     horizon = t_max or max_steps

@@ -15,6 +15,16 @@ torch's FileSystemWriter and OLMo-core's RemoteFileSystemWriter write it so); it
 the read is known to hold exactly the range (a server ignoring `Range` sends the whole file).
 Ranges written through a DCP stream transform (compression) are refused.
 
+The trainer state OLMo-core's Trainer saves beside it (`train/rank0.pt`: the step count, the
+data loader's position, RNG and callback states; `load_trainer_state=True` takes it) is a
+`torch.save` zip archive whose pickle holds numpy and torch objects (the RNG states) besides
+plain values. `read_olmo_core_trainer_state` reads it through `_InertUnpickler`: only plain
+containers (`collections.OrderedDict`, sets) and `_codecs.encode` (how protocol 2 writes
+bytes) are built as themselves; every other class or function the pickle names is never
+imported nor called, but stands as an inert placeholder (`_Inert`), as does every tensor
+storage: the reader uses only the plain integers (`global_step`, the data loader's `epoch`,
+`tokens_processed`, `batches_processed`, `seed`) and checks them.
+
 Works on a local directory and any fsspec URL (relaytrain.storage): OLMo-core's `stepN/`
 directory (the DCP in its `model_and_optim/`) or the DCP directory itself. `init.from` checks a
 source by its metadata alone (`read_olmo_core_metadata`), before a run writes anything, and each
@@ -29,6 +39,8 @@ import json
 import pickle
 import posixpath
 import re
+import zipfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +54,7 @@ from relaytrain.checkpoint.keys import MODEL_PREFIX, model_key, optim_key, renam
 from relaytrain.errors import CheckpointError
 
 DCP_DIR = "model_and_optim"  # where OLMo-core's trainer writes the DCP inside a step directory
+TRAIN_STATE = "train/rank0.pt"  # where its trainer writes rank 0's trainer state beside it
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state beside `step` (train/optim.py's names)
 READ_THREADS = 8
 
@@ -417,3 +430,93 @@ def _config_heads(fs: fsspec.AbstractFileSystem, dirs: Iterable[str], d_model: i
         n_kv = int(att.get("n_kv_heads") or n_heads)
         return n_heads, n_kv, int(att.get("head_dim") or d_model // n_heads)
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer state (`train/rank0.pt`), through inert placeholders
+
+
+class _Inert:
+    """What an object of a class the trainer state's reader does not admit stands as: it takes
+    whatever its pickle gives it and runs nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+_PLAIN = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set"): set,
+          ("builtins", "frozenset"): frozenset}
+
+
+class _InertUnpickler(pickle.Unpickler):
+    """Unpickles a `torch.save`d trainer state: plain values as themselves, anything else
+    (numpy arrays, tensors and their storages, RNG states) as `_Inert`, never imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("_codecs", "encode"):
+            return lambda text, encoding="latin1": str(text).encode(encoding)
+        return _PLAIN.get((module, name), _Inert)
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Inert(pid)
+
+
+@dataclass(frozen=True)
+class OlmoCoreTrainerState:
+    """The part of OLMo-core's trainer state a continued run takes: the trainer's
+    `global_step`, its data loader's `epoch` (1-based) and the `tokens_processed` /
+    `batches_processed` of that epoch, the data order's `seed`; `digest` sha256 of the file."""
+
+    global_step: int
+    epoch: int
+    tokens: int
+    batches: int
+    seed: int
+    digest: str
+
+
+def read_olmo_core_trainer_state(url: str) -> OlmoCoreTrainerState | None:
+    """The trainer state beside the OLMo-core checkpoint at `url` (its step directory, or the
+    DCP directory in it), None where there is none (a checkpoint of weights alone); refused
+    where the file is not a trainer state OLMo-core writes."""
+    fs, root = storage.filesystem(url)
+    root = root.rstrip("/")
+    step_dir = posixpath.dirname(root) if posixpath.basename(root) == DCP_DIR else root
+    path = posixpath.join(step_dir, TRAIN_STATE)
+    if not fs.exists(path):
+        return None
+    where = storage.redact(path)
+    data = fs.cat_file(path)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            pkl = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            state = _InertUnpickler(io.BytesIO(z.read(pkl))).load()
+    except Exception as e:  # not a zip, no pickle in it, a truncated pickle: anything
+        raise CheckpointError(f"{where} is not a trainer state torch.save wrote "
+                              f"({type(e).__name__}: {e})") from None
+    loader = state.get("data_loader") if isinstance(state, dict) else None
+    if not isinstance(loader, dict):
+        raise CheckpointError(f"{where} holds no OLMo-core trainer state (a dict with its "
+                              "data_loader's)")
+    values = {"global_step": state.get("global_step"), "epoch": loader.get("epoch") or 1,
+              **{k: loader.get(k) for k in ("tokens_processed", "batches_processed", "seed")}}
+    bad = [k for k, v in values.items()
+           if not isinstance(v, int) or isinstance(v, bool) or v < (k == "epoch")]
+    if bad:
+        raise CheckpointError(f"{where}: the trainer state's {bad[0]} is "
+                              f"{values[bad[0]]!r}, not an integer >= {int(bad[0] == 'epoch')}")
+    return OlmoCoreTrainerState(values["global_step"], values["epoch"],
+                                values["tokens_processed"], values["batches_processed"],
+                                values["seed"], "sha256:" + hashlib.sha256(data).hexdigest())

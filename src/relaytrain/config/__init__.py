@@ -10,6 +10,7 @@ loading (YAML, overrides, a checkpoint's stored config) and which keys may chang
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ RESUMABLE_CHANGES = ("train.max_steps", "train.device", "train.log_every", "trai
 
 def check_resume_compatible(saved: dict[str, Any], cfg: RunConfig) -> None:
     """A resumed run must keep what defines its curve: model, data order, optimizer, seed."""
-    old, new = (_settled(flatten(c)) for c in (saved, cfg.to_dict()))
+    old, new = (_settled(flatten(c)) for c in (saved, keep_settled(saved, cfg).to_dict()))
     # `seed` first: under a default data.seed, changing it changes data.seed too
     for key in sorted(set(old) | set(new), key=lambda k: (k != "seed", k)):
         if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
@@ -135,6 +136,28 @@ def _settled(flat: dict[str, Any]) -> dict[str, Any]:
     flat.setdefault("data.instances", "concatenated")  # runs from before the packing keys
     flat.setdefault("data.source_group_size", 1)
     return flat
+
+
+def keep_settled(saved: dict[str, Any], cfg: RunConfig) -> RunConfig:
+    """`cfg` resuming the run whose stored config is `saved`, with what that run settled at its
+    start where `cfg` leaves it unset: `model.softmax_rows`, and the data seed a continued run
+    took from its source (`init.trainer_state`)."""
+    rows = softmax_rows_of(saved)
+    if rows is not None and "softmax_rows" not in cfg.model.overrides:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, overrides={**cfg.model.overrides, "softmax_rows": rows}))
+    carried = ((saved.get("init") or {}).get("origin") or {}).get("trainer")
+    seed = (saved.get("data") or {}).get("seed")
+    if carried and cfg.data.seed is None and seed is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seed=seed))
+    return cfg
+
+
+def softmax_rows_of(saved: dict[str, Any]) -> str | None:
+    """The `model.softmax_rows` a config stored in a checkpoint settled (None: a run from
+    before the key, which computed its loss over the tokenizer's rows unless its
+    `model.tokenizer_vocab` said otherwise)."""
+    return ((saved.get("model") or {}).get("overrides") or {}).get("softmax_rows")
 
 
 def init_section(saved: dict[str, Any]) -> InitSection:

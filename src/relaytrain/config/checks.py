@@ -119,6 +119,14 @@ def _validate_seeds(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
     need(cfg.seed >= 0, f"config key 'seed': got {cfg.seed}, expected an integer >= 0")
     need(cfg.data_seed >= 0, f"config key 'data.seed': got {cfg.data.seed}, expected an "
          "integer >= 0 (or null: the run's seed)")
+    i = cfg.init
+    # a continued run takes AdamW's state with the step count (its bias correction is the
+    # source's), as OLMo-core's trainer-state loads do
+    need(not i.trainer_state or (i.from_ is not None and i.optimizer), "config key "
+         "'init.trainer_state': got true with " + ("no init.from" if i.from_ is None else
+                                                   "init.optimizer false") +
+         "; a run continues another's step count, schedule and data position only from its "
+         "checkpoint with its optimizer state: expected init.from set and init.optimizer true")
 
 
 def _validate_optim(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

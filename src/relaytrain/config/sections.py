@@ -76,8 +76,10 @@ class OptimSection:
     weight_decay: float = 0.1
     decay_embeddings: bool = False
     warmup: int = 10  # steps of linear warm-up
-    # After the warm-up, OLMo-core's CosWithWarmup (cosine) or LinearWithWarmup (linear)
-    schedule: Literal["cosine", "linear"] = "cosine"
+    # After the warm-up, OLMo-core's CosWithWarmup (cosine), LinearWithWarmup (linear) or
+    # HalfCosWithWarmup (half-cosine: the second half of a cosine from lr, after a warm-up to
+    # its midpoint; what a run extended half-way through its cosine continues on)
+    schedule: Literal["cosine", "linear", "half-cosine"] = "cosine"
     final_lr_frac: float = 0.1  # the schedule ends at lr * final_lr_frac (OLMo-core's alpha_f)
     # Step the schedule reaches its floor at (OLMo-core's t_max); None: train.max_steps. A run
     # stopped early (OLMo-core's hard_stop) keeps the horizon of its planned length.
@@ -206,8 +208,12 @@ class InitSection:
     # OLMo-core checkpoint (train/init_from.py). Ignored when the run resumes its own checkpoint.
     from_: str | None = field(default=None, metadata={"key": "from"})
     optimizer: bool = False
+    # Continue the source rather than start anew (OLMo-core's load_trainer_state): the run
+    # starts at the source's step, its schedule there, its data where the source's stopped
+    # (data/position.py); needs `optimizer`.
+    trainer_state: bool = False
     # Recorded by the controller, never given: what was loaded (source, kind, location, step,
-    # digest, what was taken); a value given is replaced.
+    # digest, what was taken, the trainer state carried); a value given is replaced.
     origin: dict[str, Any] | None = None
 
 
@@ -264,6 +270,18 @@ class RunConfig:
     def data_seed(self) -> int:
         """The seed of the training data order (`data.seed`, else `seed`)."""
         return self.seed if self.data.seed is None else self.data.seed
+
+    @property
+    def start_step(self) -> int:
+        """The step a new run starts at: 0, or the one its origin's trainer state carries."""
+        return int(((self.init.origin or {}).get("trainer") or {}).get("step", 0))
+
+    @property
+    def batch_offset(self) -> int:
+        """Global batch of step k, minus k - 1: 0, or where the carried data position put the
+        run's first step (data/position.py) minus its start step."""
+        trainer = (self.init.origin or {}).get("trainer") or {}
+        return int(trainer.get("batch", 0)) - int(trainer.get("step", 0))
 
     @property
     def checkpoint_url(self) -> str:

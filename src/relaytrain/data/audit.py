@@ -43,6 +43,7 @@ CHECKS = ("config", "data", "no_gaps", "shards_disjoint", "continuity", "shards_
           "exactly_once", "heldout_documents", "heldout_ngrams")
 ORDER_KEYS = ("seed", "data_seed", "global_batch", "seq_len", "n_instances", "fingerprint")
 HEADER_KEYS = (*ORDER_KEYS, "micro_batch", "dp", "data_path")
+SOURCE = -1  # an instance the run a continued run continues consumed (its first epoch's)
 # Distinct documents share some 32-grams naturally (a few percent on the demo corpus, mostly
 # generated codec tables and boilerplate: docs/MEASURED.md); a held-out set that holds (near)
 # copies of training documents shows up as a large share, up to 100%.
@@ -221,16 +222,21 @@ def _check_config(segments: list[_Segment]) -> CheckResult:
         if h["global_batch"] % (h["dp"] * h["micro_batch"]):
             c.fail(f"the header there cannot split global batch {h['global_batch']} over "
                    f"dp={h['dp']} x micro_batch={h['micro_batch']}", seg.after_step + 1)
+    start = ((first.get("init") or {}).get("trainer") or {}).get("step", 0)
     return c.result(f"{len(segments)} headers agree on seed, data seed {first['data_seed']}, "
-                    "global batch, seq_len and data; step 0 from "
+                    f"global batch, seq_len and data; step {start} from "
                     f"{describe_origin(first.get('init'))}")
 def describe_origin(origin: dict[str, Any] | None) -> str:
     """Where a run's step 0 came from, as the ledger header records it (`init.from`)."""
     if not origin:
         return "the seed"
     step = f" step {origin['step']}" if origin.get("step") is not None else ""
+    trainer = origin.get("trainer") or {}
+    carried = (f"; its trainer state: step {trainer.get('step')}, epoch {trainer.get('epoch')} "
+               f"{trainer.get('tokens')} tokens in, global batch {trainer.get('batch')}"
+               if trainer else "")
     return (f"init.from {origin.get('kind')} {origin.get('from')}{step} "
-            f"({'+'.join(origin.get('took', []))}, {origin.get('digest')})")
+            f"({'+'.join(origin.get('took', []))}, {origin.get('digest')}{carried})")
 
 
 def _check_data(first: dict[str, Any], ds: TokenDataset) -> CheckResult:
@@ -245,18 +251,22 @@ def _check_data(first: dict[str, Any], ds: TokenDataset) -> CheckResult:
     return c.result(f"fingerprint {ds.fingerprint[:12]} matches, {n} instances")
 
 
+def _plus(offset: int) -> str:
+    return f" + {offset}" if offset > 0 else f" - {-offset}" if offset else ""
+
+
 def _describe_mismatch(k: int, got: np.ndarray, want: np.ndarray,
-                       batch_of: dict[bytes, int]) -> str:
-    j = batch_of.get(np.sort(got).tobytes())
-    if j is not None and j != k - 1:
-        return (f"holds global batch {j} (that of step {j + 1}) instead of {k - 1}: "
-                f"{'a replay' if j < k - 1 else 'a skip ahead'}")
+                       batch_of: dict[bytes, int], layout: _Layout) -> str:
+    j, i = batch_of.get(np.sort(got).tobytes()), layout.index(k)
+    if j is not None and j != i:
+        return (f"holds global batch {j} (that of step {j + 1 - layout.offset}) instead of "
+                f"{i}: {'a replay' if j < i else 'a skip ahead'}")
     if len(got) == len(want) and np.array_equal(np.sort(got), np.sort(want)):
-        return f"holds global batch {k - 1} in the wrong order (rank parts misplaced)"
+        return f"holds global batch {i} in the wrong order (rank parts misplaced)"
     common = min(len(got), len(want))
     p = int(np.argmax(got[:common] != want[:common])) if common else 0
     differ = len(np.setxor1d(got, want))
-    return (f"differs from pure global batch {k - 1} in {differ} ids (position {p}: got "
+    return (f"differs from pure global batch {i} in {differ} ids (position {p}: got "
             f"{got[p] if p < len(got) else '-'}, expected {want[p] if p < len(want) else '-'})")
 
 
@@ -286,6 +296,11 @@ class _Layout:
     def __init__(self, header: dict[str, Any]) -> None:
         seed, self.B, self.n = (header["data_seed"], header["global_batch"],
                                 header["n_instances"])
+        # a run continuing another's trainer state (init.trainer_state) starts at the source's
+        # step, its first step on the global batch the source's data position gave
+        trainer = (header.get("init") or {}).get("trainer") or {}
+        self.start = int(trainer.get("step", 0))
+        self.offset = int(trainer.get("batch", 0)) - self.start
         self.olmo = header.get("order", "relay") == "olmo-core"
         if self.olmo:
             self._olmo = OlmoOrder(seed, self.n, self.B)
@@ -294,11 +309,15 @@ class _Layout:
             self._relay = Order(seed, self.n)
             self.per_epoch = self.n
 
+    def index(self, k: int) -> int:
+        """The global batch step k trains on."""
+        return k - 1 + self.offset
+
     def batch(self, k: int) -> np.ndarray:
         """The ids of step k's global batch, in order."""
         if self.olmo:
-            return self._olmo.global_batch(k - 1)[1]
-        return self._relay.global_batch(self.B, k - 1)[1]
+            return self._olmo.global_batch(self.index(k))[1]
+        return self._relay.global_batch(self.B, self.index(k))[1]
 
     def parts(self, k: int, dp: int) -> np.ndarray:
         """Step k's ids as dp ranks hold them, rank parts concatenated."""
@@ -310,17 +329,27 @@ class _Layout:
     def epochs(self, k: int, size: int) -> np.ndarray:
         """The epoch of each of the `size` positions of step k."""
         if self.olmo:
-            return np.full(size, (k - 1) // self._olmo.batches_per_epoch, dtype=np.int64)
-        return (np.arange(size, dtype=np.int64) + (k - 1) * self.B) // self.n
+            return np.full(size, self.index(k) // self._olmo.batches_per_epoch, dtype=np.int64)
+        return (np.arange(size, dtype=np.int64) + self.index(k) * self.B) // self.n
 
     def last_epoch(self, last_step: int) -> int:
-        return int(self.epochs(last_step, self.B)[-1]) if last_step else -1
+        return int(self.epochs(last_step, self.B)[-1]) if last_step > self.start else -1
 
     def end_step(self, epoch: int) -> int:
         """The step that completes `epoch`."""
         if self.olmo:
-            return (epoch + 1) * self._olmo.batches_per_epoch
-        return ((epoch + 1) * self.n - 1) // self.B + 1
+            return (epoch + 1) * self._olmo.batches_per_epoch - self.offset
+        return ((epoch + 1) * self.n - 1) // self.B + 1 - self.offset
+
+    def carried(self) -> tuple[int, np.ndarray]:
+        """The epoch the run's first step is in and the instances of it that its source
+        consumed before (none for a run of its own)."""
+        first = self.index(self.start + 1)
+        epoch = int(self.epochs(self.start + 1, 1)[0])
+        done = first * self.B - epoch * self.per_epoch  # positions of the epoch before it
+        if self.olmo:
+            return epoch, self._olmo.permutation(epoch)[:done].astype(np.int64)
+        return epoch, self._relay.permutation(epoch)[:done]
 
     def epoch_ids(self, epoch: int) -> np.ndarray:
         """The instances `epoch` uses."""
@@ -336,9 +365,14 @@ class _EpochUse:
     def __init__(self, layout: _Layout, last_epoch: int) -> None:
         self.layout, self.last_epoch = layout, last_epoch
         self.check = _Check("exactly_once")
-        self.used: dict[int, np.ndarray] = {}  # epoch -> step per instance (0: unused)
+        # epoch -> step per instance (0: unused; SOURCE: by the run a continued run continues)
+        self.used: dict[int, np.ndarray] = {}
         self.closed: set[int] = set()
         self.complete = 0
+        self.first_epoch, before = layout.carried()
+        if before.size and last_epoch >= self.first_epoch:
+            self.used[self.first_epoch] = np.zeros(layout.n, dtype=np.int64)
+            self.used[self.first_epoch][before] = SOURCE
 
     def close(self, e: int) -> None:
         self.closed.add(e)
@@ -364,12 +398,13 @@ class _EpochUse:
             again = uniq[(seen[uniq] != 0) | (counts > 1)]
             if again.size:
                 i = int(again[0])
-                self.check.fail(f"instance {i} used twice in epoch {e} (steps "
-                                f"{int(seen[i]) or k} and {k})", k, i)
+                first = "the source's steps" if seen[i] == SOURCE else \
+                    f"steps {int(seen[i]) or k}"
+                self.check.fail(f"instance {i} used twice in epoch {e} ({first} and {k})", k, i)
             seen[ids] = np.where(seen[ids] == 0, k, seen[ids])
 
     def finish(self) -> None:
-        for e in range(self.last_epoch + 1):
+        for e in range(self.first_epoch, self.last_epoch + 1):
             if e not in self.closed:
                 self.close(e)
 
@@ -405,8 +440,9 @@ def _check_steps(segments: list[_Segment], recorded: _Steps,
         "no_gaps", "shards_disjoint", "continuity", "shards_complete"))
     steps = sorted(committed)
     last = steps[-1] if steps else 0
-    for s in sorted(set(range(1, last + 1)) - set(steps)):
-        gaps.fail(f"missing (steps 1..{last} expected)", s)
+    first = layout.start + 1
+    for s in sorted(set(range(first, last + 1)) - set(steps)):
+        gaps.fail(f"missing (steps {first}..{last} expected)", s)
     for s in recorded.redone:
         cont.fail("recorded twice with no rollback in between: the first run of the step was "
                   "never discarded", s)
@@ -418,17 +454,20 @@ def _check_steps(segments: list[_Segment], recorded: _Steps,
         parts = [np.asarray(p, dtype=np.int64) for p in rec["parts"]]
         got = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         want = layout.parts(k, rec.get("dp", len(parts)))
-        if rec.get("batch", k - 1) != k - 1:
-            cont.fail(f"{ctx}: the record says batch {rec['batch']}, expected {k - 1}", k)
+        if rec.get("batch", k - 1) != layout.index(k):
+            cont.fail(f"{ctx}: the record says batch {rec['batch']}, expected "
+                      f"{layout.index(k)}", k)
         pos_epochs = _check_shards(ctx, k, parts, rec.get("dp", len(parts)), layout, disjoint)
         if not np.array_equal(got, want):  # continuity against the pure order
             if not batch_of:
-                batch_of.update((np.sort(layout.batch(s)).tobytes(), s - 1) for s in steps)
-            cont.fail(f"{ctx}: {_describe_mismatch(k, got, want, batch_of)}", k,
+                batch_of.update((np.sort(layout.batch(s)).tobytes(), layout.index(s))
+                                for s in steps)
+            cont.fail(f"{ctx}: {_describe_mismatch(k, got, want, batch_of, layout)}", k,
                       int(want[0]) if want.size else None)
         lost = _missing(want, got)
         if lost.size:
-            complete.fail(f"{ctx}: instance {int(lost[0])} of global batch {k - 1} is on no "
+            complete.fail(f"{ctx}: instance {int(lost[0])} of global batch {layout.index(k)} is "
+                          "on no "
                           f"rank ({lost.size} missing)", k, int(lost[0]))
         use.add(k, got, pos_epochs)
     use.finish()
@@ -437,9 +476,10 @@ def _check_steps(segments: list[_Segment], recorded: _Steps,
     report.epochs = use.last_epoch + 1
     report.complete_epochs = use.complete
     return [
-        gaps.result(f"steps 1..{last} all present" if last else "no committed steps"),
+        gaps.result(f"steps {first}..{last} all present" if last else "no committed steps"),
         disjoint.result(f"{len(steps)} steps, dp shards disjoint"),
-        cont.result(f"every step holds pure global batch k-1 across {report.resumes} "
+        cont.result(f"every step k holds pure global batch k-1{_plus(layout.offset)} across "
+                    f"{report.resumes} "
                     f"resumes, {report.resizes} resizes"),
         complete.result("every global batch fully consumed"),
         use.check.result(f"{report.instances} instances, at most once per epoch; "

@@ -41,10 +41,13 @@ def header_record(*, seed: int, data_seed: int, global_batch: int, micro_batch: 
             "wall": time.time() if wall is None else wall}
 
 
-def step_record(step: int, parts: Sequence[Sequence[int] | np.ndarray]) -> dict[str, Any]:
-    """Optimizer step `step` (1-based) consumed global batch step - 1; parts[r] are the ids DP
-    rank r actually trained on."""
-    return {"kind": "step", "step": int(step), "batch": int(step) - 1, "dp": len(parts),
+def step_record(step: int, parts: Sequence[Sequence[int] | np.ndarray],
+                batch: int | None = None) -> dict[str, Any]:
+    """Optimizer step `step` (1-based) consumed global batch `batch` (step - 1, unless the run
+    continues another's data position: `init.trainer_state`); parts[r] are the ids DP rank r
+    actually trained on."""
+    batch = int(step) - 1 if batch is None else int(batch)
+    return {"kind": "step", "step": int(step), "batch": batch, "dp": len(parts),
             "parts": [np.asarray(p, dtype=np.int64).tolist() for p in parts]}
 
 

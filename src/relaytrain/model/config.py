@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -42,6 +42,9 @@ class Olmo3Config:
     mlp_hidden: int
     vocab_size: int | None = None  # padded embedding rows; None: from the data
     tokenizer_vocab: int | None = None  # rows HF keeps (unpadded); None: == vocab_size
+    # The rows the loss's softmax normalises over: the tokenizer's (`tokenizer_vocab`), or every
+    # (padded) embedding row as OLMo-core's loss does (docs/CONTRACTS.md#init-from)
+    softmax_rows: Literal["tokenizer", "padded"] = "tokenizer"
     rms_eps: float = 1e-6
     rope_theta: float = 500_000.0
     max_seq_len: int = 8192

@@ -393,6 +393,8 @@ def check_config(cfg: Olmo3Config) -> None:
     if cfg.tokenizer_vocab is not None and not 0 < cfg.tokenizer_vocab <= cfg.vocab_size:
         raise ValueError(f"tokenizer_vocab={cfg.tokenizer_vocab} must be in "
                          f"1..vocab_size={cfg.vocab_size}")
+    if cfg.softmax_rows not in ("tokenizer", "padded"):
+        raise ValueError(f"softmax_rows={cfg.softmax_rows!r} must be 'tokenizer' or 'padded'")
     if cfg.n_kv_heads <= 0 or cfg.n_heads % cfg.n_kv_heads:
         raise ValueError(f"n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
     if cfg.head_dim % 2:
@@ -415,7 +417,8 @@ class Olmo3(nn.Module):
     `(total, ce, z)` instead, from the fused head + loss (`model.loss.lm_head_loss`), which
     never holds the whole batch's logits; that is what training calls.
     The head has `vocab_size` (padded) rows; the padded rows are left out of the logits, so
-    they get no gradient and never affect the loss.
+    they get no gradient and never affect the loss, unless `softmax_rows` is `padded` (every
+    row in the logits and the softmax, as OLMo-core's model computes them).
     How it executes (attention kernels, activation checkpointing, the GEMM backend, compiled
     blocks) is set by `configure` and `compile_blocks` and never changes parameter names or the
     math.
@@ -431,7 +434,8 @@ class Olmo3(nn.Module):
                              f"range({cfg.n_layers})")
         self.cfg = cfg
         self.first, self.last = first, last
-        self.n_logits = cfg.tokenizer_vocab or cfg.vocab_size
+        self.n_logits = cfg.vocab_size if cfg.softmax_rows == "padded" else \
+            cfg.tokenizer_vocab or cfg.vocab_size
         if first:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.layer_types[i]) for i in layers})

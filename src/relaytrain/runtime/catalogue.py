@@ -100,6 +100,7 @@ class CheckpointCatalogue:
         self.pending: list[PendingCheckpoint] = []
         self.last_committed = 0
         self.failures: list[FailedSave] = []  # failed saves not yet taken (take_failures)
+        self.base = 0  # the step the run started at (0, or a continued run's source's)
 
     def newest_good_manifest(self, start_over: bool = False) -> dict[str, Any] | None:
         """The newest committed checkpoint whose files all verify; broken ones are skipped
@@ -224,7 +225,7 @@ class CheckpointCatalogue:
         self.pending = []
 
     def latest_readable_step(self) -> int:
-        """The newest committed step (0 if none), after committing what is complete (parts
+        """The newest committed step (`base` if none), after committing what is complete (parts
         whose report was lost with a failed worker count when their record is in storage:
         the part was finished); storage that is unavailable is waited for, since restoring
         needs it and a deferred commit may hold the newest state."""
@@ -232,7 +233,7 @@ class CheckpointCatalogue:
         def latest() -> int:
             self._adopt_unreported()
             self.commit_ready()
-            return self.store.latest_step() or 0
+            return self.store.latest_step() or self.base
 
         return wait_for_storage(latest, self.store.url, "to restore")
 

@@ -17,12 +17,13 @@ import yaml
 
 from relaytrain import storage
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.config import check_resume_compatible, init_section
-from relaytrain.config.sections import RunConfig
+from relaytrain.config import check_resume_compatible, init_section, keep_settled
+from relaytrain.config.sections import InitSection, RunConfig
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.eval_sets import eval_ids, open_eval_sets
 from relaytrain.data.loader import check_order
 from relaytrain.data.packing import train_split
+from relaytrain.data.position import Stream
 from relaytrain.errors import ConfigError, UserError, warn
 from relaytrain.model.accounting import flops_per_token
 from relaytrain.parallel.pipeline.schedules import asynchronous
@@ -46,6 +47,7 @@ from relaytrain.runtime.reporter import StepReporter, TrainingStopped
 from relaytrain.runtime.summary import RunSummary
 from relaytrain.train.auto_backends import settle_backends
 from relaytrain.train.execution import pick_device
+from relaytrain.train.init_from import continue_at
 from relaytrain.train.init_from import resolve as resolve_init
 from relaytrain.train.metrics import peak_flops
 from relaytrain.train.skip_step import SkipRule, SkipWindow
@@ -89,6 +91,9 @@ class Controller:
         resume = self._resume_manifest(cfg)
         self.start = 0 if resume is None else int(resume["step"])
         cfg = self._settle_init(cfg, resume)
+        if resume is None:
+            self.start = cfg.start_step  # a continued run starts at its source's step
+        self.catalogue.base = cfg.start_step
         # The run's config is settled once, here, before anything reads it: `auto` replaced by
         # the backends chosen for the run (those the checkpoint recorded, where its host chose
         # them), which every worker runs; the fused kernels are built (once per host) here.
@@ -242,16 +247,51 @@ class Controller:
     def _settle_init(self, cfg: RunConfig, resume: dict[str, Any] | None) -> RunConfig:
         """`cfg` with `init.origin` settled: a new run with `init.from` resolves it (found,
         verified, of the run's dimensions: train/init_from.py), before anything is written; a
-        resumed run keeps the origin its checkpoint recorded, and ignores `init.from`."""
+        resumed run keeps the origin its checkpoint recorded, and ignores `init.from`. An unset
+        `model.softmax_rows` is settled too: the origin's (OLMo-core's `padded` for an OLMo-core
+        checkpoint), the tokenizer's rows for a run from the seed, a resumed run's own (and its
+        data seed, where it took its source's: `config.keep_settled`)."""
         init = dataclasses.replace(cfg.init, origin=None)
+        rows = None
         if resume is not None:
             if init.from_ is not None:
                 warn(f"config key 'init.from' is ignored: run_dir {cfg.run_dir!r} resumes its "
                      f"own checkpoint step {self.start}")
             init = init_section(resume.get("config") or {})
+            cfg = keep_settled(resume.get("config") or {}, cfg)
         elif init.from_ is not None:
             init = dataclasses.replace(init, origin=resolve_init(init, self.model_cfg))
-        return dataclasses.replace(cfg, init=init)
+            rows = init.origin["softmax_rows"]
+            if "trainer" in init.origin:
+                cfg, init = self._continue(cfg, init)
+        else:
+            rows = "tokenizer"
+        cfg = dataclasses.replace(cfg, init=init)
+        if rows is not None and "softmax_rows" not in cfg.model.overrides:
+            # unset: the source's (a continued run computes its loss as it was computed)
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+                cfg.model, overrides={**cfg.model.overrides, "softmax_rows": rows}))
+        self.model_cfg = cfg.model_config(self.dataset.vocab_size)
+        return cfg
+
+    def _continue(self, cfg: RunConfig, init: InitSection) -> tuple[RunConfig, InitSection]:
+        """A run continuing its origin's trainer state (`init.trainer_state`): its data seed
+        the source's unless `data.seed` says otherwise, its first global batch where the
+        source's data position lies in the run's stream, its steps past the source's."""
+        t = init.origin["trainer"]
+        seed = t.get("data_seed")
+        if cfg.data.seed is None and seed is not None:
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seed=seed))
+        elif seed is not None and cfg.data_seed != seed:
+            warn(f"config key 'data.seed': {cfg.data_seed} is not the data seed of the run "
+                 f"init.trainer_state continues ({seed}): its data order is not the source's")
+        if cfg.train.max_steps <= t["step"]:
+            raise ConfigError(f"config key 'train.max_steps': got {cfg.train.max_steps}, but "
+                              f"init.trainer_state continues from step {t['step']}; expected "
+                              "more (steps count on from the source's)")
+        n = self.dataset.split("train").num_instances(cfg.seq_len)
+        stream = Stream(cfg.data.order, n, cfg.train.global_batch, cfg.seq_len)
+        return cfg, dataclasses.replace(init, origin=continue_at(init.origin, stream))
 
     def _prepare_run_dir(self) -> None:
         """Create or reopen the run directory, with the run's settled config."""
@@ -352,7 +392,9 @@ class Controller:
     def _manifest_meta(self, step: int) -> dict[str, Any]:
         return {"model": self.model_cfg.to_dict(), "config": self.cfg.to_dict(),
                 **{k: {"backend": c.backend, "key": c.key} for k, c in self.backends.items()},
-                "data": {"batch_index": step, "fingerprint": self.dataset.fingerprint,
+                # the global batch the next step trains on: the run's data position
+                "data": {"batch_index": step + self.cfg.batch_offset,
+                         "fingerprint": self.dataset.fingerprint,
                          "n_instances": self.n_train, "seq_len": self.cfg.seq_len},
                 # Nothing draws from global RNG state: init derives from (seed, purpose), the
                 # data order from (data seed, epoch), so the two seeds are the whole RNG state.

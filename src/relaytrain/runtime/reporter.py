@@ -108,7 +108,7 @@ class StepReporter:
         if ledger_last > start:
             self.rollback(range(start + 1, ledger_last + 1), start)
         self.header(start, dp)
-        if start > 0:
+        if start > self.cfg.start_step:
             self.metrics.write("restart", step=start)
 
     def start_progress(self, start: int, flops_per_token: float, peak_flops: float) -> None:
@@ -162,7 +162,8 @@ class StepReporter:
         mfu = tps * self.flops_per_token / self.peak_flops if self.peak_flops else 0.0
         for i, (per, rec) in enumerate(zip(per_step, records, strict=True)):
             step = first + i
-            self.ledger.write(step_record(step, ledger_parts(per, placements)))
+            self.ledger.write(step_record(step, ledger_parts(per, placements),
+                                          step - 1 + self.cfg.batch_offset))
             self.last = self.metrics.write(
                 "step", step=step, **rec, tokens=step * self.tokens_per_step, tokens_per_s=tps,
                 mfu=mfu, time_checkpoint=checkpoint_s if i == len(per_step) - 1 else 0.0)
@@ -181,7 +182,8 @@ class StepReporter:
 
     def _diverged(self, step: int, rec: dict[str, Any], per: dict[int, StepResult],
                   placements: dict[int, Placement]) -> None:
-        self.ledger.write(step_record(step, ledger_parts(per, placements)))
+        self.ledger.write(step_record(step, ledger_parts(per, placements),
+                                          step - 1 + self.cfg.batch_offset))
         self.metrics.write("nan", step=step, message=f"non-finite loss/gradient: "
                            f"loss={rec['loss']} grad_norm={rec['grad_norm']}")
         raise TrainingStopped(f"training diverged at step {step} (loss {rec['loss']}, grad "

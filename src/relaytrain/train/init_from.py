@@ -33,12 +33,17 @@ from relaytrain.checkpoint.keys import (
     model_tensors,
     tensor_param,
 )
-from relaytrain.checkpoint.olmo_core import read_olmo_core, read_olmo_core_metadata
+from relaytrain.checkpoint.olmo_core import (
+    read_olmo_core,
+    read_olmo_core_metadata,
+    read_olmo_core_trainer_state,
+)
 from relaytrain.checkpoint.pieces import Rows
 from relaytrain.checkpoint.reading import Into, KeyFilter, load_dir, stored_keys
 from relaytrain.checkpoint.store import locate_checkpoint
 from relaytrain.checkpoint.streaming import DIGEST, digest_hex, hash_stream
 from relaytrain.config.sections import InitSection
+from relaytrain.data.position import Stream, batch_at, position_of
 from relaytrain.errors import CheckpointError, ConfigError, UserError, warn
 from relaytrain.model.config import Olmo3Config
 from relaytrain.model.olmo3 import Olmo3
@@ -47,7 +52,7 @@ from relaytrain.model.olmo3 import Olmo3
 # sliding window, sequence length) may change between stages, as Olmo 3's long-context one does.
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
                 "vocab_size")
-WEIGHTS, MOMENTS = "weights", "moments"
+WEIGHTS, MOMENTS, TRAINER = "weights", "moments", "trainer_state"
 
 
 @dataclass(frozen=True)
@@ -60,15 +65,20 @@ class Found:
     moments: bool  # the source holds AdamW's moments and step counts
     dims: dict[str, Any]  # of SHAPE_FIELDS, those it says (the others are not compared)
     params: set[str]  # the parameters it holds weights of
+    softmax_rows: str  # the rows the source's loss normalised over (Olmo3Config.softmax_rows)
     shapes: dict[str, tuple[int, ...]] | None = None  # their shapes, where `dims` says not all
+    # its trainer state, where it has one: {"step", "epoch" (0-based), "tokens" (consumed of
+    # that epoch), "data_seed", "digest" (of the file holding it, where not the manifest)}
+    trainer: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
 class SourceKind:
     name: str
     holds: Callable[[fsspec.AbstractFileSystem, str], bool]  # does this directory hold one?
-    # found and verified (`init.optimizer` says whether its moments are wanted), else an error
-    resolve: Callable[[str, bool], Found]
+    # found and verified (`init` says whether its moments and trainer state are wanted), else
+    # an error
+    resolve: Callable[[str, InitSection], Found]
     # this worker's tensors (`model.*`, `optim.*`) of the origin: those `keys` selects, of the
     # sharded ones the `rows` asked; read `into` the live tensors where they fit
     read: Callable[[dict[str, Any], KeyFilter, Rows, Into | None], dict[str, torch.Tensor]]
@@ -88,14 +98,30 @@ def _relay_holds(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     return True  # the last kind: whatever it is not, `locate_checkpoint` says
 
 
-def _relay_resolve(url: str, optimizer: bool) -> Found:
+def _relay_resolve(url: str, init: InitSection) -> Found:
     fs, d, manifest = locate_checkpoint(url)
     if not isinstance(manifest.get("model"), dict):
         raise CheckpointError(f"{url}: its manifest records no model config")
     keys = stored_keys(fs, d, manifest)
     return Found(_location(fs, d), int(manifest["step"]), _manifest_digest(manifest),
                  any(k.startswith(OPTIM_PREFIX) for k in keys), manifest["model"],
-                 set(model_tensors(dict.fromkeys(keys))))
+                 set(model_tensors(dict.fromkeys(keys))),
+                 manifest["model"].get("softmax_rows", "tokenizer"),
+                 trainer=_relay_trainer(manifest))
+
+
+def _relay_trainer(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """A relaytrain checkpoint's trainer state: its step, and its data position (the global
+    batch its next step would train on) as an epoch and the tokens consumed of it."""
+    data, cfg = manifest.get("data") or {}, manifest.get("config") or {}
+    train = cfg.get("train") or {}
+    if not {"batch_index", "n_instances", "seq_len"} <= set(data) or "global_batch" not in train:
+        return None  # a manifest from before the data position was recorded
+    stream = Stream((cfg.get("data") or {}).get("order", "relay"), data["n_instances"],
+                    train["global_batch"], data["seq_len"])
+    epoch, tokens = position_of(stream, int(data["batch_index"]))
+    return {"step": int(manifest["step"]), "epoch": epoch, "tokens": tokens,
+            "data_seed": (manifest.get("rng") or {}).get("data_seed")}
 
 
 def _relay_read(origin: dict[str, Any], keys: KeyFilter, rows: Rows, into: Into | None
@@ -113,7 +139,7 @@ def _hf_holds(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     return fs.exists(f"{path}/config.json") and bool(fs.glob(f"{path}/*.safetensors"))
 
 
-def _hf_resolve(url: str, optimizer: bool) -> Found:
+def _hf_resolve(url: str, init: InitSection) -> Found:
     from relaytrain.model.hf import read_hf
 
     fs, path = storage.filesystem(url)
@@ -128,7 +154,7 @@ def _hf_resolve(url: str, optimizer: bool) -> Found:
             size, digest = hash_stream(src)
         parts.append(f"{posixpath.basename(f)}:{size}:{digest}".encode())
     return Found(path, None, f"{DIGEST}:{digest_hex(DIGEST, *parts)}", False, cfg.to_dict(),
-                 set(shapes))
+                 set(shapes), "tokenizer")  # HF's logits: its config's (unpadded) vocabulary
 
 
 def _hf_read(origin: dict[str, Any], keys: KeyFilter, rows: Rows, into: Into | None
@@ -155,12 +181,17 @@ def _olmo_core_holds(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     return fs.exists(f"{path}/.metadata") or fs.exists(f"{path}/model_and_optim/.metadata")
 
 
-def _olmo_core_resolve(url: str, optimizer: bool) -> Found:
+def _olmo_core_resolve(url: str, init: InitSection) -> Found:
     fs, path = storage.filesystem(url)
-    meta = read_olmo_core_metadata(url, optimizer)  # the .metadata (and one step count) only
+    meta = read_olmo_core_metadata(url, init.optimizer)  # .metadata (and one step count) only
     weights = {tensor_param(k): s for k, s in meta.shapes.items() if k.startswith(MODEL_PREFIX)}
+    state = read_olmo_core_trainer_state(url) if init.trainer_state else None
+    trainer = None if state is None else {
+        "step": state.global_step, "epoch": state.epoch - 1, "tokens": state.tokens,
+        "data_seed": state.seed, "digest": state.digest}
+    # OLMo-core's logits span every embedding row (its `lm_head.w_out`), the padded ones too
     return Found(_location(fs, path.rstrip("/")), meta.step, meta.digest, meta.moments,
-                 meta.model, set(weights), weights)
+                 meta.model, set(weights), "padded", weights, trainer)
 
 
 def _olmo_core_read(origin: dict[str, Any], keys: KeyFilter, rows: Rows, into: Into | None
@@ -196,7 +227,7 @@ def resolve(init: InitSection, model_cfg: Olmo3Config) -> dict[str, Any]:
     assert url is not None
     kind = _kind_of(url)
     try:
-        found = kind.resolve(url, init.optimizer)
+        found = kind.resolve(url, init)
     except ConfigError:
         raise
     except Exception as e:  # whatever the source holds instead: one line, naming the key
@@ -205,13 +236,38 @@ def resolve(init: InitSection, model_cfg: Olmo3Config) -> dict[str, Any]:
                           f"{kind.name} checkpoint ({' '.join(what.split())})") from None
     _check_model(url, found, model_cfg)
     took = [WEIGHTS]
+    if init.trainer_state and (found.trainer is None or not found.moments):
+        lacks = "trainer state (step count, data position)" if found.trainer is None else \
+            "optimizer state"
+        raise ConfigError(f"config key 'init.trainer_state': {storage.redact(url)} "
+                          f"({kind.name}) holds no {lacks} to continue; expected a relaytrain "
+                          "checkpoint or an OLMo-core step directory with its train/rank0.pt "
+                          "and optimizer state, or init.trainer_state: false")
     if init.optimizer and found.moments:
         took.append(MOMENTS)
     elif init.optimizer:
         warn(f"init.optimizer: {storage.redact(url)} ({kind.name}) holds no optimizer state; "
              "taking its weights only")
-    return {"from": url, "kind": kind.name, "location": found.location, "step": found.step,
-            "digest": found.digest, "took": took}
+    origin = {"from": url, "kind": kind.name, "location": found.location, "step": found.step,
+              "digest": found.digest, "took": took, "softmax_rows": found.softmax_rows}
+    if init.trainer_state:
+        took.append(TRAINER)
+        origin["trainer"] = found.trainer
+    return origin
+
+
+def continue_at(origin: dict[str, Any], stream: Stream) -> dict[str, Any]:
+    """`origin` with the global batch (`trainer.batch`) the run's first step trains on: the
+    carried data position in the run's own stream (data/position.py); one ConfigError where it
+    is not the start of one of the run's global batches."""
+    t = origin["trainer"]
+    try:
+        batch = batch_at(stream, t["epoch"], t["tokens"])
+    except UserError as e:
+        raise ConfigError(f"config key 'init.trainer_state': the data position of "
+                          f"{storage.redact(origin['from'])} (step {t['step']}) does not "
+                          f"continue in the run's data: {e}") from None
+    return {**origin, "trainer": {**t, "batch": batch}}
 
 
 def _check_model(url: str, found: Found, model_cfg: Olmo3Config) -> None:

@@ -83,19 +83,25 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> AdamW:
 
 
 def lr_at(step: int, cfg: OptimSection, max_steps: int) -> float:
-    """Linear warm-up to `lr`, then `optim.schedule` (cosine or linear) down to
-    `lr * final_lr_frac` at `optim.t_max` (default `max_steps`), flat after (1-based step).
+    """Linear warm-up, then `optim.schedule` down to `lr * final_lr_frac` at `optim.t_max`
+    (default `max_steps`), flat after (1-based step).
 
-    OLMo-core's `CosWithWarmup` / `LinearWithWarmup` with `alpha_f = final_lr_frac` and their
-    `t_max` (default: the trainer's max steps), as the official Olmo 3 scripts run them."""
+    OLMo-core's `CosWithWarmup` / `LinearWithWarmup` / `HalfCosWithWarmup` with `alpha_f =
+    final_lr_frac` and their `t_max` (default: the trainer's max steps), as the official Olmo 3
+    scripts run them. The half cosine warms up to the cosine's midpoint (its `lr` is the whole
+    cosine's peak) and runs the cosine's second half: the schedule an extended run (the 7B
+    pre-training's part 2) continues on from its resumed step."""
+    floor = cfg.lr * cfg.final_lr_frac
+    peak = (floor + (cfg.lr - floor) / 2) if cfg.schedule == "half-cosine" else cfg.lr
     if cfg.warmup > 0 and step <= cfg.warmup:
-        return cfg.lr * step / cfg.warmup
+        return peak * step / cfg.warmup
     horizon = max_steps if cfg.t_max is None else cfg.t_max
     span = max(1, horizon - cfg.warmup)
     progress = min(1.0, (step - cfg.warmup) / span)
-    floor = cfg.lr * cfg.final_lr_frac
     if cfg.schedule == "linear":
         return cfg.lr - (cfg.lr - floor) * progress
+    if cfg.schedule == "half-cosine":
+        progress = (1.0 + progress) / 2
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

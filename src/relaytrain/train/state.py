@@ -85,9 +85,9 @@ class TrainState:
         run, pieces of this worker's rows from the snapshots of the peers holding them), else
         this worker's own snapshot if it is of `step` (a shard's, only if its rows are this
         worker's now: the controller gives pieces otherwise), else checkpoint `step` from
-        storage, else (step 0) the run's `init.from` origin if it has one (train/init_from.py),
-        else the seed."""
-        if self.model is None or step == 0 or self.layout != layout:
+        storage, else (the run's start: step 0, or the step a continued run starts at) the
+        run's `init.from` origin if it has one (train/init_from.py), else the seed."""
+        if self.model is None or step == self.cfg.start_step or self.layout != layout:
             # A new module; a worker re-forming with the same layout keeps its own, since
             # every restored value is overwritten below (that makes recovery cheap).
             self.fresh(self._new_module(layout), layout, shard_group, generation)
@@ -180,7 +180,7 @@ class TrainState:
                 raise RuntimeError(f"this worker's snapshot of step {step} holds rows of "
                                    "another layout (they must be pulled from the peers)")
             self.load_tensors(tensors, local=bool(where))
-        elif step > 0:
+        elif step > self.cfg.start_step:
             self.load_tensors(self._read_checkpoint(step), local=True, owned=True)
         elif self.cfg.init.origin is not None:
             self.load_tensors(self._read_checkpoint(None), local=True, owned=True)

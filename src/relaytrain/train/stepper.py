@@ -117,7 +117,7 @@ class LocalStepper:
         model, optimizer, device = self.state.model, self.state.optimizer, self.state.device
         reset_peak_rss()
         t0 = time.perf_counter()
-        batch = self.loader.get(step - 1)
+        batch = self.loader.get(step - 1 + self.cfg.batch_offset)
         t1 = time.perf_counter()
         set_lr(optimizer, lr_at(step, self.cfg.optim, self.cfg.train.max_steps))
         model.train()
@@ -140,13 +140,16 @@ class PipelineStepper:
     """A pipeline stage's steps: a span's batches through the stage executor at once (one step
     for flush schedules), timings split evenly over the span's steps."""
 
-    def __init__(self, runner: StageRunner, loader: Loader, device: torch.device):
+    def __init__(self, runner: StageRunner, loader: Loader, device: torch.device,
+                 batch_offset: int = 0):
         self.runner, self.loader, self.device = runner, loader, device
+        self.batch_offset = batch_offset  # RunConfig.batch_offset
 
     def run(self, first: int, count: int, history: SkipHistory | None = None
             ) -> list[StepResult]:
         t0 = time.perf_counter()
-        batches = [self.loader.get(step - 1) for step in range(first, first + count)]
+        batches = [self.loader.get(step - 1 + self.batch_offset)
+                   for step in range(first, first + count)]
         t1 = time.perf_counter()
         outs = self.runner.run_span(first, batches, history)
         compute = synced_since(t1, self.device)
@@ -183,4 +186,4 @@ def make_stepper(cfg: RunConfig, state: TrainState, reducer: GradReducer | Shard
                          groups.prev, groups.next, groups.pipe,
                          lambda step: lr_at(step, cfg.optim, cfg.train.max_steps),
                          state.device, sharded=state.sharded)
-    return PipelineStepper(runner, loader, state.device)
+    return PipelineStepper(runner, loader, state.device, cfg.batch_offset)
