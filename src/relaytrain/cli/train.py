@@ -17,18 +17,25 @@ def add_parser(sub: Any) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Exit 1 when the run stops itself (divergence, too many recoveries), 0 when it is done."""
+    """Exit 1 when the run stops itself (divergence, too many recoveries), 0 when it is done;
+    after SIGTERM/SIGINT, PREEMPTED (75) with its state saved (a second signal, or the grace
+    running out, ends the process at once with 128 + the signal: runtime/preemption.py)."""
     from relaytrain.config import load_config
     from relaytrain.runtime.controller import Controller
     from relaytrain.runtime.failures import RecoveryLimitExceeded
+    from relaytrain.runtime.preemption import PREEMPTED, Notice, Preempted
     from relaytrain.runtime.reporter import TrainingStopped
 
     cfg = load_config(args.config, args.overrides)
     try:
-        summary = Controller(cfg, quiet=args.json).run()
+        with Notice(cfg.checkpoint.preempt_grace) as notice:
+            summary = Controller(cfg, quiet=args.json, notice=notice).run()
     except (TrainingStopped, RecoveryLimitExceeded) as e:
         print(f"relaytrain: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:
+        print(f"relaytrain: {e}", file=sys.stderr)
+        return PREEMPTED
     if args.json:
         print(json.dumps(summary.to_dict()))
     else:

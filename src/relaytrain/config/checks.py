@@ -85,6 +85,8 @@ def validate(cfg: RunConfig) -> None:
          f"got {cfg.runtime.threads_per_worker}, expected >= 1")
     need(cfg.checkpoint.keep_last >= 1, "config key 'checkpoint.keep_last': got "
          f"{cfg.checkpoint.keep_last}, expected >= 1")
+    need(cfg.checkpoint.preempt_grace > 0, "config key 'checkpoint.preempt_grace': got "
+         f"{cfg.checkpoint.preempt_grace}, expected seconds > 0")
     need(cfg.elastic.min_workers >= 1, "config key 'elastic.min_workers': got "
          f"{cfg.elastic.min_workers}, expected >= 1")
     need(cfg.eval.instances >= 1, f"config key 'eval.instances': got {cfg.eval.instances}, "

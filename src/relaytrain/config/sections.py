@@ -103,6 +103,10 @@ class CheckpointSection:
     # When every checkpoint of the run directory fails verification the run stops (exit 2)
     # rather than silently spend its compute again; true trains again from step 0.
     start_over: bool = False
+    # Seconds from SIGTERM/SIGINT to the controller until its last save must be committed
+    # (runtime/preemption.py): under the shortest usual notice (30 s: GCP and Azure spot,
+    # Kubernetes' default grace); raise it to use a longer one (AWS spot 120 s, SLURM --signal).
+    preempt_grace: float = 25.0
 
 
 @dataclass
