@@ -161,6 +161,16 @@ def _train(run: Path, data: str, *extra: str, quiet: bool = False) -> subprocess
         stdout=out, stderr=out, text=True)
 
 
+def test_eval_audit_and_convert_read_a_run_without_taking_its_lease(reference, tmp_path):
+    """This process holds the lease (alive): a command that took it would be refused."""
+    with RunLease([str(reference)]):
+        held = (reference / LEASE).read_bytes()
+        assert main(["data", "audit", str(reference)]) == 0
+        assert main(["eval", str(reference), "--json"]) == 0
+        assert main(["convert", "relay-to-hf", str(reference), str(tmp_path / "hf")]) == 0
+        assert (reference / LEASE).read_bytes() == held
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_second_controller_exits_2_at_once_and_after_a_sigkill_a_new_one_takes_over(
         tmp_path, corpus_data, reference, request, where):

@@ -93,7 +93,8 @@ class Controller:
                                                 cfg.world_size), cfg.faults.slow_seconds)
         self.reporter = StepReporter(cfg, self.dataset.fingerprint, n_train, quiet,
                                      last_checkpoint=lambda: self.catalogue.last_committed)
-        # SIGTERM/SIGINT (runtime/preemption.py): installed by the CLI; none in process
+        # SIGTERM/SIGINT (runtime/preemption.py): the CLI's notice; in process, one never in
+        # force (the caller's handlers stay)
         self.notice = notice or Notice(cfg.checkpoint.preempt_grace)
         self.engine: Engine | None = None  # started by run()
         self.recovery: Recovery | None = None  # needs the engine
@@ -107,7 +108,7 @@ class Controller:
         self._prepare_run_dir()
         self.reporter.open(start, cfg.data_parallel)
         self.engine = make_engine(cfg)
-        self.notice.install()  # again: Ray's start replaced SIGTERM's handler with its own
+        self.notice.reinstall()  # Ray's start replaced SIGTERM's handler with its own
         self.notice.on_stop = self._stop_at_once
         try:
             self.recovery = Recovery(cfg, self.engine, (cfg, self.dataset.vocab_size),

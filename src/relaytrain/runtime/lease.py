@@ -12,10 +12,12 @@ from another host, no renewal for STALE_S seconds (renewed every RENEW_S). Reade
 `data audit`, `convert`) never take it.
 
 The lease is one small JSON file, `lease.json`, in each place. Taking it is race-safe:
-- local: created with O_EXCL (two creators: one wins, the other sees the winner's lease); a
-  stale one is first renamed aside (one renamer wins) and checked to be the stale lease judged
-  (else a fresh lease renamed by mistake is linked back, never overwriting), then created with
-  O_EXCL again; renewals replace it atomically (a rename).
+- local: written whole aside, then hard-linked into place, which like O_EXCL fails if the lease
+  exists (two creators: one wins, the other sees the winner's whole lease); a stale one is
+  first renamed aside (one renamer wins) and checked to be the stale lease judged
+  (else a fresh lease renamed by mistake is linked back, never overwriting), then created
+  again; renewals replace it atomically (a rename). Without hard links (FUSE mounts of object
+  stores), O_EXCL itself.
 - object stores: a conditional create (`If-None-Match: *` on S3, `ifGenerationMatch=0` on GCS:
   fsspec's `pipe_file(mode="create")`); a backend without it gets write-then-verify (written
   if absent, read back after a pause: the last writer wins, the other sees it and refuses). A
@@ -114,15 +116,21 @@ class _Place:
             if not os.path.isdir(folder):
                 os.makedirs(folder, exist_ok=True)
                 self.created = folder
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
+            # whole before it is visible: a reader never judges a half-written lease
+            tmp = f"{self.path}.{holder.token}.tmp"
+            with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            return True
+            try:
+                os.link(tmp, self.path)  # fails if the lease exists, as O_EXCL would
+                return True
+            except FileExistsError:
+                return False
+            except OSError:  # no hard links (FUSE mounts of object stores): O_EXCL itself
+                return self._create_exclusive(data)
+            finally:
+                os.unlink(tmp)
         if self.conditional:
             try:
                 self.fs.pipe_file(self.path, data, mode="create")
@@ -136,6 +144,15 @@ class _Place:
         time.sleep(_VERIFY_PAUSE_S)
         got = self.read()
         return got is not None and got.token == holder.token
+
+    def _create_exclusive(self, data: bytes) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
 
     def remove_stale(self, stale: Holder) -> None:
         """Remove the lease if it still is `stale` (see the module's docstring)."""

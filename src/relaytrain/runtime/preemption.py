@@ -12,24 +12,22 @@ whole, so a save cut short leaves no checkpoint a reader would load). Not by an 
 raised from a handler while the main thread waits inside Ray comes out as Ray's `SystemError`.
 
 Why the handlers are installed again once the engine is up: at `ray.init` Ray's core worker
-installs absl's failure signal handler in the driver, SIGTERM among its signals; it printed a
-C-level stack dump (`logging.cc ... *** SIGTERM received`) and killed the process (exit 15).
-Python's handlers set after it replace it for SIGTERM and SIGINT only, so real crashes
-(SIGSEGV, SIGABRT, ...) keep Ray's dumps.
+installs absl's failure signal handler in the driver, SIGTERM among its signals (it printed a
+C-level stack dump, `logging.cc ... *** SIGTERM received`, and killed the process), and Ray's
+node a Python SIGTERM handler that tears the local cluster down and exits 1. Python's handlers
+set after them replace both, for SIGTERM and SIGINT only, so real crashes (SIGSEGV, SIGABRT,
+...) keep Ray's dumps (`RAY_DISABLE_FAILURE_SIGNAL_HANDLER` would drop those too).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
-
-from relaytrain.errors import warn
 
 # EX_TEMPFAIL (sysexits.h): stopped for a preemption notice with its state saved; run the same
 # command again (requeue) to continue.
@@ -44,8 +42,8 @@ class Preempted(Exception):
 class Notice:
     """The run's preemption notice: which signal came (None: none yet) and the grace left.
 
-    Use as a context manager in the main thread; `install` again after anything (Ray) replaced
-    the handlers. Elsewhere (another thread) it never fires. `on_stop` is called before a stop
+    In force as a context manager in the main thread (elsewhere it never fires); `reinstall`
+    after anything (Ray) replaced the handlers. `on_stop` is called before a stop
     at once: it kills the workers and says where the run stands."""
 
     def __init__(self, grace: float):
@@ -65,15 +63,15 @@ class Notice:
         """Seconds left of the grace (inf before a notice)."""
         return self._deadline - time.monotonic()
 
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in SIGNALS:
-            previous = signal.signal(sig, self._handle)
-            self._previous.setdefault(sig, previous)
+    def reinstall(self) -> None:
+        """The handlers again, if this notice is in force (entered): after Ray's start."""
+        if self._previous:
+            for sig in SIGNALS:
+                signal.signal(sig, self._handle)
 
     def __enter__(self) -> Notice:
-        self.install()
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -91,7 +89,7 @@ class Notice:
             self._timer = threading.Timer(self.grace, self._expire)
             self._timer.daemon = True
             self._timer.start()
-            warn(f"{name} received: saving the newest completed step within "
+            _say(f"warning: {name} received: saving the newest completed step within "
                  f"checkpoint.preempt_grace={self.grace:g}s, then stopping (a second signal "
                  "stops at once)")
             return
@@ -110,11 +108,17 @@ class Notice:
             where = self.on_stop()
         except Exception as e:  # the exit must happen all the same
             where = f"stopping the workers failed ({type(e).__name__}: {e})"
-        sys.stdout.flush()
         if self.saved is not None:
             line, code = f"{self.saved} (workers stopped at once: {reason})", PREEMPTED
         else:
             line = f"stopped at once ({reason}): nothing more was committed" \
                 + (f"; {where}" if where else "")
-        print(f"relaytrain: {line}", file=sys.stderr, flush=True)
+        _say(line)
         os._exit(code)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, written past Python's buffered stream: a handler runs between two
+    bytecodes of the main thread, which may be inside a write to that stream (a reentrant
+    write raises)."""
+    os.write(2, f"relaytrain: {line}\n".encode())
