@@ -19,7 +19,7 @@ from relaytrain.checkpoint.store import CheckpointStore
 from relaytrain.cli import main
 from relaytrain.runtime.controller import Controller
 from relaytrain.runtime.faults import end_storage_outage
-from relaytrain.runtime.preemption import PREEMPTED, Notice
+from relaytrain.runtime.preemption import PREEMPTED, Notice, Preempted
 from tests.runtime.conftest import (
     final_state,
     records,
@@ -111,6 +111,17 @@ def test_a_first_signal_only_gives_notice_and_the_handlers_are_restored_after():
         signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt: the run goes on to save
         assert notice.signum == signal.SIGINT and 29 < notice.left() <= 30
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_a_notice_while_the_run_is_set_up_starts_nothing(tmp_path, corpus_data):
+    run = tmp_path / "run"
+    with Notice(grace=30.0) as notice:
+        controller = Controller(tiny_config(run, corpus_data), notice=notice)
+        signal.raise_signal(signal.SIGTERM)
+        with pytest.raises(Preempted, match="preempted by SIGTERM after step 0: nothing was "
+                                            "trained"):
+            controller.run()
+    assert not run.exists()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -105,6 +105,8 @@ class Controller:
         Raises `Preempted` when a notice stopped it at a step boundary, its state saved."""
         t_run = time.perf_counter()
         cfg, start = self.cfg, self.start
+        if self.notice.received:  # while the run was being set up: start nothing
+            raise self._preempted(start, "nothing was trained")
         self._prepare_run_dir()
         self.reporter.open(start, cfg.data_parallel)
         self.engine = make_engine(cfg)
@@ -275,18 +277,23 @@ class Controller:
         saved (unless a checkpoint of it is committed or being written) and every write
         committed within what is left of the grace (past it the notice stops the run at once);
         what was saved, as the exception that stops the run."""
-        catalogue, name = self.catalogue, signal.Signals(self.notice.signum).name
+        catalogue = self.catalogue
         t0 = time.monotonic()
         if step > catalogue.last_committed and all(p.step != step for p in catalogue.pending):
             self._save(step)
         self._finish_writes(wait=max(self.notice.left() - 1.0, 0.0))
-        if step == 0:
-            saved = "no step was trained yet, nothing to save"
-        elif catalogue.last_committed == step:
-            saved = f"checkpoint step {step} committed in {time.monotonic() - t0:.1f}s"
-        else:
-            saved = (f"the state of step {step} could not be committed; the newest checkpoint "
-                     f"is step {catalogue.last_committed}")
+        if step == self.start:
+            return self._preempted(step, "nothing was trained")
+        if catalogue.last_committed == step:
+            return self._preempted(step, f"checkpoint step {step} committed in "
+                                         f"{time.monotonic() - t0:.1f}s")
+        return self._preempted(step, f"the state of step {step} could not be committed; the "
+                                     f"newest checkpoint is step {catalogue.last_committed}")
+
+    def _preempted(self, step: int, saved: str) -> Preempted:
+        """The one line saying what a notice's stop saved, as the exception that stops the
+        run (the notice keeps it, should the shutdown outlast the grace)."""
+        name = signal.Signals(self.notice.signum).name
         self.notice.saved = (f"preempted by {name} after step {step}: {saved} "
                              f"({storage.redact(self.store.url)}); run the same command to "
                              "resume")
