@@ -17,23 +17,34 @@ def add_parser(sub: Any) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Exit 1 when the run stops itself (divergence, too many recoveries), 3 when trained
-    steps are left unsaved (the final checkpoint failed, checkpoint.max_unsaved_steps), 0 when
-    it is done and its final state is committed (docs/CONTRACTS.md "Exit codes")."""
+    """Exit 1 when the run stops itself (divergence, too many recoveries, its lease taken over),
+    2 when another controller holds the run (runtime/lease.py), 3 when trained steps are left
+    unsaved (the final checkpoint failed, checkpoint.max_unsaved_steps), 0 when it is done and
+    its final state is committed; after SIGTERM/SIGINT, PREEMPTED (75) with its state saved (a
+    second signal, or the grace running out, ends the process at once with 128 + the signal:
+    runtime/preemption.py). docs/CONTRACTS.md "Exit codes"."""
     from relaytrain.config import load_config
     from relaytrain.runtime.controller import Controller, WorkNotSaved
     from relaytrain.runtime.failures import RecoveryLimitExceeded
+    from relaytrain.runtime.lease import RunLease, lease_places
+    from relaytrain.runtime.preemption import PREEMPTED, Notice, Preempted
     from relaytrain.runtime.reporter import TrainingStopped
 
     cfg = load_config(args.config, args.overrides)
+    places = lease_places(cfg.run_dir, cfg.checkpoint_url) if cfg.run_dir else []
     try:
-        summary = Controller(cfg, quiet=args.json).run()
+        with Notice(cfg.checkpoint.preempt_grace) as notice, \
+                RunLease(places, on_lost=lambda why: notice.stop_at_once(why, 1)):
+            summary = Controller(cfg, quiet=args.json, notice=notice).run()
     except (TrainingStopped, RecoveryLimitExceeded) as e:
         print(f"relaytrain: {e}", file=sys.stderr)
         return 1
     except WorkNotSaved as e:
         print(f"relaytrain: {e}", file=sys.stderr)
         return WorkNotSaved.EXIT_CODE
+    except Preempted as e:
+        print(f"relaytrain: {e}", file=sys.stderr)
+        return PREEMPTED
     if args.json:
         print(json.dumps(summary.to_dict()))
     else:

@@ -209,6 +209,8 @@ def _validate_checkpoint(cfg: RunConfig, need: Callable[[bool, str], None]) -> N
     need(unsaved == 0 or unsaved >= every, "config key 'checkpoint.max_unsaved_steps': got "
          f"{unsaved}, expected 0 (never stop), null (4 x checkpoint.every) or at least "
          f"checkpoint.every ({every})")
+    need(cfg.checkpoint.preempt_grace > 0, "config key 'checkpoint.preempt_grace': got "
+         f"{cfg.checkpoint.preempt_grace}, expected seconds > 0")
 
 
 def _validate_faults(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

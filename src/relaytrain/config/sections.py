@@ -117,6 +117,10 @@ class CheckpointSection:
     # Steps trained since the newest committed checkpoint past which the run stops (exit 3)
     # after one last save attempt; 0: never stop. None: 4 x `every` (0 when `every` is 0).
     max_unsaved_steps: int | None = None
+    # Seconds from SIGTERM/SIGINT to the controller until its last save must be committed
+    # (runtime/preemption.py): under the shortest usual notice (30 s: GCP and Azure spot,
+    # Kubernetes' default grace); raise it to use a longer one (AWS spot 120 s, SLURM --signal).
+    preempt_grace: float = 25.0
 
 
 @dataclass

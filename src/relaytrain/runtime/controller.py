@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import signal
 import time
 from typing import Any
 
@@ -42,6 +43,8 @@ from relaytrain.runtime.faults import (
     plan_faults,
     start_disk_full,
 )
+from relaytrain.runtime.liveness import kill_local
+from relaytrain.runtime.preemption import Notice, Preempted
 from relaytrain.runtime.recovery import Recovery
 from relaytrain.runtime.reporter import StepReporter, TrainingStopped
 from relaytrain.runtime.summary import RunSummary
@@ -68,7 +71,7 @@ def make_engine(cfg: RunConfig) -> Engine:
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, quiet: bool = False):
+    def __init__(self, cfg: RunConfig, quiet: bool = False, notice: Notice | None = None):
         if not cfg.run_dir:
             raise ConfigError("config key 'run_dir' is empty; give a directory for the run's "
                               "metrics, ledger and checkpoints (e.g. run_dir=runs/demo)")
@@ -115,15 +118,23 @@ class Controller:
                                                 cfg.world_size), cfg.faults.slow_seconds)
         self.reporter = StepReporter(cfg, self.dataset.fingerprint, n_train, quiet,
                                      last_checkpoint=lambda: self.catalogue.last_committed)
+        # SIGTERM/SIGINT (runtime/preemption.py): the CLI's notice; in process, one never in
+        # force (the caller's handlers stay)
+        self.notice = notice or Notice(cfg.checkpoint.preempt_grace)
         self.engine: Engine | None = None  # started by run()
         self.recovery: Recovery | None = None  # needs the engine
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> RunSummary:
-        """Train to train.max_steps, recovering from worker failures; the run's summary."""
+        """Train to train.max_steps, recovering from worker failures; the run's summary.
+        Raises `Preempted` when a notice stopped it at a step boundary, its state saved."""
         t_run = time.perf_counter()
         cfg, start = self.cfg, self.start
+        if self.notice.received:  # while the run was being set up: start nothing
+            raise self._preempted(start, "nothing was trained")
         self.engine = make_engine(cfg)  # first: a cluster that cannot be joined writes nothing
+        self.notice.reinstall()  # Ray's start replaced SIGTERM's handler with its own
+        self.notice.on_stop = self._stop_at_once
         try:
             self._prepare_run_dir()
             self.reporter.open(start, cfg.data_parallel)
@@ -136,17 +147,20 @@ class Controller:
             self.reporter.start_progress(start, flops_per_token(self.model_cfg, cfg.seq_len),
                                          peak * cfg.world_size)
             step = start
-            while step < cfg.train.max_steps:
+            while step < cfg.train.max_steps and not self.notice.received:
                 count = self._span(step)
                 done, in_flight = step, count
                 try:
                     self._train(step, count)
                     done, in_flight = step + count, 0
-                    self._between_steps(done)
+                    if not self.notice.received:
+                        self._between_steps(done)
                 except WorkerFailure as failure:
                     done = self.recovery.recover(failure, done, in_flight)
                 step = done
                 self.reporter.progress(step)
+            if step < cfg.train.max_steps:
+                raise self._preempt(step)
             self._finish_writes(wait=STORAGE_WAIT_S)
             self._final_save(cfg.train.max_steps)
             return self._summary(start, setup_s, peak * cfg.world_size, peak_src,
@@ -321,6 +335,41 @@ class Controller:
         if not self.cfg.checkpoint.async_write:
             self._finish_writes(wait=0.0)
         return time.perf_counter() - t0
+
+    def _preempt(self, step: int) -> Preempted:
+        """At a notice, `step` the last completed step: its state, in the workers' memory,
+        saved (unless a checkpoint of it is committed or being written) and every write
+        committed within what is left of the grace (past it the notice stops the run at once);
+        what was saved, as the exception that stops the run."""
+        catalogue = self.catalogue
+        t0 = time.monotonic()
+        if step > catalogue.last_committed and all(p.step != step for p in catalogue.pending):
+            self._save(step)
+        self._finish_writes(wait=max(self.notice.left() - 1.0, 0.0))
+        if step == self.start:
+            return self._preempted(step, "nothing was trained")
+        if catalogue.last_committed == step:
+            return self._preempted(step, f"checkpoint step {step} committed in "
+                                         f"{time.monotonic() - t0:.1f}s")
+        return self._preempted(step, f"the state of step {step} could not be committed; the "
+                                     f"newest checkpoint is step {catalogue.last_committed}")
+
+    def _preempted(self, step: int, saved: str) -> Preempted:
+        """The one line saying what a notice's stop saved, as the exception that stops the
+        run (the notice keeps it, should the shutdown outlast the grace)."""
+        name = signal.Signals(self.notice.signum).name
+        self.notice.saved = (f"preempted by {name} after step {step}: {saved} "
+                             f"({storage.redact(self.store.url)}); run the same command to "
+                             "resume")
+        return Preempted(self.notice.saved)
+
+    def _stop_at_once(self) -> str:
+        """For the notice's stop at once (a second signal, the grace spent): every worker
+        process on this host killed (on other nodes Ray ends the actors of a driver that is
+        gone); the newest checkpoint, for the last line."""
+        for process in self.engine.processes():
+            kill_local(process)
+        return f"the newest checkpoint is step {self.catalogue.last_committed}"
 
     def _finish_writes(self, wait: float) -> None:
         """Wait for every checkpoint write and commit what is complete; commits deferred by

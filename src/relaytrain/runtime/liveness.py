@@ -12,6 +12,7 @@ the ping deadline.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,3 +67,25 @@ def cpu_ticks(identity: Any) -> int | None:
     if fields is None or int(fields[19]) != identity.start or fields[0] in "Tt":
         return None
     return int(fields[11]) + int(fields[12])
+
+
+def running(identity: ProcessIdentity) -> bool:
+    """Whether the process `identity` names still runs on this host (this boot of it): not gone,
+    not a recycled PID, not a zombie. False for a process elsewhere: ask only about this host's
+    (`identity.boot` is ours)."""
+    if identity.boot is None or identity.boot != _boot():
+        return False
+    fields = _stat(identity.pid)
+    return fields is not None and int(fields[19]) == identity.start and fields[0] not in "ZX"
+
+
+def kill_local(identity: ProcessIdentity) -> bool:
+    """SIGKILL the process `identity` names if it runs on this host and is not this one;
+    whether it was signalled."""
+    if identity.pid == os.getpid() or not running(identity):
+        return False
+    try:
+        os.kill(identity.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True

@@ -195,6 +195,10 @@ class Engine(ABC):
     def store_host(self) -> str:
         """The address workers use to reach the controller's rendezvous store."""
 
+    def processes(self) -> list[ProcessIdentity]:
+        """The worker processes started, as they identified themselves (none in process)."""
+        return []
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop all workers and release the engine's resources."""

@@ -517,6 +517,9 @@ class RayEngine(Engine):
     def pid(self, wid: int) -> int:
         return self._ids[wid].pid
 
+    def processes(self) -> list[ProcessIdentity]:
+        return list(self._ids.values())
+
     def retire(self, wid: int) -> None:
         """Kill the worker. With the standby ready to replace it, its placement group, if still
         placed where it was (not being moved off a lost node), is kept as the standby's slot
