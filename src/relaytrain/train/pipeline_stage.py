@@ -278,6 +278,16 @@ def _backward_input(out: Tensor, grad_out: Tensor | None, start: Tensor,
     return grad, groups
 
 
+def _kept_bytes(held: _InFlight) -> int:
+    """Bytes of the gradients a split B keeps for W (distinct storages; not the LM head's, which
+    is the storage its loss saved at F, counted then)."""
+    kept = [g for group in held.param_groups or () for grads in group["grads"]
+            for g in grads or () if g is not None]
+    kept += [held.cuts["embed"][1]] if "embed" in held.cuts else []
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in kept}.values())
+
+
 def _cut(cuts: dict[str, tuple[Tensor, Tensor]], name: str, module: Any, args: Any,
          output: Tensor) -> Tensor:
     """Forward hook: module `name` hands a leaf on instead of its output."""
@@ -558,7 +568,8 @@ class StageRunner:
             else:
                 self.transport.send(grad, self.prev, _tag(mb, True))
             held.out = None
-            return held.nbytes + extra
+            held.nbytes += _kept_bytes(held)  # held from here until W (in `inflight`)
+            return extra
         else:
             inputs = ([] if spec.first else [x]) + list(leaves.values())
             grads = torch.autograd.grad(out, inputs, grad_out)
