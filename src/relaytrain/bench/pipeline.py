@@ -1,4 +1,4 @@
-"""`relaytrain bench pipeline`: the four schedules on real multi-process pipelines, and the
+"""`relaytrain bench pipeline`: the five schedules on real multi-process pipelines, and the
 schedule simulator calibrated on them for pipelines deeper than this machine can run.
 
 Two layers, kept apart so that neither hides the other:
@@ -9,7 +9,7 @@ Two layers, kept apart so that neither hides the other:
   `train/pipeline_stage.py`), held-out loss against steps and against training time. One
   worker per stage with one thread: on a 2-core machine S = 2 has a core per stage, S = 4 puts
   two stages on each core. The asynchronous schedules update every `a` = M micro-batches (one
-  update per global batch, like the flush schedules, so all four take the same optimizer steps
+  update per global batch, like the flush schedules, so all five take the same optimizer steps
   on the same data and differ only in when; staleness <= 1 while a >= S - 1). With a = 1 an
   update per micro-batch would cost as much as its forward at this model size on a CPU.
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
@@ -24,7 +24,9 @@ Two layers, kept apart so that neither hides the other:
   case). Spans of `parallel.span` steps, the default dispatch (the asynchronous pipelines drain
   at every span end). Every schedule runs the same operations, so all are simulated with one set
   of costs: per stage, the median over the S = 2 runs (each run's own costs would carry the
-  noise of whatever else the machine ran meanwhile into the comparison). `sensitivity_at_8`
+  noise of whatever else the machine ran meanwhile into the comparison); zb-h1, whose backward
+  is split, with its own run's B and W (the split's extra work included) and the pooled F and U.
+  `sensitivity_at_8`
   shows what the transfer time, the span length and the stage size do to paci and 1f1b.
 
 Time to a target held-out loss at larger S = the real number of steps each schedule needed to reach
