@@ -126,10 +126,10 @@ def test_exact_mode_refuses_bf16_gathers_in_one_line():
 def test_sharded_pipeline_stages_run_the_flush_schedules_only(schedule):
     with pytest.raises(ConfigError, match=f"'parallel.fsdp': got 2 with parallel.pp=2 and the "
                                           f"asynchronous schedule '{schedule}'; sharded stages "
-                                          "run the flush schedules \\(gpipe, 1f1b\\)"):
+                                          "run the flush schedules \\(gpipe, 1f1b, zb-h1\\)"):
         load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2",
                                           "parallel.pp=2", f"parallel.schedule={schedule}"])
-    for flush in ("gpipe", "1f1b"):
+    for flush in ("gpipe", "1f1b", "zb-h1"):
         load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2",
                                           "parallel.pp=2", f"parallel.schedule={flush}"])
 
@@ -142,7 +142,8 @@ def test_skipping_spikes_is_refused_on_a_pipeline_whose_stages_update_apart(sche
     in a batch."""
     with pytest.raises(ConfigError, match=r"^config key 'optim.skip_spikes': got true with "
                                           r"parallel.pp=2 and schedule '(pipedream|paci)' .* "
-                                          r"expected a flush schedule \(gpipe, 1f1b, or paci "
+                                          r"expected a flush schedule \(gpipe, 1f1b, zb-h1, or "
+                                          r"paci "
                                           r"with parallel.paci.flush=true and parallel.paci.a "
                                           r">= the micro-batches per DP rank\)"):
         load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2", *schedule,
@@ -151,6 +152,7 @@ def test_skipping_spikes_is_refused_on_a_pipeline_whose_stages_update_apart(sche
 
 def test_skipping_spikes_takes_the_flush_schedules_and_defaults_to_olmo_cores_rule():
     for schedule in (["parallel.schedule=gpipe"], ["parallel.schedule=1f1b"],
+                     ["parallel.schedule=zb-h1"],
                      ["parallel.schedule=paci", "parallel.paci.flush=true", "parallel.paci.a=4"]):
         load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2", *schedule,
                                           "optim.skip_spikes=true"])

@@ -19,6 +19,20 @@ def test_pooled_costs_are_per_stage_medians_over_runs():
                                   "update": [1.0, 2.0]}
 
 
+def test_split_runs_pool_their_own_b_and_w_and_whole_backwards_the_others():
+    def run(b: float, w: float) -> dict:
+        return {"costs": {"forward": [1.0], "backward": [b], "update": [0.5], "weight": [w]}}
+
+    runs = {"1f1b": run(3.0, 0.0), "gpipe": run(5.0, 0.0), "paci": run(4.0, 0.0),
+            "zb-h1": run(2.0, 1.5)}
+    pooled = pooled_costs(runs)
+    assert pooled == {"forward": [1.0], "backward": [4.0], "update": [0.5],
+                      "split_backward": [2.0], "weight": [1.5]}
+    whole, split = (scaled_costs(pooled, 2, 0.0, split_lists=s) for s in (False, True))
+    assert (whole.backward, whole.weight) == ((4.0, 4.0), None)
+    assert (split.backward, split.weight) == ((3.5, 3.5), (1.5, 1.5))  # B + W, and W
+
+
 def test_deeper_pipelines_keep_the_measured_stage_and_the_same_model_thins_it():
     measured = {"forward": [1.0, 3.0], "backward": [2.0, 6.0], "update": [0.5, 1.5]}
     deeper = scaled_costs(measured, 8, 0.25)

@@ -34,16 +34,17 @@ def test_resume_at_another_sharding_continues_to_the_same_bits(tmp_path, corpus_
     assert_bit_identical(run, exact_reference, steps=range(1, 7))
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_sharded_pipeline_stages_give_the_unsharded_bits_across_a_kill_and_a_resume(
-        tmp_path, corpus_data, ray_cluster, exact_reference):
-    """pp 2 x fsdp 2 (1f1b): each stage's weights, gradients and moments sharded over its two
+        tmp_path, corpus_data, ray_cluster, exact_reference, schedule):
+    """pp 2 x fsdp 2: each stage's weights, gradients and moments sharded over its two
     workers. A worker killed at step 3 is replaced alone (its rows are held by no peer: the
     checkpoint); the checkpoint, written shard by shard per stage, then resumes unsharded on
     two workers, and the six steps are the single worker's to the bit."""
     run = tmp_path / "pipelined"
     run_layout(run, corpus_data, 1, *DP, "determinism=exact", "train.max_steps=4",
                "checkpoint.every=2", "faults.kill_at=[3]", "runtime.call_timeout=120",
-               "runtime.collective_timeout=120", fsdp=2, pp=2)
+               "runtime.collective_timeout=120", f"parallel.schedule={schedule}", fsdp=2, pp=2)
     [rec] = records(run, "recovery")
     # Step 2's checkpoint was saved just before the kill, and no write had been reported yet:
     # the survivors' writes are waited for, and if the dead worker had finished its part, its

@@ -167,6 +167,24 @@ def test_paci_perf_mode_uses_forward_time_activations_and_backward_time_weights(
             assert not near(grad[k], at_f[k], 1e-3) and not near(grad[k], at_b[k], 1e-3)
 
 
+def test_zb_h1_splits_the_backward_into_the_same_bits_as_1f1bs_whole_one(monkeypatch):
+    """B sends the input gradient before any weight gradient exists; W adds them later: the
+    gradients sent upstream and the update's gradient equal 1f1b's bit for bit. (Alone, the
+    stage's norm is the pipeline's: the flush schedules' all-gather has no peers here.)"""
+    monkeypatch.setattr(StageRunner, "_global_norm",
+                        lambda self, grads, ok: (torch.nn.utils.get_total_norm(grads), ok))
+    *_, net, opt, stats = run_middle_stage("1f1b")
+    *_, zb_net, zb_opt, zb_stats = run_middle_stage("zb-h1")
+    assert net.sent.keys() == zb_net.sent.keys()
+    assert all(torch.equal(net.sent[k], zb_net.sent[k]) for k in net.sent)
+    [(w, g)], [(zb_w, zb_g)] = opt.log, zb_opt.log
+    assert all(torch.equal(a, b) for a, b in zip(w + g, zb_w + zb_g, strict=True))
+    assert zb_stats.weight_s > 0 and stats.weight_s == 0
+    # stage 1 of 3 holds 2 micro-batches awaiting B under both, and under zb-h1 one more
+    # awaiting W with the gradients B kept for it: more memory, which the runtime reports
+    assert zb_stats.peak_memory > stats.peak_memory
+
+
 def updates_before(acts) -> dict[str, dict[int, int]]:
     """Per micro-batch, the stage's updates before its F and before its B."""
     out: dict[str, dict[int, int]] = {"F": {}, "B": {}}
@@ -293,7 +311,7 @@ def test_flush_schedules_give_the_unpipelined_gradients_and_curve(runs, capsys):
     ref_w, ref_loss = final_weights(ref), step_losses(ref)
     ref_norms = [s["grad_norm"] for s in ref[0]["steps"]]
     got = {}
-    for name in ("gpipe", "1f1b"):
+    for name in ("gpipe", "1f1b", "zb-h1"):
         res = runs("parallel.pp=2", f"parallel.schedule={name}")
         got[name] = final_weights(res)
         norms = [s["grad_norm"] for s in last_stage(res)["steps"]]
@@ -305,6 +323,7 @@ def test_flush_schedules_give_the_unpipelined_gradients_and_curve(runs, capsys):
             print(f"\n{name} pp=2 vs unpipelined, max relative difference: {diffs}")
         assert max(diffs.values()) <= 1e-6
     assert all(torch.equal(got["gpipe"][k], got["1f1b"][k]) for k in ref_w)
+    assert all(torch.equal(got["zb-h1"][k], got["1f1b"][k]) for k in ref_w)
 
 
 @pytest.mark.timeout(120)
@@ -345,7 +364,7 @@ def test_async_schedules_rerun_bit_identically_within_their_staleness_bound(runs
 
 @pytest.mark.timeout(120)
 def test_every_flush_schedule_reruns_bit_identically(runs):
-    for name in ("gpipe", "1f1b"):
+    for name in ("gpipe", "1f1b", "zb-h1"):
         a = runs("parallel.pp=2", f"parallel.schedule={name}")
         b = runs("parallel.pp=2", f"parallel.schedule={name}", again=True)
         assert step_losses(a) == step_losses(b)
@@ -353,11 +372,17 @@ def test_every_flush_schedule_reruns_bit_identically(runs):
 
 
 @pytest.mark.timeout(120)
-def test_dp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_model(runs):
-    ref = runs("determinism=exact")
-    res = runs("determinism=exact", "parallel.pp=2", "parallel.dp=2")
+@pytest.mark.parametrize(("layout", "model"), [
+    (("parallel.pp=2", "parallel.dp=2"), ()),
+    (("parallel.pp=2", "parallel.dp=2", "parallel.schedule=zb-h1"), ()),
+    # every stage defers its W's differently (stage i by i backwards)
+    (("parallel.pp=4", "parallel.schedule=zb-h1"), ("model.n_layers=4",))])
+def test_dp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_model(runs, layout, model):
+    ref = runs("determinism=exact", *model)
+    res = runs("determinism=exact", *model, *layout)
     assert step_losses(res) == step_losses(ref)
     w, ref_w = final_weights([r for r in res if r["dp_rank"] == 0]), final_weights(ref)
     assert all(torch.equal(w[k], ref_w[k]) for k in ref_w)
-    replica = final_weights([r for r in res if r["dp_rank"] == 1])
-    assert all(torch.equal(w[k], replica[k]) for k in ref_w)
+    if "parallel.dp=2" in layout:
+        replica = final_weights([r for r in res if r["dp_rank"] == 1])
+        assert all(torch.equal(w[k], replica[k]) for k in ref_w)

@@ -1,4 +1,4 @@
-"""`relaytrain bench pipeline`: the four schedules on real multi-process pipelines, and the
+"""`relaytrain bench pipeline`: the five schedules on real multi-process pipelines, and the
 schedule simulator calibrated on them for pipelines deeper than this machine can run.
 
 Two layers, kept apart so that neither hides the other:
@@ -9,7 +9,7 @@ Two layers, kept apart so that neither hides the other:
   `train/pipeline_stage.py`), held-out loss against steps and against training time. One
   worker per stage with one thread: on a 2-core machine S = 2 has a core per stage, S = 4 puts
   two stages on each core. The asynchronous schedules update every `a` = M micro-batches (one
-  update per global batch, like the flush schedules, so all four take the same optimizer steps
+  update per global batch, like the flush schedules, so all five take the same optimizer steps
   on the same data and differ only in when; staleness <= 1 while a >= S - 1). With a = 1 an
   update per micro-batch would cost as much as its forward at this model size on a CPU.
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
@@ -24,7 +24,9 @@ Two layers, kept apart so that neither hides the other:
   case). Spans of `parallel.span` steps, the default dispatch (the asynchronous pipelines drain
   at every span end). Every schedule runs the same operations, so all are simulated with one set
   of costs: per stage, the median over the S = 2 runs (each run's own costs would carry the
-  noise of whatever else the machine ran meanwhile into the comparison). `sensitivity_at_8`
+  noise of whatever else the machine ran meanwhile into the comparison); zb-h1, whose backward
+  is split, with its own run's B and W (the split's extra work included) and the pooled F and U.
+  `sensitivity_at_8`
   shows what the transfer time, the span length and the stage size do to paci and 1f1b.
 
 Time to a target held-out loss at larger S = the real number of steps each schedule needed to reach
@@ -62,6 +64,7 @@ from relaytrain.parallel.pipeline.schedules import (
     Schedule,
     asynchronous,
     build_schedule,
+    split,
 )
 from relaytrain.parallel.pipeline.simulate import Costs, simulate
 
@@ -69,7 +72,8 @@ if TYPE_CHECKING:
     from relaytrain.runtime.kvstore import StoreAccess
 
 SIM_STAGES = (4, 8, 16, 32)
-TARGETS = {"paci_utilisation": 0.90, "paci_memory_vs_1f1b": 1.10, "paci_speedup_at_8": 1.40}
+TARGETS = {"paci_utilisation": 0.95, "paci_memory_vs_1f1b": 1.10, "paci_speedup_at_8": 1.70,
+           "zb_h1_memory_vs_1f1b": 1.10, "simulated_bubble_error": 0.10}
 
 
 @dataclass(frozen=True)
@@ -243,7 +247,7 @@ def summarise_run(run_dir: Path, S: int, span: int) -> dict[str, Any]:
         "staleness_max": [max(max(steps[k]["pipeline"][s]["staleness"]) for k in order)
                           for s in stages],
         "costs": {"forward": per_stage("forward_s"), "backward": per_stage("backward_s"),
-                  "update": per_stage("update_s")},
+                  "update": per_stage("update_s"), "weight": per_stage("weight_s")},
         "heldout": curve, "span": span,
     }
 
@@ -315,11 +319,17 @@ def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
     return build_schedule(name, S, M, n_batches, **({"a": M} if asynchronous(name) else {}))
 
 
+def _is_split(name: str) -> bool:
+    return split(_schedule(name, 1, 1, 1)[0])
+
+
 def _predict_real(run: dict[str, Any], name: str, S: int, M: int, transfer: float
                   ) -> dict[str, Any]:
     """The simulator given this run's own per-stage costs, against what the run measured."""
     c = run["costs"]
-    cost = Costs(tuple(c["forward"]), tuple(c["backward"]), tuple(c["update"]), transfer)
+    whole = tuple(b + w for b, w in zip(c["backward"], c["weight"], strict=True))
+    cost = Costs(tuple(c["forward"]), whole, tuple(c["update"]), transfer,
+                 weight=tuple(c["weight"]) if _is_split(name) else None)
     makespan, bubbles = _stage_bubbles(_schedule(name, S, M, run["span"]), cost)
     per_step = makespan / run["span"]
     return {"pipeline_time_per_step_s": per_step,
@@ -329,30 +339,46 @@ def _predict_real(run: dict[str, Any], name: str, S: int, M: int, transfer: floa
 
 
 def pooled_costs(runs: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
-    """Per op and stage, the median of the costs the runs measured."""
-    first = next(iter(runs.values()))["costs"]
-    return {op: [statistics.median(r["costs"][op][i] for r in runs.values())
-                 for i in range(len(per_stage))] for op, per_stage in first.items()}
+    """Per op and stage, the median of the costs the runs measured: F and U over all runs, B over
+    the runs of whole backwards; over the runs of split lists (if any), their B (`split_backward`,
+    the input gradient) and W (`weight`)."""
+    def median(op: str, of: list[dict[str, Any]]) -> list[float]:
+        n = len(of[0]["costs"][op])
+        return [statistics.median(r["costs"][op][i] for r in of) for i in range(n)]
+
+    every = list(runs.values())
+    split_runs = [r for r in every if any(r["costs"].get("weight", ()))]
+    whole = [r for r in every if r not in split_runs] or every
+    out = {"forward": median("forward", every), "backward": median("backward", whole),
+           "update": median("update", every)}
+    if split_runs:
+        out |= {"split_backward": median("backward", split_runs),
+                "weight": median("weight", split_runs)}
+    return out
 
 
-def scaled_costs(costs: dict[str, list[float]], S: int, transfer: float, *, deeper: bool = True
-                 ) -> Costs:
+def scaled_costs(costs: dict[str, list[float]], S: int, transfer: float, *, deeper: bool = True,
+                 split_lists: bool = False) -> Costs:
     """S equal stages with `transfer` per hop. `deeper`: every stage does what one measured stage
     did (their mean: a balanced cut), i.e. a model S / S_real times deeper, as pipelines are used
     (the paper: 24 layers on 8 stages); else the measured model itself cut into S stages of 1/S of
     its work, which the runtime can only build up to n_layers stages and whose thinning stages
-    make the fixed transfer weigh S / S_real times more."""
+    make the fixed transfer weigh S / S_real times more. `split_lists`: the costs of split
+    lists (B and W as measured in their runs; what splitting costs extra included)."""
     n = len(costs["forward"]) if deeper else S
-    return Costs.uniform(S, forward=sum(costs["forward"]) / n,
-                         backward=sum(costs["backward"]) / n, update=sum(costs["update"]) / n,
-                         transfer=transfer)
+    backward, weight = sum(costs["backward"]) / n, 0.0
+    if split_lists:
+        weight = sum(costs["weight"]) / n
+        backward = sum(costs["split_backward"]) / n + weight
+    return Costs.uniform(S, forward=sum(costs["forward"]) / n, backward=backward,
+                         update=sum(costs["update"]) / n, transfer=transfer, weight=weight)
 
 
 def _simulate_scaled(costs: dict[str, list[float]], name: str, S: int, M: int, transfer: float,
                      span: int = SIM_SPAN, *, deeper: bool = True) -> dict[str, Any]:
     """`scaled_costs` dispatched in spans of `span` steps (flush schedules: any span gives the
     same time per step)."""
-    cost = scaled_costs(costs, S, transfer, deeper=deeper)
+    cost = scaled_costs(costs, S, transfer, deeper=deeper, split_lists=_is_split(name))
     res = simulate(_schedule(name, S, M, span), cost)
     per_step = res.makespan / span
     return {"time_per_step_s": per_step, "utilisation": res.utilisation,
@@ -399,6 +425,26 @@ def _targets(real: dict[int, dict[str, dict[str, Any]]], sim: dict[int, dict[str
         "paci_speedup_at_8": {"value": speedup, "target": TARGETS["paci_speedup_at_8"],
                               "met": speedup is not None
                               and speedup >= TARGETS["paci_speedup_at_8"]},
+        **_baseline_targets(real, sim),
+    }
+
+
+def _baseline_targets(real: dict[int, dict[str, dict[str, Any]]],
+                      sim: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """zb-h1 against 1f1b (simulated utilisation at S = 8, real peak memory), and the
+    simulator against the real runs: its mean bubble minus theirs, every schedule and depth."""
+    util = {name: sim[8][name]["utilisation"] for name in ("1f1b", "zb-h1")}
+    memory = {str(S): max(r["zb-h1"]["peak_memory"]) / max(r["1f1b"]["peak_memory"])
+              for S, r in real.items()}
+    errors = {str(S): {name: r[name]["predicted"]["bubble_error"] for name in r}
+              for S, r in real.items()}
+    worst = max(abs(e) for per_s in errors.values() for e in per_s.values())
+    return {
+        "zb_h1_utilisation_vs_1f1b_at_8": {"value": util, "met": util["zb-h1"] > util["1f1b"]},
+        "zb_h1_memory_vs_1f1b": {"value": memory, "target": TARGETS["zb_h1_memory_vs_1f1b"],
+                                 "met": max(memory.values()) <= TARGETS["zb_h1_memory_vs_1f1b"]},
+        "simulated_bubble_error": {"value": errors, "target": TARGETS["simulated_bubble_error"],
+                                   "met": worst <= TARGETS["simulated_bubble_error"]},
     }
 
 

@@ -1,7 +1,8 @@
 """Executing one stage's action list (schedules.py) with torch.distributed point-to-point ops.
 
-One executor serves every schedule: gpipe, 1f1b, pipedream and paci differ only in their lists, so
-the numbers are a pure function of the lists and bit-reproducible whatever the timing. Sends are
+One executor serves every schedule: gpipe, 1f1b, zb-h1, pipedream and paci differ only in their
+lists, so the numbers are a pure function of the lists and bit-reproducible whatever the timing.
+Sends are
 asynchronous (`isend`, waited at the span end: the buffered sends the schedules assume); each
 receive is posted one ahead (`irecv`, see `Transport`) so that the transfer overlaps the compute
 before it, and the time a stage blocks waiting for one is its bubble.
@@ -19,6 +20,14 @@ as is, later ones added), the same code path for every schedule.
 What B then computes depends on the schedule:
 
 - flush schedules: no update between F and B, so the exact gradient.
+- zb-h1 (a *split* list, schedules.py): B computes only the input gradient and sends it, keeping
+  the graph and the gradients reaching the nodes that read a weight; W then computes the weight
+  gradients from those (torch.distributed.pipelining's `stage_backward_input` and
+  `stage_backward_weight`) and folds them into ``p.grad`` (and exact mode's integer accumulator)
+  like a whole backward would: the same ops on the same values, so the same bits. The first
+  stage's B goes down to its embedding's output (what its W starts from). A sharded stage runs
+  the whole backward at B (FSDP2's reduce-scatter hooks fire at the end of a backward) and W is
+  empty there: correct, with 1f1b's timing.
 - paci, ``mode=perf`` (one weight copy): the backward of the F-time graph in which every *saved
   activation* has its F-time value (computed from the input with the weights theta_F in effect at
   F) and every *weight read by the backward* has its B-time value theta_B (the live weights, after
@@ -48,7 +57,7 @@ the previous update, `schedules.update_groups`) over all DP replicas: micro-batc
 scaled by 1 / (group size x dp). For the flush schedules a group is a global batch, so this is
 train_step's 1 / micro-batches. The update of a group uses ``lr_at`` of the step whose global batch
 holds the group's last micro-batch (micro-batch m of a span starting at step s belongs to step
-s + m // M). Flush schedules (gpipe, 1f1b and paci with ``flush``) clip by the global norm,
+s + m // M). Flush schedules (gpipe, 1f1b, zb-h1 and paci with ``flush``) clip by the global norm,
 computed bit for bit as the unpipelined model's ``clip_grad_norm_``: the per-tensor norms of one
 DP replica's stages are all-gathered over that replica's pipeline group at every update (a
 barrier that cannot deadlock: an update's group is the same at every stage and its dependencies
@@ -73,11 +82,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc,
+    construct_reverse_graph,
+    get_param_groups,
+    stage_backward_weight,
+)
 from torch.func import functional_call
 
 from relaytrain.config.sections import RunConfig
@@ -88,6 +104,7 @@ from relaytrain.parallel.pipeline.schedules import (
     Action,
     asynchronous,
     build_schedule,
+    split,
     staleness_bound,
     update_groups,
 )
@@ -227,6 +244,57 @@ def _tag(mb: int, gradient: bool) -> int:
     return 2 * mb + int(gradient)
 
 
+# Where a split list cuts a stage's graph: the first stage's B stops at the embedding's output
+# (the embedding's weight gradient is W's), and the last stage's B runs the fused LM head and
+# loss whole, its weight gradient included (the loss scales both precomputed gradients in place
+# at its one backward), and splits what lies below the final norm's output.
+_CUTS = {"first": "embed", "last": "norm"}
+
+
+def _backward_input(out: Tensor, grad_out: Tensor | None, start: Tensor,
+                    weights: Iterable[Tensor]) -> tuple[Tensor, list[dict[str, Any]]]:
+    """The gradient of `out` at `start` (a leaf), keeping the graph and, for
+    `stage_backward_weight`, the gradients reaching the nodes where a weight joins it:
+    torch.distributed.pipelining's `stage_backward_input`, which also detaches `out` in place
+    (refused when `out` is a view, as the final norm's output is)."""
+    graph = construct_reverse_graph([_get_grad_fn_or_grad_acc(out)])
+    groups = get_param_groups([_get_grad_fn_or_grad_acc(start)],
+                              [_get_grad_fn_or_grad_acc(w) for w in weights], graph)
+    handles = []
+    for group in groups:
+        group["intermediates"] = list(group["intermediates"])
+        group["grads"] = [None] * len(group["intermediates"])
+
+        def keep(grads: tuple[Tensor, ...], group: dict[str, Any] = group, i: int = 0) -> None:
+            group["grads"][i] = grads
+
+        handles += [node.register_prehook(partial(keep, group=group, i=i))
+                    for i, node in enumerate(group["intermediates"])]
+    try:
+        (grad,) = torch.autograd.grad(out, [start], grad_out, retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return grad, groups
+
+
+def _kept_bytes(held: _InFlight) -> int:
+    """Bytes of the gradients a split B keeps for W (distinct storages; not the LM head's, which
+    is the storage its loss saved at F, counted then)."""
+    kept = [g for group in held.param_groups or () for grads in group["grads"]
+            for g in grads or () if g is not None]
+    kept += [held.cuts["embed"][1]] if "embed" in held.cuts else []
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in kept}.values())
+
+
+def _cut(cuts: dict[str, tuple[Tensor, Tensor]], name: str, module: Any, args: Any,
+         output: Tensor) -> Tensor:
+    """Forward hook: module `name` hands a leaf on instead of its output."""
+    cuts[name] = (output, output.detach().requires_grad_())
+    return cuts[name][1]
+
+
 @dataclass
 class _InFlight:
     """A micro-batch between its F and its B at this stage."""
@@ -237,6 +305,13 @@ class _InFlight:
     updates_at_f: int
     nbytes: int
     weights: int | None  # data pointer of the weight storage the graph holds
+    # split lists: module name -> (its output, the leaf standing for it downstream; after B on
+    # the first stage, the gradient at that leaf), see `_CUTS`; the gradients at the
+    # weight-reading nodes that B leaves for W; the LM head's weight gradient (B computes it:
+    # the fused loss gives it with the input gradient)
+    cuts: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    param_groups: list[dict[str, Any]] | None = None
+    head_grad: Tensor | None = None
 
 
 @dataclass
@@ -253,8 +328,8 @@ class _SpanStats:
     and weight versions referenced, sampled after every action."""
 
     weight_bytes: int
-    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys("FBU", 0.0))
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys("FBU", 0))
+    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys("FBWU", 0.0))
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys("FBWU", 0))
     peak_bytes: int = 0
     peak_versions: int = 1
 
@@ -269,9 +344,10 @@ class _SpanStats:
         self.peak_bytes = max(self.peak_bytes, held + (len(versions) - 1) * self.weight_bytes)
 
     def summary(self) -> dict[str, Any]:
-        mean = {k: self.times[k] / self.counts[k] if self.counts[k] else 0.0 for k in "FBU"}
+        mean = {k: self.times[k] / self.counts[k] if self.counts[k] else 0.0 for k in "FBWU"}
         return {"peak_memory": self.peak_bytes, "weight_versions": self.peak_versions,
-                "forward_s": mean["F"], "backward_s": mean["B"], "update_s": mean["U"]}
+                "forward_s": mean["F"], "backward_s": mean["B"], "update_s": mean["U"],
+                "weight_s": mean["W"]}
 
 
 class StageRunner:
@@ -293,6 +369,11 @@ class StageRunner:
                              "to update once per global batch (a flush schedule)")
         self.sharded = sharded  # see "Sharded stages" above
         self.params = dict(module.named_parameters())
+        # the weights next to the cuts of a split list, by name (`next` is the neighbour here)
+        self._cut_weights = {
+            name: "".join(n for n, p in self.params.items()
+                          if p is getattr(module, "lm_head" if name == "norm" else name).weight)
+            for end, name in _CUTS.items() if getattr(spec, end)}
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.last_norm = 0.0  # grad norm of the latest update, carried across spans
         self._norm_sizes: list[int] | None = None  # per stage: gradient tensors + 1 flag
@@ -310,6 +391,7 @@ class StageRunner:
             raise ValueError(f"expected {M} micro-batches per batch on this DP rank")
         every = spec.schedule_actions(len(batches))
         actions = every[spec.stage]
+        is_split = split(actions)
         groups = update_groups(every)[spec.stage]
         divisor = {m: len(g) * spec.dp for g in groups for m in g}
         bound = spec.bound()
@@ -331,14 +413,16 @@ class StageRunner:
                 if act.version not in (None, len(updates)):
                     raise RuntimeError(f"{act}: version {act.version}, live is {len(updates)}")
                 inflight[act.mb] = self._forward(act.mb, batches, divisor, losses,
-                                                 len(updates))
+                                                 len(updates), is_split)
             elif act.kind == "B":
-                held = inflight.pop(act.mb)
+                held = inflight[act.mb] if is_split else inflight.pop(act.mb)
                 stale[act.mb] = len(updates) - held.updates_at_f
                 if stale[act.mb] > bound:
                     raise RuntimeError(f"stage {spec.stage}: micro-batch {act.mb} crossed "
                                        f"{stale[act.mb]} updates, above the bound {bound}")
-                transient = self._backward(act.mb, held)
+                transient = self._backward(act.mb, held, is_split)
+            elif act.kind == "W":
+                transient = self._backward_weight(inflight.pop(act.mb))
             else:
                 group = groups[act.k - 1]  # a global batch under optim.skip_spikes
                 own = {batches[m // M].micro_batches[m % M][0]: losses[m]
@@ -417,7 +501,8 @@ class StageRunner:
                                    _tag(mb, False))
 
     def _forward(self, mb: int, batches: list[Batch], divisor: dict[int, int],
-                 losses: dict[int, tuple[float, float, float]], updates: int) -> _InFlight:
+                 losses: dict[int, tuple[float, float, float]], updates: int,
+                 is_split: bool = False) -> _InFlight:
         spec = self.spec
         x = self._input(mb, batches)
         if spec.recompute and not spec.last:
@@ -432,7 +517,14 @@ class StageRunner:
         if spec.last:
             b, j = divmod(mb, spec.micro_per_batch)
             labels = batches[b].micro_batches[j][1][:, 1:].to(self.device)
-        out = self._run(x, leaves, meter := self._meter(), labels)
+        cuts: dict[str, tuple[Tensor, Tensor]] = {}
+        hooks = [getattr(self.module, name).register_forward_hook(partial(_cut, cuts, name))
+                 for name in self._cut_weights if is_split and leaves is not None]
+        try:
+            out = self._run(x, leaves, meter := self._meter(), labels)
+        finally:
+            for hook in hooks:
+                hook.remove()
         if spec.last:
             total, ce, z = out
             losses[mb] = (float(total.detach()), float(ce), float(z))
@@ -440,11 +532,12 @@ class StageRunner:
         else:
             self.transport.send(out, self.next, _tag(mb, False))
         meter.add(out)
-        return _InFlight(x, out, leaves, updates, meter.nbytes, self._live_weights())
+        return _InFlight(x, out, leaves, updates, meter.nbytes, self._live_weights(), cuts)
 
-    def _backward(self, mb: int, held: _InFlight) -> int:
-        """Backward of `mb`: input gradient upstream, weight gradients into .grad. Returns the
-        bytes `mb` holds while its B runs (with a recompute graph, if any)."""
+    def _backward(self, mb: int, held: _InFlight, is_split: bool = False) -> int:
+        """Backward of `mb`: input gradient upstream, weight gradients into .grad (in a split
+        list, only the input gradient: `_backward_weight` does the rest). Returns the bytes `mb`
+        holds while its B runs (with a recompute graph, if any)."""
         spec = self.spec
         grad_out = None
         if not spec.last:
@@ -462,20 +555,62 @@ class StageRunner:
             torch.autograd.backward(out, grad_out)
             if not spec.first:
                 self.transport.send(x.grad, self.prev, _tag(mb, True))
+        elif is_split:
+            if "norm" in held.cuts:  # the LM head and loss whole, then split below them
+                below, leaf = held.cuts["norm"]
+                head = leaves[self._cut_weights["norm"]]
+                grad_out, held.head_grad = torch.autograd.grad(out, [leaf, head])
+                out = below
+            start = held.cuts["embed"][1] if "embed" in held.cuts else x
+            grad, held.param_groups = _backward_input(out, grad_out, start, leaves.values())
+            if spec.first:  # W's start below the cut: the gradient at it
+                held.cuts["embed"] = (held.cuts["embed"][0], grad)
+            else:
+                self.transport.send(grad, self.prev, _tag(mb, True))
+            held.out = None
+            held.nbytes += _kept_bytes(held)  # held from here until W (in `inflight`)
+            return extra
         else:
             inputs = ([] if spec.first else [x]) + list(leaves.values())
             grads = torch.autograd.grad(out, inputs, grad_out)
             if not spec.first:
                 self.transport.send(grads[0], self.prev, _tag(mb, True))
                 grads = grads[1:]
-            with torch.no_grad():
-                for p, g in zip(self.params.values(), grads, strict=True):
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad.add_(g)
+            self._fold(grads)
         self.reducer.after_backward()
         return held.nbytes + extra
+
+    def _backward_weight(self, held: _InFlight) -> int:
+        """W of a split list: the weight gradients from what B left, into .grad in list order
+        (nothing on a sharded stage, whose B ran the whole backward). Returns the bytes held."""
+        if held.leaves is None:
+            return held.nbytes
+        assert held.param_groups is not None
+        leaves = list(held.leaves.values())
+        stage_backward_weight(iter(leaves), held.param_groups)
+        if "embed" in held.cuts:  # the embedding below the first stage's cut
+            below, grad = held.cuts["embed"]
+            table = held.leaves[self._cut_weights["embed"]]
+            (table.grad,) = torch.autograd.grad(below, [table], grad)
+        if held.head_grad is not None:
+            held.leaves[self._cut_weights["norm"]].grad = held.head_grad
+        held.param_groups = held.head_grad = None
+        held.cuts.clear()
+        self._fold([leaf.grad for leaf in leaves])
+        self.reducer.after_backward()
+        return held.nbytes
+
+    def _fold(self, grads: Sequence[Tensor | None]) -> None:
+        """Add one micro-batch's weight gradients to .grad as AccumulateGrad would (the first
+        taken as is, later ones added)."""
+        with torch.no_grad():
+            for (name, p), g in zip(self.params.items(), grads, strict=True):
+                if g is None:
+                    raise RuntimeError(f"no gradient reached {name}")
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
 
     def _update(self, step: int, inflight: dict[int, _InFlight], check: SkipCheck | None = None,
                 own: dict[int, tuple[float, float, float]] | None = None) -> _Update:

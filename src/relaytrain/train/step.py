@@ -38,6 +38,7 @@ class PipelineStats:
     backward_s: float
     update_s: float
     staleness: list[int]  # per micro-batch of the step: this stage's updates between F and B
+    weight_s: float = 0.0  # mean seconds per W (split lists: the weight-gradient half of B)
 
 
 @dataclass

@@ -46,6 +46,7 @@ def clean(request, tmp_path, corpus_data, ray_cluster):
 @pytest.mark.timeout(60, func_only=True)
 @pytest.mark.parametrize(("schedule", "dp", "source"), [
     ("1f1b", 1, "checkpoint"),
+    ("zb-h1", 1, "checkpoint"),
     # an asynchronous schedule restored from a DP peer's snapshot, and the same paths again for
     # the other two schedules: on demand (pytest -m soak)
     pytest.param("paci", 2, "memory", marks=pytest.mark.soak),

@@ -21,6 +21,8 @@ from relaytrain.parallel.pipeline.schedules import (
     asynchronous,
     build_schedule,
     in_flight_limit,
+    in_flight_peaks,
+    split,
     staleness,
     staleness_bound,
     update_groups,
@@ -42,6 +44,9 @@ def max_in_flight(actions: Schedule) -> list[int]:
     return peaks
 
 
+FLUSH = ("gpipe", "1f1b", "zb-h1")
+
+
 SIZES = list(product(range(1, 7), range(1, 9), range(1, 4)))  # (S, M, n_batches)
 A = range(1, 5)
 
@@ -49,7 +54,7 @@ A = range(1, 5)
 def cases(name: str):
     """Every (S, M, n_batches, options) the exhaustive checks cover for schedule ``name``."""
     for S, M, N in SIZES:
-        if name in ("gpipe", "1f1b"):
+        if name in FLUSH:
             yield S, M, N, {}
         elif name == "pipedream":
             for a in A:
@@ -72,9 +77,12 @@ def test_every_micro_batch_gets_one_forward_then_one_backward_at_every_stage(nam
         assert len(actions) == S
         validate(actions)
         for acts in actions:
+            assert split(acts) == (name == "zb-h1")
             forwards = [x.mb for x in acts if x.kind == "F"]
             backwards = [x.mb for x in acts if x.kind == "B"]
+            weights = [x.mb for x in acts if x.kind == "W"]
             assert sorted(forwards) == sorted(backwards) == list(range(M * N))
+            assert weights == (backwards if name == "zb-h1" else [])
             # data order: forwards and backwards both ascend, so gradients accumulate FIFO
             assert forwards == sorted(forwards) and backwards == sorted(backwards)
 
@@ -90,16 +98,17 @@ def test_schedules_are_pure_functions_of_their_arguments(name):
     assert build_schedule(name, 4, 6, 3) == build_schedule(name, 4, 6, 3)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", FLUSH)
 def test_flush_schedules_update_once_per_global_batch_with_zero_staleness(name):
     for S, M, N, _ in cases(name):
         actions = build_schedule(name, S, M, N)
         assert set(staleness(actions).values()) == {0}
         assert update_groups(actions) == [[batch(b, M) for b in range(N)]] * S
+        per_batch = (3 if name == "zb-h1" else 2) * M + 1  # F, B (and W) of each, one U
         for acts in actions:  # flush: nothing of batch b+1 starts before batch b's update
             kinds = [x.kind for x in acts]
             assert [i for i, k in enumerate(kinds) if k == "U"] == [
-                (b + 1) * (2 * M + 1) - 1 for b in range(N)
+                (b + 1) * per_batch - 1 for b in range(N)
             ]
 
 
@@ -119,6 +128,45 @@ def test_1f1b_warms_up_s_minus_i_minus_1_forwards_and_holds_min_s_minus_i_m():
         for i, acts in enumerate(actions):
             warm = min(S - i - 1, M)
             assert [x.kind for x in acts[: warm + 1]] == ["F"] * warm + ["F" if warm < M else "B"]
+
+
+def test_zb_h1_is_1f1b_with_the_w_of_stage_i_run_i_backwards_later():
+    for S, M, N, _ in cases("zb-h1"):
+        zb, f1b = build_schedule("zb-h1", S, M, N), build_schedule("1f1b", S, M, N)
+        for i, (acts, ref) in enumerate(zip(zb, f1b, strict=True)):
+            assert [x for x in acts if x.kind != "W"] == ref  # 1f1b's F, B and U order
+            for b in range(N):
+                seen = []  # micro-batches of batch b backwarded so far
+                for x in acts:
+                    if x.mb in batch(b, M) and x.kind == "B":
+                        seen.append(x.mb)
+                    elif x.mb in batch(b, M) and x.kind == "W" and len(seen) < M:
+                        assert x.mb == seen[-1 - i]  # deferred by i backwards
+                assert len(seen) == M
+
+
+def test_zb_h1_holds_1f1bs_peak_activation_memory():
+    """Stage i holds S - i micro-batches awaiting B and up to i awaiting W: never more than 1f1b
+    holds at stage 0, min(S, M)."""
+    for S, M, N, _ in cases("zb-h1"):
+        peaks = in_flight_peaks(build_schedule("zb-h1", S, M, N))
+        assert max(peaks) == max(in_flight_peaks(build_schedule("1f1b", S, M, N))) == min(S, M)
+        assert in_flight_peaks(build_schedule("1f1b", S, M, N)) == max_in_flight(
+            build_schedule("1f1b", S, M, N))
+
+
+def test_zb_h1_bubble_is_the_papers_s_minus_1_times_f_plus_b_minus_w():
+    """With T_F = T_B = T_W (the paper's accounting) 1f1b idles (S-1)(F+B+W) per stage and
+    ZB-H1 (S-1)(F+B-W): a third of it."""
+    for S, M in product(range(2, 7), range(1, 9)):
+        if M < S:
+            continue
+        cost = Costs.uniform(S, forward=1.0, backward=2.0, weight=1.0)
+        f1b = simulate(build_schedule("1f1b", S, M, 1), cost)
+        zb = simulate(build_schedule("zb-h1", S, M, 1), cost)
+        assert f1b.makespan == 3 * M + 3 * (S - 1)
+        assert zb.makespan == 3 * M + (S - 1)
+        assert zb.utilisation > f1b.utilisation
 
 
 @pytest.mark.parametrize("name", ["pipedream", "paci"])
@@ -154,9 +202,7 @@ def test_paci_bound_is_papers_ceil_s_minus_i_minus_1_over_a():
         assert [staleness_bound("paci", i, S, a) for i in range(S)] == [
             math.ceil((S - i - 1) / a) for i in range(S)
         ]
-        assert [staleness_bound(n, i, S) for n in ("gpipe", "1f1b") for i in range(S)] == [0] * (
-            2 * S
-        )
+        assert [staleness_bound(n, i, S) for n in FLUSH for i in range(S)] == [0] * (3 * S)
 
 
 def test_paci_updates_every_a_backwards_with_the_same_micro_batches_at_every_stage():
@@ -176,7 +222,7 @@ def test_paci_with_flush_and_a_equal_m_is_exactly_1f1b():
         assert build_schedule("paci", S, M, N, a=M, flush=True) == build_schedule("1f1b", S, M, N)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "paci"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "paci"])
 def test_schedules_without_stashing_hold_one_weight_version(name):
     for S, M, N, opts in cases(name):
         actions = build_schedule(name, S, M, N, **opts)
@@ -229,7 +275,8 @@ def test_action_prints_compactly():
 @pytest.mark.parametrize(
     ("name", "sizes", "kwargs", "message"),
     [
-        ("zigzag", (2, 2, 1), {}, "expected one of gpipe, 1f1b, pipedream, paci"),
+        ("zigzag", (2, 2, 1), {}, "expected one of gpipe, 1f1b, zb-h1, pipedream, paci"),
+        ("zb-h1", (2, 2, 1), {"a": 2}, "takes no option ['a']"),
         ("1f1b", (2, 2, 1), {"a": 2}, "takes no option ['a']"),
         ("gpipe", (2, 2, 1), {"in_flight": 2}, "takes no option ['in_flight']"),
         ("pipedream", (2, 2, 1), {"flush": True}, "takes no option ['flush']"),
@@ -247,6 +294,12 @@ def test_bad_arguments_are_rejected_with_what_would_be_accepted(name, sizes, kwa
     ("actions", "message"),
     [
         ([[Action("B", 0), Action("U", k=1)]], "backward without a pending forward"),
+        ([[Action("W", 0), Action("U", k=1)]], "weight pass without a pending forward"),
+        ([[Action("F", 0), Action("W", 0), Action("B", 0)]], "expected B0 first"),
+        ([[Action("F", 0), Action("B", 0), Action("W", 0), Action("W", 0)]], "without a pending"),
+        ([[Action("F", 0), Action("B", 0), Action("W", 0)]], "1 gradients never applied"),
+        ([[Action("F", 0), Action("F", 1), Action("B", 0), Action("W", 0), Action("B", 1),
+           Action("U", k=1)]], r"micro-batches \[1\] never finish their backward"),
         ([[Action("F", 0), Action("F", 0)]], "second forward"),
         ([[Action("F", 0), Action("B", 0)]], "1 gradients never applied"),
         ([[Action("F", 0), Action("B", 0), Action("U", k=2)]], "expected U1"),
@@ -273,5 +326,6 @@ def test_which_schedules_flush_is_declared_once():
     for name in SCHEDULES:
         assert (staleness_bound(name, 0, 4) == 0) == (not asynchronous(name))
     assert load_config(None, ["parallel.schedule=paci"]).parallel.schedule == "paci"
-    with pytest.raises(ConfigError, match=re.escape("'gpipe' | '1f1b' | 'pipedream' | 'paci'")):
+    with pytest.raises(ConfigError,
+                       match=re.escape("'gpipe' | '1f1b' | 'zb-h1' | 'pipedream' | 'paci'")):
         load_config(None, ["parallel.schedule=zb"])

@@ -85,6 +85,7 @@ def test_timeline_obeys_stage_order_and_point_to_point_dependencies(name):
         cost = Costs(
             *(tuple(rng.uniform(0.5, 2) for _ in range(S)) for _ in range(3)),
             transfer=rng.uniform(0, 0.5),
+            weight=tuple(rng.uniform(0, 0.5) for _ in range(S)),
         )
         actions = build_schedule(name, S, M, N)
         result = simulate(actions, cost, timeline=True)
@@ -100,6 +101,8 @@ def test_timeline_obeys_stage_order_and_point_to_point_dependencies(name):
                     assert s.start >= end[(stage - 1, "F", mb)] + cost.transfer - 1e-12
                 if kind == "B" and stage < S - 1:
                     assert s.start >= end[(stage + 1, "B", mb)] + cost.transfer - 1e-12
+                if kind == "W":
+                    assert s.start >= end[(stage, "B", mb)] - 1e-12
         assert result.makespan == pytest.approx(max(s.end for s in result.timeline))
 
 
@@ -145,10 +148,23 @@ def test_a_backward_listed_before_its_forward_deadlocks():
         simulate([[B(0), F(0), U]], Costs.uniform(1))
 
 
+def test_a_split_list_pays_the_weight_part_at_w_and_the_rest_at_b():
+    cost = Costs((1.0,), (3.0,), (0.5,), weight=(1.25,))
+    whole = simulate(build_schedule("1f1b", 1, 2, 1), cost, timeline=True)
+    split = simulate(build_schedule("zb-h1", 1, 2, 1), cost, timeline=True)
+    assert [s.end - s.start for s in whole.timeline] == [1.0, 3.0, 1.0, 3.0, 0.5]
+    assert [(str(s.action), s.end - s.start) for s in split.timeline] == [
+        ("F0", 1.0), ("B0", 1.75), ("W0", 1.25), ("F1", 1.0), ("B1", 1.75), ("W1", 1.25),
+        ("U1", 0.5)]
+    assert split.makespan == whole.makespan
+
+
 def test_costs_must_match_the_schedule_and_be_non_negative():
     with pytest.raises(ValueError, match="differ in length"):
         Costs((1.0,), (1.0, 1.0), (0.0,))
     with pytest.raises(ValueError, match=">= 0"):
         Costs.uniform(2, transfer=-1.0)
+    with pytest.raises(ValueError, match="weight-gradient part must be in 0..backward"):
+        Costs.uniform(2, backward=1.0, weight=1.5)
     with pytest.raises(ValueError, match="costs are for 3 stages, schedule has 2"):
         simulate(build_schedule("1f1b", 2, 2, 1), Costs.uniform(3))

@@ -14,6 +14,9 @@ batches; the pipeline is empty at the start and at the end of every span):
 - ``B(m)``: backward of ``m``. The last stage computes the loss, other stages receive the output
   gradient from stage i+1; every stage but the first sends its input gradient to stage i-1. The
   parameter gradient is accumulated into the stage's gradient buffer in list order.
+- ``W(m)`` (zb-h1 only): the weight gradient of ``m``. A list with W's is *split*: its ``B(m)``
+  computes only the input gradient (sent upstream at once) and keeps what ``W(m)`` needs, and
+  ``W(m)``, not ``B(m)``, accumulates the parameter gradient. Otherwise B does both.
 - ``U(k)``: this stage's optimizer step with the gradient accumulated since its previous ``U``
   (its *update group*, see :func:`update_groups`), then the buffer is cleared. ``k`` counts the
   updates of this stage in the span from 1. Every ``B`` of a list is followed by some ``U``.
@@ -23,8 +26,8 @@ batches; the pipeline is empty at the start and at the end of every span):
   live weights, whatever updates happened in between (paci's bounded inconsistency).
 
 Every schedule accumulates the gradients of a stage in ascending micro-batch order (FIFO), so the
-k-th update of every stage covers the same micro-batches, and gpipe and 1f1b sum per-micro-batch
-gradients in the same order (bit-identical gradients).
+k-th update of every stage covers the same micro-batches, and gpipe, 1f1b and zb-h1 sum
+per-micro-batch gradients in the same order (bit-identical gradients).
 """
 
 from __future__ import annotations
@@ -35,11 +38,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-ScheduleName = Literal["gpipe", "1f1b", "pipedream", "paci"]  # `parallel.schedule`
+ScheduleName = Literal["gpipe", "1f1b", "zb-h1", "pipedream", "paci"]  # `parallel.schedule`
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 # Flush schedules drain the pipeline at every global batch: no update with a micro-batch in
 # flight, so exact gradients. The others are asynchronous and run in spans of steps.
-FLUSH_SCHEDULES = ("gpipe", "1f1b")
+FLUSH_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
 def asynchronous(name: str) -> bool:
@@ -52,6 +55,7 @@ def asynchronous(name: str) -> bool:
 _OPTIONS = {
     "gpipe": frozenset(),
     "1f1b": frozenset(),
+    "zb-h1": frozenset(),
     "pipedream": frozenset({"a", "in_flight"}),
     "paci": frozenset({"a", "in_flight", "flush"}),
 }
@@ -59,13 +63,14 @@ _OPTIONS = {
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One step of a stage's list: ``F``/``B`` of micro-batch ``mb``, or update ``U`` number ``k``.
+    """One step of a stage's list: ``F``/``B``/``W`` of micro-batch ``mb``, or update ``U`` number
+    ``k``.
 
-    ``mb`` is -1 for ``U``; ``k`` is 0 for ``F``/``B``; ``version`` is the stashed weight version
+    ``mb`` is -1 for ``U``; ``k`` is 0 for the others; ``version`` is the stashed weight version
     for weight-stashing schedules and ``None`` otherwise (see the module docstring).
     """
 
-    kind: Literal["F", "B", "U"]
+    kind: Literal["F", "B", "W", "U"]
     mb: int = -1
     k: int = 0
     version: int | None = None
@@ -104,6 +109,11 @@ def build_schedule(
       accumulate in the same order), then one U; flush.
     - ``1f1b``: per global batch, S-i-1 warm-up forwards at stage i, then one forward one
       backward, cool-down backwards, then one U; flush.
+    - ``zb-h1`` (ZB-H1, arXiv 2401.10241): 1f1b's order of F and B with the backward split into
+      B (input gradient) and W (weight gradient); stage i runs the W of its j-th B right after
+      its (j+i)-th B (the rest before the U), so the later stages, whose B's the earlier ones
+      wait for, push their W's into the cool-down, where 1f1b idles. A stage holds at most
+      S-i micro-batches awaiting B and i awaiting W: 1f1b's peak (S, at stage 0); flush.
     - ``pipedream``: asynchronous 1F1B over the whole span (no flush), a U after every ``a``
       local backwards, weight stashing (``version``); at most ``in_flight`` micro-batches held.
     - ``paci``: the same order without stashing: a micro-batch crosses at most
@@ -140,8 +150,11 @@ def build_schedule(
     span = [range(n_batches * M)]
     if name == "gpipe":
         return [_stage_actions(batches, M, M, stash=False) for _ in range(S)]
-    if name == "1f1b":
-        return [_stage_actions(batches, S - i, M, stash=False) for i in range(S)]
+    if name in ("1f1b", "zb-h1"):
+        return [
+            _stage_actions(batches, S - i, M, stash=False, w_delay=i if name == "zb-h1" else None)
+            for i in range(S)
+        ]
     segments = batches if flush else span
     return [
         _stage_actions(segments, in_flight_limit(i, S, in_flight), a, stash=name == "pipedream")
@@ -159,21 +172,48 @@ def _one_f_one_b(mbs: Sequence[int], limit: int) -> list[tuple[str, int]]:
     return order + [("B", m) for m in mbs[n - warm :]]
 
 
+def _with_weight_passes(order: list[tuple[str, int]], delay: int) -> list[tuple[str, int]]:
+    """A segment's F/B order with the W of its j-th B placed right after its (j+delay)-th B,
+    the W's left over at the segment's end (ascending, so gradients accumulate FIFO)."""
+    out: list[tuple[str, int]] = []
+    backwards: list[int] = []
+    for kind, m in order:
+        out.append((kind, m))
+        if kind == "B":
+            backwards.append(m)
+            if len(backwards) > delay:
+                out.append(("W", backwards[len(backwards) - 1 - delay]))
+    return out + [("W", m) for m in backwards[max(0, len(backwards) - delay) :]]
+
+
 def _stage_actions(
-    segments: Sequence[Sequence[int]], limit: int, a: int, *, stash: bool
+    segments: Sequence[Sequence[int]],
+    limit: int,
+    a: int,
+    *,
+    stash: bool,
+    w_delay: int | None = None,
 ) -> list[Action]:
-    """One stage's list: 1F1B order per segment, a U after every ``a`` backwards and at the end
-    of each segment (so no update group spans two segments)."""
+    """One stage's list: 1F1B order per segment (split by ``_with_weight_passes`` given
+    ``w_delay``), a U after every ``a`` accumulated gradients and at the end of each segment (so
+    no update group spans two segments)."""
     out: list[Action] = []
     updates = pending = 0
     version: dict[int, int | None] = {}
+    accumulate = "B" if w_delay is None else "W"
     for segment in segments:
-        for kind, m in _one_f_one_b(segment, limit):
+        order = _one_f_one_b(segment, limit)
+        if w_delay is not None:
+            order = _with_weight_passes(order, w_delay)
+        for kind, m in order:
             if kind == "F":
                 version[m] = updates if stash else None
                 out.append(Action("F", m, version=version[m]))
                 continue
-            out.append(Action("B", m, version=version.pop(m)))
+            out.append(Action(kind, m, version=version[m]))  # type: ignore[arg-type]
+            if kind != accumulate:
+                continue
+            del version[m]
             pending += 1
             if pending == a:
                 updates, pending = updates + 1, 0
@@ -188,19 +228,27 @@ def _stage_actions(
 # Analysis: pure functions of the action lists (what the executor will actually execute).
 
 
+def split(acts: Sequence[Action]) -> bool:
+    """Whether a stage's list splits its backward into B and W (see the module docstring)."""
+    return any(act.kind == "W" for act in acts)
+
+
 def validate(actions: Schedule) -> None:
     """Raise ValueError unless the lists are well formed for the executor.
 
-    Every stage handles the same micro-batches, each with exactly one F and, later, one B; U's are
-    numbered 1, 2, ... and no gradient is left after the last U; a stashed version is one the
-    stage already has and is the same for F and B. (Deadlock-freedom is checked by simulation.)
+    Every stage handles the same micro-batches, each with exactly one F, later one B and, in a
+    split list, after that one W; U's are numbered 1, 2, ... and no gradient is left after the
+    last U; a stashed version is one the stage already has and is the same for F, B and W.
+    (Deadlock-freedom is checked by simulation, the memory bound by `in_flight_peaks`.)
     """
     expected: set[int] | None = None
     for i, acts in enumerate(actions):
         where = f"stage {i}"
-        open_: dict[int, int | None] = {}
+        # micro-batch -> (version, the action it waits for next)
+        open_: dict[int, tuple[int | None, str]] = {}
         done: set[int] = set()
         updates = pending = 0
+        last = "W" if split(acts) else "B"
         for n, act in enumerate(acts):
             at = f"{where} action #{n} ({act})"
             if act.kind == "U":
@@ -208,24 +256,32 @@ def validate(actions: Schedule) -> None:
                     raise ValueError(f"{at}: expected U{updates + 1} with mb -1")
                 updates, pending = updates + 1, 0
                 continue
-            if act.kind not in ("F", "B") or act.mb < 0 or act.k != 0:
-                raise ValueError(f"{at}: expected F or B of a micro-batch >= 0 with k 0")
+            if act.kind not in ("F", "B", "W") or act.mb < 0 or act.k != 0:
+                raise ValueError(f"{at}: expected F, B or W of a micro-batch >= 0 with k 0")
             if act.version is not None and not 0 <= act.version <= updates:
                 raise ValueError(f"{at}: version must be in 0..{updates}, the versions so far")
             if act.kind == "F":
                 if act.mb in open_ or act.mb in done:
                     raise ValueError(f"{at}: second forward of micro-batch {act.mb}")
-                open_[act.mb] = act.version
-            else:
-                if act.mb not in open_:
-                    raise ValueError(f"{at}: backward without a pending forward")
-                if open_.pop(act.mb) != act.version:
-                    raise ValueError(f"{at}: backward version differs from its forward's")
+                open_[act.mb] = (act.version, "B")
+                continue
+            if act.mb not in open_:
+                raise ValueError(f"{at}: {'backward' if act.kind == 'B' else 'weight pass'} "
+                                 "without a pending forward")
+            version, waits_for = open_[act.mb]
+            if waits_for != act.kind:
+                raise ValueError(f"{at}: expected {waits_for}{act.mb} first")
+            if version != act.version:
+                raise ValueError(f"{at}: version differs from its forward's")
+            if act.kind == last:
+                del open_[act.mb]
                 done.add(act.mb)
                 pending += 1
+            else:
+                open_[act.mb] = (version, "W")
         if open_ or pending:
             raise ValueError(
-                f"{where}: micro-batches {sorted(open_)} never backward or "
+                f"{where}: micro-batches {sorted(open_)} never finish their backward or "
                 f"{pending} gradients never applied"
             )
         if expected is None:
@@ -234,6 +290,20 @@ def validate(actions: Schedule) -> None:
             raise ValueError(
                 f"{where}: micro-batches differ from stage 0's ({sorted(done ^ expected)})"
             )
+
+
+def in_flight_peaks(actions: Schedule) -> list[int]:
+    """Per stage, the peak number of micro-batches held between their F and the end of their
+    backward (B, or W in a split list): the activation memory in units of one micro-batch's."""
+    peaks = []
+    for acts in actions:
+        last = "W" if split(acts) else "B"
+        held = peak = 0
+        for act in acts:
+            held += 1 if act.kind == "F" else -1 if act.kind == last else 0
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
 
 
 def staleness(actions: Schedule) -> dict[tuple[int, int], int]:
@@ -251,7 +321,7 @@ def staleness(actions: Schedule) -> dict[tuple[int, int], int]:
                 updates += 1
             elif act.kind == "F":
                 at_forward[act.mb] = updates
-            else:
+            elif act.kind == "B":
                 out[(i, act.mb)] = updates - at_forward[act.mb]
     return out
 
@@ -284,7 +354,7 @@ def weight_versions(actions: Schedule) -> list[int]:
                 continue
             elif act.kind == "F":
                 stashed[act.mb] = act.version
-            else:
+            elif act.kind == ("W" if split(acts) else "B"):
                 del stashed[act.mb]
             peak = max(peak, len(set(stashed.values()) | {live}))
         peaks.append(peak)
@@ -298,8 +368,9 @@ def update_groups(actions: Schedule) -> list[list[tuple[int, ...]]]:
     for acts in actions:
         groups: list[tuple[int, ...]] = []
         current: list[int] = []
+        accumulate = "W" if split(acts) else "B"
         for act in acts:
-            if act.kind == "B":
+            if act.kind == accumulate:
                 current.append(act.mb)
             elif act.kind == "U":
                 groups.append(tuple(current))

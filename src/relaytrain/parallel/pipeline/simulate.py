@@ -13,25 +13,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relaytrain.parallel.pipeline.schedules import Action, Schedule
+from relaytrain.parallel.pipeline.schedules import Action, Schedule, split
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-stage durations of F, B and U, and the time a micro-batch's activations or gradients
-    take to reach a neighbour. ``recompute`` (paci's memory mode) is an extra forward paid at
-    every B of that stage; ``None`` means none."""
+    """Per-stage durations of F, the whole backward and U, and the time a micro-batch's
+    activations or gradients take to reach a neighbour. ``weight`` is the weight-gradient part of
+    the backward: a split list's W costs that and its B the rest (``None``: 0, a B of the whole
+    backward and a free W). ``recompute`` (paci's memory mode) is an extra forward paid at every
+    B of that stage; ``None`` means none."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     update: tuple[float, ...]
     transfer: float = 0.0
     recompute: tuple[float, ...] | None = None
+    weight: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         lengths = {len(self.forward), len(self.backward), len(self.update)}
-        if self.recompute is not None:
-            lengths.add(len(self.recompute))
+        for extra in (self.recompute, self.weight):
+            if extra is not None:
+                lengths.add(len(extra))
         if len(lengths) != 1:
             raise ValueError(f"costs: per-stage tuples differ in length ({sorted(lengths)})")
         values = [
@@ -43,6 +47,10 @@ class Costs:
         ]
         if min(values) < 0:
             raise ValueError("costs: durations must be >= 0")
+        if self.weight is not None and not all(
+            0 <= w <= b for w, b in zip(self.weight, self.backward, strict=True)
+        ):
+            raise ValueError("costs: the weight-gradient part must be in 0..backward")
 
     @classmethod
     def uniform(
@@ -53,6 +61,7 @@ class Costs:
         update: float = 0.0,
         transfer: float = 0.0,
         recompute: float = 0.0,
+        weight: float = 0.0,
     ) -> Costs:
         """The same costs at every stage (a balanced cut); backward defaults to twice forward."""
         return cls(
@@ -61,13 +70,19 @@ class Costs:
             (update,) * n_stages,
             transfer,
             (recompute,) * n_stages if recompute else None,
+            (weight,) * n_stages if weight else None,
         )
 
-    def duration(self, stage: int, action: Action) -> float:
+    def duration(self, stage: int, action: Action, is_split: bool = False) -> float:
+        """Seconds `action` takes at `stage`, in a split list (B and W apart) or not."""
+        w = self.weight[stage] if self.weight else 0.0
         if action.kind == "F":
             return self.forward[stage]
         if action.kind == "B":
-            return self.backward[stage] + (self.recompute[stage] if self.recompute else 0.0)
+            recompute = self.recompute[stage] if self.recompute else 0.0
+            return self.backward[stage] - (w if is_split else 0.0) + recompute
+        if action.kind == "W":
+            return w
         return self.update[stage]
 
 
@@ -103,7 +118,7 @@ class DeadlockError(RuntimeError):
     """The lists cannot complete under blocking receives; the message says who waits on what."""
 
 
-_Key = tuple[int, str, int]  # (stage, kind, mb) of a finished F or B
+_Key = tuple[int, str, int]  # (stage, kind, mb) of a finished F, B or W
 
 
 def _dependencies(stage: int, action: Action, n_stages: int) -> list[tuple[_Key, bool]]:
@@ -115,6 +130,8 @@ def _dependencies(stage: int, action: Action, n_stages: int) -> list[tuple[_Key,
         if stage < n_stages - 1:
             deps.append(((stage + 1, "B", action.mb), True))
         return deps
+    if action.kind == "W":
+        return [((stage, "B", action.mb), False)]
     return []
 
 
@@ -131,6 +148,7 @@ def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False) -> SimRe
     busy = [0.0] * n_stages
     spans: list[Span] = []
     ready = list(range(n_stages))
+    is_split = [split(acts) for acts in actions]
     while ready:
         i = ready.pop()
         while position[i] < len(actions[i]):
@@ -143,7 +161,7 @@ def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False) -> SimRe
             start = max(
                 [free[i]] + [finished[key] + (cost.transfer if link else 0.0) for key, link in deps]
             )
-            end = start + cost.duration(i, action)
+            end = start + cost.duration(i, action, is_split[i])
             free[i] = end
             busy[i] += end - start
             position[i] += 1
