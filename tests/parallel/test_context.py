@@ -124,3 +124,25 @@ def test_cp_ranks_get_cp_1_s_outputs_and_gradients_bit_identical_in_exact_mode(d
     block over the same keys in the same order; dK/dV summed as integers), within float
     rounding in fast mode."""
     mp.spawn(_ranks, args=(degree, _free_port(), exact), nprocs=degree)
+
+
+def test_the_model_with_a_cp_1_context_trains_as_without_one():
+    """The tiny model (a sliding and a full layer) given the split as its context: positions
+    from the split, every layer through the block attention; loss and gradients as the plain
+    model's, to float rounding."""
+    from relaytrain.model.config import PRESETS
+    from relaytrain.model.init import init_weights
+    from relaytrain.model.olmo3 import Olmo3
+
+    model = Olmo3(PRESETS["tiny-gqa"].with_vocab(300))
+    init_weights(model, seed=0)
+    tokens = torch.randint(0, 300, (2, 65), generator=torch.Generator().manual_seed(1))
+    got = []
+    for context in (None, ContextGroup(ContextSplit(64), None, exact=True)):
+        model.zero_grad()
+        kwargs = {} if context is None else {"context": context}
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:], **kwargs)[0]
+        loss.backward()
+        got.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -254,6 +254,19 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
 
 
+class SequenceShard(Protocol):
+    """This rank's part of a sequence split over ranks (`parallel.cp`; parallel/context.py's
+    `ContextGroup`): the global positions of its tokens, and attention across the split."""
+
+    def positions(self) -> Tensor:
+        """Global positions of this rank's tokens, in its local order."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float
+               ) -> Tensor:
+        """Attention of this rank's queries over every key they see (all earlier ones, or
+        those in the `window`), wherever the keys are held."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Blocks
 
@@ -279,11 +292,13 @@ class Attention(nn.Module):
         return self.fused and self.head_dim % cpu_kernels.WINDOW_HEAD_DIMS == 0
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                mask: Tensor | BlockMask | Window | None) -> Tensor:
+                mask: Tensor | BlockMask | Window | None,
+                context: SequenceShard | None = None) -> Tensor:
         """Causal attention when `mask` is None, else attention restricted to `mask`: a dense
         boolean mask through SDPA, a block mask through FlexAttention (GQA native), or a
         `Window`: the fused window kernel (`cpu_kernels.window_attention`), else chunk by chunk
-        (`model.sliding_chunks`)."""
+        (`model.sliding_chunks`). With a `context`, x is this rank's part of the sequence and
+        the context attends (None or a `Window` for the mask)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -291,7 +306,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin, self.fused), apply_rope(k, cos, sin, self.fused)
         n_rep = self.n_heads // self.n_kv_heads
         scale = self.head_dim**-0.5
-        if mask is None:
+        if context is not None:
+            y = context.attend(q, k, v, mask.size if isinstance(mask, Window) else None, scale)
+        elif mask is None:
             # Flash kernels take GQA natively when there is no mask.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=n_rep > 1)
@@ -351,14 +368,16 @@ class Block(nn.Module):
         self.checkpoint = False
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                mask: Tensor | BlockMask | Window | None) -> Tensor:
+                mask: Tensor | BlockMask | Window | None,
+                context: SequenceShard | None = None) -> Tensor:
         if self.checkpoint and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
-        return self._forward(x, cos, sin, mask)
+            return checkpoint(self._forward, x, cos, sin, mask, context, use_reentrant=False)
+        return self._forward(x, cos, sin, mask, context)
 
     def _forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                 mask: Tensor | BlockMask | Window | None) -> Tensor:
-        h = x + self.attn_norm(self.attn(x, cos, sin, mask))
+                 mask: Tensor | BlockMask | Window | None,
+                 context: SequenceShard | None = None) -> Tensor:
+        h = x + self.attn_norm(self.attn(x, cos, sin, mask, context))
         return h + self.mlp_norm(self.mlp(h))
 
 
@@ -492,21 +511,30 @@ class Olmo3(nn.Module):
         return sliding_window_mask(seq_len, window, device)
 
     def forward(self, x: Tensor, labels: Tensor | None = None, z_loss: float = 0.0,
-                ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+                context: SequenceShard | None = None) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+        """With a `context`, x (and labels) are this rank's part of each sequence
+        (context parallelism): positions are the context's, and it attends across the split."""
         if labels is not None and not self.last:
             raise ValueError("labels given to a stage without the LM head (last=False)")
         h = self.embed(x) if self.first else x
         t, device = h.shape[1], h.device
         blocks = list(self.layers.values())
-        rope = {yarn: rope_cos_sin(self.cfg, yarn, t, device) for yarn in {b.yarn for b in blocks}}
+        positions = None if context is None else context.positions().to(device)
+        span = t if positions is None else int(positions.max()) + 1
+        rope = {yarn: rope_cos_sin(self.cfg, yarn, span, device)
+                for yarn in {b.yarn for b in blocks}}
+        if positions is not None:
+            rope = {yarn: (cos[positions], sin[positions]) for yarn, (cos, sin) in rope.items()}
         # A sliding layer is plain causal attention when the whole sequence fits the window.
         window = self.cfg.sliding_window
         mask = None
-        if t > window and any(b.sliding for b in blocks):
+        if context is not None:
+            mask = Window(window)
+        elif t > window and any(b.sliding for b in blocks):
             mask = self.sliding_mask(t, device)
         for block in blocks:
             cos, sin = rope[block.yarn]
-            h = block(h, cos, sin, mask if block.sliding else None)
+            h = block(h, cos, sin, mask if block.sliding else None, context)
         if not self.last:
             return h
         h = self.norm(h)

@@ -38,6 +38,7 @@ which run on gloo (CPU) and NCCL alike.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,12 +191,21 @@ def _visible_blocks(seq_len: int, block: int, window: int | None, docs: Tensor |
 
 @dataclass
 class ContextGroup:
-    """A rank's place in its cp group: the split, the group (None at degree 1) and whether
-    dK/dV are summed exactly."""
+    """A rank's place in its cp group: the split, the group (None at degree 1), whether dK/dV
+    are summed exactly, and the current sequences' documents ([B, T] ids, `doc_ids`; None: no
+    document mask). What the model takes as its `context` (`model.olmo3.SequenceShard`)."""
 
     split: ContextSplit
     group: dist.ProcessGroup | None = None
     exact: bool = False
+    docs: Tensor | None = None
+
+    def positions(self) -> Tensor:
+        return self.split.positions()
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float
+               ) -> Tensor:
+        return context_attention(q, k, v, self.plan(window, self.docs), self, scale)
 
     @functools.cached_property
     def _plans(self) -> dict[int | None, AttentionPlan]:
@@ -209,6 +219,20 @@ class ContextGroup:
         if window not in self._plans:
             self._plans[window] = plan_attention(self.split, window)
         return self._plans[window]
+
+
+def sequence_mean(values: list[float], context: ContextGroup | None,
+                  device: torch.device | None = None) -> tuple[float, ...]:
+    """Means over whole sequences from each cp rank's means over its (equal) share of their
+    tokens: gathered, summed exactly in rank order (`math.fsum`) and divided by the degree,
+    the same numbers on every rank (a collective over the cp group)."""
+    if context is None or context.group is None:
+        return tuple(values)
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(context.split.degree)]
+    dist.all_gather(every, mine, group=context.group)
+    return tuple(math.fsum(float(t[i]) for t in every) / context.split.degree
+                 for i in range(len(values)))
 
 
 def context_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
