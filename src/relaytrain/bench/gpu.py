@@ -172,24 +172,30 @@ _TABLE_ROWS = (  # a row of `memory_table`: its label and the plan's keys it add
     ("a gradient slice as limbs while it is reduced (32 B a value)", ("exact_transient",)),
     ("block checkpoints (bf16 fast, fp32 exact) + recompute + loss chunk",
      ("checkpoints", "recompute_estimate", "loss_chunk")),
-    ("**planned peak** (backward)", ("peak",)),
+    ("**planned peak** (backward)", ("peak",)),  # the last two rows stay last
     ("planned peak gathering fp32 (`parallel.fsdp_param_dtype=fp32`)", ("peak_fp32_gathers",)),
 )
 
 
+_CONTEXT_ROW = ("context-parallel attention of a layer: its keys and values, a query block's "
+                "scores, the dK/dV sums (limbs in exact)", ("context_attention",))
+
+
 def memory_table(cfg: Olmo3Config, seq_len: int, micro_batch: int,
-                 fsdps: tuple[int, ...]) -> str:
+                 fsdps: tuple[int, ...], cp: int = 1) -> str:
     """`memory_plan` of each sharding in `fsdps`, fast and exact, as the Markdown table
     docs/MEASURED.md shows (GB = 1e9 bytes; a test holds the docs to it): at the default
-    gathers (`auto`), and the peak gathering fp32; whether the default fits 80 GB."""
-    plans = [memory_plan(cfg, seq_len, micro_batch, fsdp=f, exact=e)
+    gathers (`auto`), and the peak gathering fp32; whether the default fits 80 GB. With
+    `cp` > 1, per device of a sequence split over cp, with the context's attention's row."""
+    plans = [memory_plan(cfg, seq_len, micro_batch, fsdp=f, exact=e, cp=cp)
              for f in fsdps for e in (False, True)]
     for p in plans:
         p["peak_fp32_gathers"] = memory_plan(cfg, seq_len, micro_batch, fsdp=p["fsdp"],
-                                             exact=p["exact"], gather="fp32")["peak"]
+                                             exact=p["exact"], gather="fp32", cp=cp)["peak"]
+    rows = _TABLE_ROWS if cp == 1 else (*_TABLE_ROWS[:-2], _CONTEXT_ROW, *_TABLE_ROWS[-2:])
     head = "".join(f" fsdp {p['fsdp']} {'exact' if p['exact'] else 'fast'} |" for p in plans)
     lines = [f"| GB per GPU |{head}", "| --- |" + " ---: |" * len(plans)]
-    for label, keys in _TABLE_ROWS:
+    for label, keys in rows:
         cells = [sum(p[k] for k in keys) for p in plans]
         text = [f"{c / 1e9:.1f}" if c else "—" for c in cells]
         if label.startswith("**"):
