@@ -115,7 +115,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # four spawned processes importing torch on a shared 2-core host
 @pytest.mark.parametrize("degree", [2, 4])
 @pytest.mark.parametrize("exact", [True, False])
 def test_cp_ranks_get_cp_1_s_outputs_and_gradients_bit_identical_in_exact_mode(degree, exact):
@@ -146,3 +146,15 @@ def test_the_model_with_a_cp_1_context_trains_as_without_one():
         got.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
     for a, b in zip(*got, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_bf16_inputs_are_scored_in_fp32_and_get_gradients_of_their_dtype():
+    """Under CUDA's autocast q, k, v arrive in bf16: scores, softmax and sums run in fp32 (as
+    flash kernels'), the output and gradients come back in bf16."""
+    q, k, v, g = (x.bfloat16().requires_grad_() for x in _inputs())
+    comm = ContextGroup(ContextSplit(T), None, exact=True)
+    out = context_attention(q, k, v, comm.plan(WINDOW, None), comm, D**-0.5)
+    grads = torch.autograd.grad(out, (q, k, v), g.detach())
+    assert {t.dtype for t in (out, *grads)} == {torch.bfloat16}
+    ref = _dense(*(x.detach().float() for x in (q, k, v)), WINDOW, None)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=8e-3)  # bf16's rounding of out

@@ -155,7 +155,8 @@ class AttentionPlan:
             seen &= k[None, :] > q[:, None] - self.window
         if self.docs is None:
             return seen[None, None]
-        return (seen[None] & (self.docs[:, q, None] == self.docs[:, None, k]))[:, None]
+        docs = self.docs.to(device)
+        return (seen[None] & (docs[:, q, None] == docs[:, None, k]))[:, None]
 
 
 def plan_attention(split: ContextSplit, window: int | None = None,
@@ -251,8 +252,8 @@ class _ContextAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         for index, rows in enumerate(_rows(plan)):
             kb, vb = _keys(keys, plan.needed[index], n_rep)
-            p = _probs(q[:, :, rows].contiguous(), kb, plan.mask(index, q.device), scale)
-            out[:, :, rows] = p @ vb
+            p = _probs(q[:, :, rows].float().contiguous(), kb, plan.mask(index, q.device), scale)
+            out[:, :, rows] = p @ vb  # cast back to q's dtype
         ctx.save_for_backward(q, k, v)
         ctx.plan, ctx.comm, ctx.scale = plan, comm, scale
         return out
@@ -268,7 +269,7 @@ class _ContextAttention(torch.autograd.Function):
         for index, rows in enumerate(_rows(plan)):
             needed = plan.needed[index]
             kb, vb = _keys(keys, needed, n_rep)
-            qi, gi = q[:, :, rows].contiguous(), grad[:, :, rows].contiguous()
+            qi, gi = q[:, :, rows].float().contiguous(), grad[:, :, rows].float().contiguous()
             p = _probs(qi, kb, plan.mask(index, q.device), scale)
             ds = torch._softmax_backward_data(gi @ vb.transpose(-1, -2), p, -1, p.dtype)
             dq[:, :, rows] = (ds @ kb) * scale
@@ -292,8 +293,9 @@ def _probs(q: Tensor, kb: Tensor, mask: Tensor, scale: float) -> Tensor:
 
 
 def _keys(keys: dict[int, Tensor], needed: list[int], n_rep: int) -> tuple[Tensor, Tensor]:
-    """The needed blocks' K and V, concatenated in global order, expanded to the query heads."""
-    kv = torch.cat([keys[j] for j in needed], dim=-2)
+    """The needed blocks' K and V, concatenated in global order, expanded to the query heads,
+    in fp32 (the scores, softmax and sums are fp32 whatever the inputs, as flash kernels')."""
+    kv = torch.cat([keys[j] for j in needed], dim=-2).float()
     return repeat_kv(kv[0], n_rep), repeat_kv(kv[1], n_rep)
 
 
@@ -372,7 +374,7 @@ def _return_sums(sums: _BlockSums, plan: AttentionPlan, group: dist.ProcessGroup
                 n = plan.send[peer].index(j)
                 total = total + _part(recvs[peer], n, sums.exact, blk, like)
         out.append(from_limbs(total[0], total[1]).view(_block_shape(like, blk)).to(like.dtype)
-                   if sums.exact else total)
+                   if sums.exact else total.to(like.dtype))
     return torch.cat(out, dim=-2)
 
 
@@ -384,7 +386,7 @@ def _zeros(sums: _BlockSums, like: Tensor, plan: AttentionPlan) -> Tensor:
     shape = _block_shape(like, plan.split.block)
     if sums.exact:
         return torch.zeros((2, shape.numel()), dtype=torch.int64, device=like.device)
-    return like.new_zeros(shape)
+    return like.new_zeros(shape, dtype=torch.float32)
 
 
 def _part(buf: Tensor, n: int, exact: bool, blk: int, like: Tensor) -> Tensor:
