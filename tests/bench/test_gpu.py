@@ -123,3 +123,22 @@ def test_the_docs_memory_tables_are_what_memory_table_computes():
                 plan = memory_plan(PRESETS[preset], 8192, 1, fsdp=f, exact=exact)
                 assert plan["peak"] == plan["backward_peak"]
         assert memory_table(PRESETS[preset], 8192, 1, fsdps) in text
+    for preset, fsdps in (("olmo3-7b", (8,)), ("olmo3-32b", (16, 32))):  # stage 3, cp 8
+        assert memory_table(PRESETS[preset], 65_536, 1, fsdps, cp=8) in text
+
+
+def test_the_plan_at_65536_tokens_over_cp_8_fits_80_gb_where_whole_sequences_cannot():
+    """Olmo 3's stage 3 (65,536 tokens, cp 8): a device holds 1/8 of the block checkpoints, and
+    one layer's context-parallel attention (the sequence's keys and values, one query block's
+    scores, the dK/dV sums) on top; 7B fits at fsdp 8 in both modes, 32B at fsdp 16 (fast) and
+    32 (exact); with whole sequences only 7B's fast mode would."""
+    for name, fast, exact in (("olmo3-7b", 8, 8), ("olmo3-32b", 16, 32)):
+        cfg = PRESETS[name]
+        for fsdp, is_exact in ((fast, False), (exact, True)):
+            whole = memory_plan(cfg, 65_536, 1, fsdp=fsdp, exact=is_exact)
+            split = memory_plan(cfg, 65_536, 1, fsdp=fsdp, exact=is_exact, cp=8)
+            assert split["checkpoints"] * 8 == whole["checkpoints"]
+            assert 0 < split["context_attention"] < split["checkpoints"] * 4
+            assert split["peak"] < 80e9, (name, fsdp, is_exact, split["peak"])
+            assert (whole["peak"] < 80e9) == (name == "olmo3-7b" and not is_exact)
+    assert memory_plan(PRESETS["olmo3-7b"], 8192, 1, fsdp=8)["context_attention"] == 0

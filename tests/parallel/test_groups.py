@@ -46,6 +46,14 @@ def test_a_replica_s_shards_are_consecutive_ranks():
         (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
 
 
+def test_a_dp_rank_s_cp_ranks_are_consecutive_and_share_its_data():
+    got = placements([10, 11, 12, 13], dp=2, pp=1, cp=2)
+    assert [(p.dp_rank, p.cp_rank) for p in got.values()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {(p.world, p.dp, p.cp) for p in got.values()} == {(4, 2, 2)}
+    with pytest.raises(ValueError, match="2 members for a layout of dp 2 x pp 1"):
+        placements([0, 1], dp=2, pp=1, cp=2)
+
+
 def test_a_resized_sharded_run_keeps_whole_replicas_else_shards_over_everyone():
     assert shard_size(4, 2) == 2 and shard_size(2, 2) == 2  # 2 replicas; 1
     assert shard_size(3, 2) == 3  # part of a replica lost: one replica of 3 (uneven chunks)

@@ -69,7 +69,7 @@ GIB = 2**30
 
 
 def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
-                exact: bool = False, gather: str = "auto") -> dict[str, Any]:
+                exact: bool = False, gather: str = "auto", cp: int = 1) -> dict[str, Any]:
     """Bytes a training step of `cfg` needs on one CUDA device with fp32 master weights, as
     arithmetic (full activation checkpointing, bf16 autocast, fused AdamW, chunked loss,
     compiled blocks), unsharded or sharded over `fsdp` devices (parallel/fsdp.py), in fast or
@@ -100,13 +100,21 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     (sharded) parameter, and while a gradient is reduced its limbs in float64 and int64 and
     the collective's buffer, 32 bytes a value: unsharded, of the largest tensor (the head's
     weight); sharded, of one slice (`parallel.fsdp.SLICE_VALUES`).
+
+    With context parallelism (`cp` devices per sequence, parallel/context.py) a device holds
+    1/cp of the tokens: its checkpoints and recomputed activations shrink cp-fold, and the
+    attention of one layer at a time adds (`context_plan`): the keys and values its queries
+    see (a full layer's: up to the whole sequence), the scores of one query block against them
+    (probabilities, scores and their gradients, fp32), and the sums of dK/dV over the blocks it
+    fetched (float, or two int64 limbs a value in exact mode).
     """
     dtype = gather_dtype(gather, "cuda", exact) if fsdp > 1 else "fp32"
     if exact and dtype == "bf16":
         raise ValueError("memory_plan: exact mode gathers fp32 (config/checks.py refuses bf16)")
     width = 2 if dtype == "bf16" else 4  # bytes of a gathered value and of the residual stream
     n = param_count(cfg)
-    tokens = seq_len * micro_batch
+    tokens = seq_len * micro_batch // cp
+    context = context_plan(cfg, seq_len, micro_batch, cp, exact)
     root = 2 * cfg.vocab_size * cfg.d_model + cfg.d_model  # embedding, head, final norm
     unit = max(root, layer_params(cfg)) if fsdp > 1 else cfg.vocab_size * cfg.d_model
     gathered = (root + 2 * layer_params(cfg)) if fsdp > 1 else 0
@@ -119,9 +127,9 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     loss_chunk = 2 * GPU_CHUNK_ELEMENTS * 4  # its fp32 logits and a bf16/fp32 neighbour
     bf16_copies = 2 * (gathered if fsdp > 1 else n) if width == 4 else 0  # of what is whole
     forward_peak = (12 * n // fsdp + (accumulator if fsdp == 1 else 0) + width * gathered
-                    + bf16_copies + checkpoints + block)
+                    + bf16_copies + checkpoints + block + context["forward"])
     backward_peak = (states + accumulator + width * gathered + in_flight + exact_transient
-                     + checkpoints + 2 * block + loss_chunk)
+                     + checkpoints + 2 * block + loss_chunk + context["backward"])
     return {"params": n, "tokens": tokens, "fsdp": fsdp, "exact": exact,
             "gather_dtype": dtype if fsdp > 1 else None,
             "weights_fp32": 4 * n // fsdp, "grads_fp32": 4 * n // fsdp,
@@ -129,8 +137,27 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
             "gathered": width * gathered, "reduce_in_flight": in_flight,
             "exact_transient": exact_transient, "autocast_bf16_copies": bf16_copies,
             "checkpoints": checkpoints, "recompute_estimate": 2 * block,
-            "loss_chunk": loss_chunk, "forward_peak": forward_peak,
+            "loss_chunk": loss_chunk, "cp": cp, "context_attention": context["backward"],
+            "forward_peak": forward_peak,
             "backward_peak": backward_peak, "peak": max(forward_peak, backward_peak)}
+
+
+def context_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, cp: int, exact: bool
+                 ) -> dict[str, int]:
+    """Bytes a device's context-parallel attention adds while one layer runs (`memory_plan`):
+    a full layer's keys and values (the busiest rank's late chunk sees the whole sequence), one
+    query block's fp32 scores over them (two in the forward, four in the backward), and in the
+    backward the dK/dV sums of every block it holds or fetched. None at cp 1."""
+    if cp == 1:
+        return {"forward": 0, "backward": 0}
+    from relaytrain.parallel.context import attention_block
+
+    keys = seq_len * micro_batch
+    kv_width = cfg.n_kv_heads * cfg.head_dim
+    kv = 2 * keys * kv_width * (4 if exact else 2)  # bf16 under autocast in fast mode
+    scores = cfg.n_heads * attention_block(seq_len) * keys * 4
+    sums = 2 * keys * kv_width * (16 if exact else 4)
+    return {"forward": kv + 2 * scores, "backward": kv + 4 * scores + sums}
 
 
 GPU_80GB = 80e9  # an H100's or A100's memory, the bar of the memory tables
@@ -145,24 +172,30 @@ _TABLE_ROWS = (  # a row of `memory_table`: its label and the plan's keys it add
     ("a gradient slice as limbs while it is reduced (32 B a value)", ("exact_transient",)),
     ("block checkpoints (bf16 fast, fp32 exact) + recompute + loss chunk",
      ("checkpoints", "recompute_estimate", "loss_chunk")),
-    ("**planned peak** (backward)", ("peak",)),
+    ("**planned peak** (backward)", ("peak",)),  # the last two rows stay last
     ("planned peak gathering fp32 (`parallel.fsdp_param_dtype=fp32`)", ("peak_fp32_gathers",)),
 )
 
 
+_CONTEXT_ROW = ("context-parallel attention of a layer: its keys and values, a query block's "
+                "scores, the dK/dV sums (limbs in exact)", ("context_attention",))
+
+
 def memory_table(cfg: Olmo3Config, seq_len: int, micro_batch: int,
-                 fsdps: tuple[int, ...]) -> str:
+                 fsdps: tuple[int, ...], cp: int = 1) -> str:
     """`memory_plan` of each sharding in `fsdps`, fast and exact, as the Markdown table
     docs/MEASURED.md shows (GB = 1e9 bytes; a test holds the docs to it): at the default
-    gathers (`auto`), and the peak gathering fp32; whether the default fits 80 GB."""
-    plans = [memory_plan(cfg, seq_len, micro_batch, fsdp=f, exact=e)
+    gathers (`auto`), and the peak gathering fp32; whether the default fits 80 GB. With
+    `cp` > 1, per device of a sequence split over cp, with the context's attention's row."""
+    plans = [memory_plan(cfg, seq_len, micro_batch, fsdp=f, exact=e, cp=cp)
              for f in fsdps for e in (False, True)]
     for p in plans:
         p["peak_fp32_gathers"] = memory_plan(cfg, seq_len, micro_batch, fsdp=p["fsdp"],
-                                             exact=p["exact"], gather="fp32")["peak"]
+                                             exact=p["exact"], gather="fp32", cp=cp)["peak"]
+    rows = _TABLE_ROWS if cp == 1 else (*_TABLE_ROWS[:-2], _CONTEXT_ROW, *_TABLE_ROWS[-2:])
     head = "".join(f" fsdp {p['fsdp']} {'exact' if p['exact'] else 'fast'} |" for p in plans)
     lines = [f"| GB per GPU |{head}", "| --- |" + " ---: |" * len(plans)]
-    for label, keys in _TABLE_ROWS:
+    for label, keys in rows:
         cells = [sum(p[k] for k in keys) for p in plans]
         text = [f"{c / 1e9:.1f}" if c else "—" for c in cells]
         if label.startswith("**"):

@@ -11,6 +11,7 @@ from relaytrain.data.eval_sets import OWN_EVAL_SET
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS, Olmo3Config
 from relaytrain.model.stages import check_layout
+from relaytrain.parallel.context import split_problem
 from relaytrain.parallel.pipeline.schedules import FLUSH_SCHEDULES, asynchronous
 from relaytrain.storage import redact, scheme
 
@@ -71,6 +72,7 @@ def validate(cfg: RunConfig) -> None:
          f"({', '.join(FLUSH_SCHEDULES)}), or use parallel.fsdp=1")
     if cfg.determinism == "exact":
         _validate_exact_sharding(p, m, need)
+    _validate_context(cfg, need)
     need(cfg.micro_batches % cfg.data_parallel == 0,
          f"config key 'parallel.dp': got dp {p.dp} x fsdp {p.fsdp}, but the "
          f"{cfg.micro_batches} micro-batches of a global batch (train.global_batch / "
@@ -78,7 +80,7 @@ def validate(cfg: RunConfig) -> None:
     check_layout(m.n_layers, p.pp, p.stage_layers)
     need(p.paci.a >= 1, f"config key 'parallel.paci.a': got {p.paci.a}, expected >= 1")
     need(cfg.world_size == 1 or cfg.runtime.engine == "ray",
-         f"config key 'runtime.engine': got 'inline', but parallel.dp x fsdp x pp = "
+         f"config key 'runtime.engine': got 'inline', but parallel.dp x fsdp x cp x pp = "
          f"{cfg.world_size} workers need runtime.engine=ray")
     need(cfg.runtime.address is None or cfg.runtime.engine == "ray",
          "config key 'runtime.address' is set, which needs runtime.engine=ray")
@@ -113,6 +115,25 @@ def _validate_packing(cfg: RunConfig, need: Callable[[bool, str], None]) -> None
     need(cfg.parallel.pp == 1, "config key 'data.instances': got packed with parallel.pp="
          f"{cfg.parallel.pp}, but pipeline stages carry neither the document lengths nor the "
          "padding's label mask yet; expected parallel.pp=1 (or data.instances=concatenated)")
+
+
+def _validate_context(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    p = cfg.parallel
+    need(p.cp >= 1, f"config key 'parallel.cp': got {p.cp}, expected >= 1")
+    if p.cp == 1:
+        return
+    need(p.pp == 1 or not asynchronous(p.schedule), f"config key 'parallel.cp': got {p.cp} "
+         f"with parallel.pp={p.pp} and the asynchronous schedule '{p.schedule}', whose stages "
+         "run micro-batches out of step; context parallelism needs a flush schedule "
+         f"({', '.join(FLUSH_SCHEDULES)}) or parallel.cp=1")
+    need(p.pp == 1 and p.fsdp == 1, f"config key 'parallel.cp': got {p.cp} with parallel.pp="
+         f"{p.pp} and parallel.fsdp={p.fsdp}; context parallelism runs unpipelined and "
+         "unsharded for now (pp=1, fsdp=1), or use parallel.cp=1")
+    problem = split_problem(cfg.seq_len, p.cp)
+    need(problem is None, f"config key 'data.seq_len': {problem}")
+    need(cfg.data.instances != "packed", f"config key 'parallel.cp': got {p.cp} with "
+         "data.instances=packed, but the split does not carry document lengths and padding "
+         "yet; expected data.instances=concatenated or parallel.cp=1")
 
 
 def _validate_seeds(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

@@ -141,6 +141,9 @@ class ParallelSection:
     # reductions stay fp32); auto: bf16 on CUDA in fast mode (Olmo 3's recipe), else fp32
     fsdp_param_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     pp: int = 1
+    # Workers each instance's sequence is split over (context parallelism, parallel/context.py;
+    # world = dp x fsdp x cp x pp). 1: every worker holds whole sequences.
+    cp: int = 1
     schedule: ScheduleName = "1f1b"
     stage_layers: list[int] | None = None  # layers per stage; None: balanced by cost
     # Steps per dispatch for asynchronous schedules. The pipeline drains at each end (a consistent
@@ -299,7 +302,7 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.parallel.pp
+        return self.data_parallel * self.parallel.pp * self.parallel.cp
 
     @property
     def data_parallel(self) -> int:

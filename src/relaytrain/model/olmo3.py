@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -261,6 +261,19 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
 
 
+class SequenceShard(Protocol):
+    """This rank's part of a sequence split over ranks (`parallel.cp`; parallel/context.py's
+    `ContextGroup`): the global positions of its tokens, and attention across the split."""
+
+    def positions(self) -> Tensor:
+        """Global positions of this rank's tokens, in its local order."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float
+               ) -> Tensor:
+        """Attention of this rank's queries over every key they see (all earlier ones, or
+        those in the `window`), wherever the keys are held."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Blocks
 
@@ -285,12 +298,14 @@ class Attention(nn.Module):
         fused kernels are on and take this head dim."""
         return self.fused and self.head_dim % cpu_kernels.WINDOW_HEAD_DIMS == 0
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask,
+                context: SequenceShard | None = None) -> Tensor:
         """Causal attention when `mask` is None, else attention restricted to `mask`: a dense
         boolean mask through SDPA, a block mask through FlexAttention (GQA native), a
         `Window`: the fused window kernel (`cpu_kernels.window_attention`), else chunk by chunk
         (`model.sliding_chunks`), or `Documents`: each document on its own (its positions
-        from 0, `model.documents`)."""
+        from 0, `model.documents`). With a `context`, x is this rank's part of the sequence and
+        the context attends (None or a `Window` for the mask)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -304,17 +319,21 @@ class Attention(nn.Module):
                     for r in range(b)]
             y = torch.cat(rows, dim=0)
         else:
-            y = self._attend(q, k, v, cos, sin, mask)
+            y = self._attend(q, k, v, cos, sin, mask, context)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-                mask: Tensor | BlockMask | Window | None) -> Tensor:
+                mask: Tensor | BlockMask | Window | None,
+                context: SequenceShard | None = None) -> Tensor:
         """RoPE on q and k (per-token tables [B, 1, T, hd] where positions differ by row),
         then attention: [B, H, T, hd]."""
         fused = self.fused and cos.dim() == 2
         q, k = apply_rope(q, cos, sin, fused), apply_rope(k, cos, sin, fused)
         n_rep = self.n_heads // self.n_kv_heads
         scale = self.head_dim**-0.5
+        if context is not None:
+            return context.attend(q, k, v, mask.size if isinstance(mask, Window) else None,
+                                  scale)
         if mask is None:
             # Flash kernels take GQA natively when there is no mask.
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
@@ -371,13 +390,15 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.checkpoint = False
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask,
+                context: SequenceShard | None = None) -> Tensor:
         if self.checkpoint and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
-        return self._forward(x, cos, sin, mask)
+            return checkpoint(self._forward, x, cos, sin, mask, context, use_reentrant=False)
+        return self._forward(x, cos, sin, mask, context)
 
-    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask) -> Tensor:
-        h = x + self.attn_norm(self.attn(x, cos, sin, mask))
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask,
+                 context: SequenceShard | None = None) -> Tensor:
+        h = x + self.attn_norm(self.attn(x, cos, sin, mask, context))
         return h + self.mlp_norm(self.mlp(h))
 
 
@@ -518,12 +539,19 @@ class Olmo3(nn.Module):
         return sliding_window_mask(seq_len, window, device)
 
     def _layout(self, t: int, device: torch.device, doc_lens: Tensor | None,
+                context: SequenceShard | None = None,
                 ) -> tuple[dict[bool, tuple[Tensor, Tensor]], Mask, Mask]:
         """(RoPE tables by `yarn`, the sliding layers' mask, the full layers') of a forward of
-        `t` tokens, within documents where `doc_lens` [B, D] is given (`model.documents`)."""
+        `t` tokens, within documents where `doc_lens` [B, D] is given (`model.documents`), at
+        this rank's positions of the sequence with a `context` (which attends across it)."""
         yarns = {b.yarn for b in self.layers.values()}
-        rope = {yarn: rope_cos_sin(self.cfg, yarn, t, device) for yarn in yarns}
         window = self.cfg.sliding_window
+        if context is not None:
+            pos = context.positions().to(device)
+            tables = {y: rope_cos_sin(self.cfg, y, int(pos.max()) + 1, device) for y in yarns}
+            return ({y: (cos[pos], sin[pos]) for y, (cos, sin) in tables.items()},
+                    Window(window), None)
+        rope = {yarn: rope_cos_sin(self.cfg, yarn, t, device) for yarn in yarns}
         sliding = any(b.sliding for b in self.layers.values())
         if doc_lens is None:
             # A sliding layer is plain causal attention when the whole sequence fits the window.
@@ -539,16 +567,21 @@ class Olmo3(nn.Module):
         return rope, Documents(spans, masks), Documents(spans)
 
     def forward(self, x: Tensor, labels: Tensor | None = None, z_loss: float = 0.0,
-                doc_lens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+                doc_lens: Tensor | None = None, context: SequenceShard | None = None,
+                ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
         """See the class; `doc_lens` [B, D] (OLMo-core's: each row's document lengths,
-        zero-padded, summing to T) keeps attention and positions within documents."""
+        zero-padded, summing to T) keeps attention and positions within documents. With a
+        `context`, x (and labels) are this rank's part of each sequence (context parallelism):
+        positions are the context's, and it attends across the split."""
         if labels is not None and not self.last:
             raise ValueError("labels given to a stage without the LM head (last=False)")
+        if doc_lens is not None and context is not None:
+            raise ValueError("document masks across a context-parallel split are not wired")
         h = self.embed(x) if self.first else x
-        rope, sliding, full = self._layout(h.shape[1], h.device, doc_lens)
+        rope, sliding, full = self._layout(h.shape[1], h.device, doc_lens, context)
         for block in self.layers.values():
             cos, sin = rope[block.yarn]
-            h = block(h, cos, sin, sliding if block.sliding else full)
+            h = block(h, cos, sin, sliding if block.sliding else full, context)
         if not self.last:
             return h
         h = self.norm(h)

@@ -32,6 +32,8 @@ class Placement:
     stage: int = 0
     pp: int = 1
     fsdp: int = 1  # ranks a replica is sharded over; dp_rank % fsdp is this rank's shard
+    cp: int = 1  # ranks each sequence is split over (context parallelism)
+    cp_rank: int = 0  # this rank's part of the sequence
 
     @property
     def shard(self) -> int:
@@ -49,16 +51,18 @@ def shard_size(data_parallel: int, fsdp: int) -> int:
     return fsdp if data_parallel % fsdp == 0 else data_parallel
 
 
-def placements(members: Sequence[int], dp: int, pp: int, fsdp: int = 1
+def placements(members: Sequence[int], dp: int, pp: int, fsdp: int = 1, cp: int = 1
                ) -> dict[int, Placement]:
     """Worker id -> its place, members in rank order: rank r is DP rank r % dp of stage r // dp,
     so a stage's DP ranks are consecutive ranks (and so are a replica's shards). `dp` counts
-    data-parallel ranks: replicas x fsdp."""
-    if len(members) != dp * pp or dp % fsdp:
+    data-parallel ranks: replicas x fsdp. With context parallelism (cp > 1, unpipelined and
+    unsharded) each DP rank is cp consecutive ranks, cp rank r % cp of DP rank r // cp: they
+    share its batches, each holding its part of every sequence."""
+    if len(members) != dp * pp * cp or dp % fsdp:
         raise ValueError(f"{len(members)} members for a layout of dp {dp} x pp {pp} "
-                         f"(fsdp {fsdp})")
-    return {wid: Placement(rank=r, world=dp * pp, dp_rank=r % dp, dp=dp, stage=r // dp, pp=pp,
-                           fsdp=fsdp)
+                         f"(fsdp {fsdp}, cp {cp})")
+    return {wid: Placement(rank=r, world=dp * pp * cp, dp_rank=r // cp % dp, dp=dp,
+                           stage=r // (dp * cp), pp=pp, fsdp=fsdp, cp=cp, cp_rank=r % cp)
             for r, wid in enumerate(members)}
 
 
@@ -129,3 +133,19 @@ def form_shard_groups(dp_rank: int, dp: int, fsdp: int, stage: int = 0, pp: int 
                     mine_replica = group
     assert mine_shard is not None
     return mine_shard, mine_replica
+
+
+def form_cp_group(placement: Placement, timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """Create every cp group (a DP rank's cp consecutive ranks; unpipelined layouts) in rank
+    order and return this rank's. Needs an initialised default process group."""
+    p = placement
+    if p.pp != 1 or dist.get_world_size() != p.dp * p.cp:
+        raise ValueError(f"world of {dist.get_world_size()} ranks, layout needs dp {p.dp} x "
+                         f"cp {p.cp} (unpipelined)")
+    mine = None
+    for d in range(p.dp):
+        group = dist.new_group(list(range(d * p.cp, (d + 1) * p.cp)), timeout=timeout)
+        if d == p.dp_rank:
+            mine = group
+    assert mine is not None
+    return mine

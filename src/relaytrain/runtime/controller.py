@@ -453,7 +453,8 @@ class Controller:
                 **({} if self.skip_window is None
                    else {"skip_window": self.skip_window.saved(step)}),
                 "topology": {"dp": self.cfg.parallel.dp, "fsdp": self.cfg.parallel.fsdp,
-                             "pp": self.cfg.parallel.pp, "fsdp_param_dtype": self._gathers()}}
+                             "pp": self.cfg.parallel.pp, "cp": self.cfg.parallel.cp,
+                             "fsdp_param_dtype": self._gathers()}}
 
     def _gathers(self) -> str | None:
         """The dtype the workers gather parameters in, `parallel.fsdp_param_dtype` resolved on

@@ -10,7 +10,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relaytrain.parallel.groups import PipelineGroups, Placement, form_groups, form_shard_groups
+from relaytrain.parallel.groups import (
+    PipelineGroups,
+    Placement,
+    form_cp_group,
+    form_groups,
+    form_shard_groups,
+)
 from relaytrain.runtime import rendezvous
 from relaytrain.runtime.abort import GroupSockets, abort_groups, keep_process_on_collective_errors
 from relaytrain.runtime.kvstore import Client, StoreAccess
@@ -29,6 +35,7 @@ class Membership:
         # (the ranks holding the same shard; None with one replica)
         self.shard_group: dist.ProcessGroup | None = None
         self.replica_group: dist.ProcessGroup | None = None
+        self.cp_group: dist.ProcessGroup | None = None  # cp > 1: the ranks sharing sequences
         self._sockets: GroupSockets | None = None  # the current groups' (runtime/abort.py)
         self._abort_lock = threading.Lock()  # abort() runs beside the call it interrupts
         self._rendezvous: Client | None = None  # the generation's store, while its groups live
@@ -67,6 +74,8 @@ class Membership:
             self.shard_group, self.replica_group = form_shard_groups(
                 placement.dp_rank, placement.dp, placement.fsdp, placement.stage, placement.pp,
                 timedelta(seconds=timeout_s))
+        if placement.cp > 1:
+            self.cp_group = form_cp_group(placement, timedelta(seconds=timeout_s))
         sockets.formed()
         with self._abort_lock:
             self._sockets = sockets
@@ -92,4 +101,4 @@ class Membership:
         if self._rendezvous is not None:
             self._rendezvous.close()
             self._rendezvous = None
-        self.groups = self.shard_group = self.replica_group = None
+        self.groups = self.shard_group = self.replica_group = self.cp_group = None

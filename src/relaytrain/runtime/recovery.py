@@ -70,14 +70,14 @@ class Recovery:
     def placements(self) -> dict[int, Placement]:
         """Worker id -> its place in the current generation (`parallel.groups.placements`)."""
         return placements(self.members, self.dp, self.cfg.parallel.pp,
-                          shard_size(self.dp, self.cfg.parallel.fsdp))
+                          shard_size(self.dp, self.cfg.parallel.fsdp), self.cfg.parallel.cp)
 
     def save_parts(self) -> dict[int, str]:
         """Worker id -> the checkpoint part it writes: DP rank 0 of every stage writes its
-        stage's tensors; under sharding every shard of the first replica writes its own, all at
-        once."""
+        stage's tensors (its cp rank 0: cp ranks hold the same); under sharding every shard of
+        the first replica writes its own, all at once."""
         return {w: f"stage{p.stage}" + (f"-shard{p.shard}" if p.fsdp > 1 else "")
-                for w, p in self.placements().items() if p.replica == 0}
+                for w, p in self.placements().items() if p.replica == 0 and p.cp_rank == 0}
 
     # ---- generations -----------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -297,10 +297,11 @@ class Recovery:
         survivors allow that splits the micro-batches evenly (a sharded run reshards onto
         them: `shard_size`)."""
         cfg = self.cfg
-        if cfg.parallel.pp > 1:
+        if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
             raise RecoveryLimitExceeded("no replacement could be placed within "
                                         f"elastic.replace_timeout={cfg.elastic.replace_timeout}s"
-                                        " and a pipeline cannot run with a stage missing")
+                                        " and a pipeline cannot run with a stage missing, nor a "
+                                        "context-parallel run with part of its sequences")
         fits = [d for d in self._sizes(len(survivors)) if d >= cfg.elastic.min_workers]
         if not fits:
             raise RecoveryLimitExceeded(

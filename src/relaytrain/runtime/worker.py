@@ -110,7 +110,8 @@ class Worker:
             self.state.take_snapshot(step)
         reducer = make_reducer(self.cfg, self.state, m.dp_group(), m.replica_group,
                                m.placement.dp if m.placement else 1)
-        self.stepper = make_stepper(self.cfg, self.state, reducer, self.loader, m.groups)
+        cp = None if m.cp_group is None else (m.placement.cp_rank, m.cp_group)
+        self.stepper = make_stepper(self.cfg, self.state, reducer, self.loader, m.groups, cp)
         return step
 
     def warm_up(self) -> None:
@@ -142,13 +143,14 @@ class Worker:
         One call may cover several steps: tiny steps amortise the call, and asynchronous
         pipeline schedules need a span to keep the pipeline full. A span ends drained, so its
         end is a consistent cut (the state a snapshot or checkpoint captures)."""
-        # Only a worker whose rows another also holds benefits (a DP peer; under sharding, the
-        # same shard of another replica): that copy outlives this process. A sharded one is
-        # taken at the end of a span, when the span's collectives are done (at its start, an
-        # abort after a peer's death raced with it, and the survivors' snapshots disagreed).
+        # Only a worker whose rows another also holds benefits (a DP or cp peer; under
+        # sharding, the same shard of another replica): that copy outlives this process. A
+        # sharded one is taken at the end of a span, when the span's collectives are done (at
+        # its start, an abort after a peer's death raced with it, and the survivors' snapshots
+        # disagreed).
         p, every = self.membership.placement, self.cfg.elastic.snapshot_every
         sharded = self.membership.shard_group is not None
-        due = p.dp // p.fsdp > 1 and every > 0
+        due = p.dp // p.fsdp * p.cp > 1 and every > 0
         if due and not sharded and (first - 1) % every == 0:
             self.state.take_snapshot(first - 1)
         self.raise_hook.check(first, count)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from relaytrain.data.packing import Docs, model_inputs
+from relaytrain.parallel.context import ContextGroup, sequence_mean
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.optim import AdamW
 from relaytrain.train.skip_step import global_ce
@@ -64,25 +65,30 @@ def train_step(model: nn.Module, optimizer: AdamW,
                z_loss: float, clip: float, device: torch.device,
                skip: Callable[[float, float], bool] | None = None,
                documents: Mapping[int, Docs] | None = None,
-               mask_documents: bool = False) -> StepOutcome:
+               mask_documents: bool = False,
+               context: ContextGroup | None = None) -> StepOutcome:
     """Accumulate, reduce, clip, update. A non-finite loss or gradient skips the update so the
     weights (and the last good checkpoint) stay intact; so does `skip`(global CE loss, gradient
     norm) when true (optim.skip_spikes: the optimizer's state untouched, as OLMo-core's).
     `documents`: packed micro-batches' document lengths (`Batch.documents`): their padding is
-    no label, and with `mask_documents` attention stays within documents."""
+    no label, and with `mask_documents` attention stays within documents. With a `context`
+    (parallel.cp) this rank computes its part of every sequence; a micro-batch's losses are
+    the means over all its tokens, whatever the split."""
     out = StepOutcome()
     reducer.start()
     for index, tokens in micro_batches:
         docs = (documents or {}).get(index)
-        total, ce, z = _forward_backward(model, tokens, z_loss, total_micro_batches, device,
-                                         docs, mask_documents)
+        losses = _forward_backward(model, tokens, z_loss, total_micro_batches, device,
+                                   docs, mask_documents, context)
         reducer.after_backward()
-        out.losses[index] = (float(total.detach()), float(ce), float(z))
+        out.losses[index] = sequence_mean([float(x.detach()) for x in losses], context,
+                                          device)
     ok = reducer.finish()
     out.grad_norm = float(reducer.clip(clip if clip > 0 else math.inf))
-    # every rank joins the loss's collective, whatever its own losses hold
-    ce = global_ce(out.losses, total_micro_batches, reducer.group, device) \
-        if skip is not None else 0.0
+    # every rank joins the loss's collective, whatever its own losses hold (a cp group's ranks
+    # hold the same: its first fills the slots)
+    own = out.losses if context is None or context.split.rank == 0 else {}
+    ce = global_ce(own, total_micro_batches, reducer.group, device) if skip is not None else 0.0
     out.finite = ok and math.isfinite(out.grad_norm) and all(
         math.isfinite(v[0]) for v in out.losses.values())
     out.skipped = out.finite and skip is not None and skip(ce, out.grad_norm)
@@ -94,11 +100,18 @@ def train_step(model: nn.Module, optimizer: AdamW,
 
 def _forward_backward(model: nn.Module, tokens: torch.Tensor, z_loss: float, scale: int,
                       device: torch.device, docs: Docs | None = None,
-                      mask_documents: bool = False,
+                      mask_documents: bool = False, context: ContextGroup | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One micro-batch's losses, its gradients (divided by `scale`) accumulated."""
+    """One micro-batch's losses, its gradients (divided by `scale`) accumulated. With a
+    `context`, of this rank's part of the sequences: its loss is the mean over its share of
+    the tokens (all equal), so the gradient of the whole sequences' mean is its own divided by
+    the degree, summed over the cp ranks by the reducer."""
     inputs, labels, doc_lens = model_inputs(tokens.to(device, non_blocking=True), docs)
-    kwargs = {"doc_lens": doc_lens} if mask_documents and doc_lens is not None else {}
+    kwargs: dict = {"doc_lens": doc_lens} if mask_documents and doc_lens is not None else {}
+    if context is not None:
+        inputs, labels = context.split.local(inputs), context.split.local(labels)
+        scale *= context.split.degree
+        kwargs["context"] = context
     with autocast_for(device):  # the fused head + loss: no [tokens, vocab] logits held
         total, ce, z = model(inputs, labels=labels, z_loss=z_loss, **kwargs)
     (total / scale).backward()

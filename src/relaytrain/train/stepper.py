@@ -17,6 +17,7 @@ import torch.distributed as dist
 from relaytrain.checkpoint.writer import WriteReport
 from relaytrain.config.sections import RunConfig
 from relaytrain.data.loader import Loader
+from relaytrain.parallel.context import ContextGroup, ContextSplit
 from relaytrain.parallel.groups import PipelineGroups
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.evaluate import heldout_losses
@@ -103,8 +104,9 @@ class LocalStepper:
     with the state's size and the process's peak resident memory measured."""
 
     def __init__(self, state: TrainState, reducer: GradReducer | ShardedGradReducer,
-                 loader: Loader, cfg: RunConfig):
+                 loader: Loader, cfg: RunConfig, context: ContextGroup | None = None):
         self.state, self.reducer, self.loader, self.cfg = state, reducer, loader, cfg
+        self.context = context  # parallel.cp: this rank's part of every sequence
         self.rule = SkipRule.from_config(cfg)
         self._state_bytes: int | None = None  # measured after the first step
 
@@ -123,7 +125,8 @@ class LocalStepper:
         model.train()
         out = train_step(model, optimizer, self.reducer, batch.micro_batches,
                          self.cfg.micro_batches, self.cfg.train.z_loss, self.cfg.train.clip,
-                         device, check, batch.documents, self.cfg.document_masking)
+                         device, check, batch.documents, self.cfg.document_masking,
+                         self.context)
         result = step_result(step, out, batch.ids.tolist(), t1 - t0, synced_since(t1, device))
         if self._state_bytes is None:  # fixed for a generation once AdamW's state exists
             self._state_bytes = state_bytes(model, optimizer)
@@ -168,19 +171,27 @@ def make_reducer(cfg: RunConfig, state: TrainState, group: dist.ProcessGroup | N
     shards' reduce-scatter, then over the `replica_group` holding the same shard)."""
     exact = cfg.determinism == "exact"
     params = list(state.model.parameters())
+    # every micro-batch's gradient arrives in cp parts, each summed by the reducer
+    micro_batches = cfg.micro_batches * cfg.parallel.cp
     if state.sharded:
         from relaytrain.parallel.fsdp import ShardedGradReducer  # parallel/shards.py: why
 
         return ShardedGradReducer(state.units, params, group, replica_group, exact,
                                   cfg.micro_batches, dp)
-    return GradReducer(params, group, exact=exact, total_micro_batches=cfg.micro_batches)
+    return GradReducer(params, group, exact=exact, total_micro_batches=micro_batches)
 
 
 def make_stepper(cfg: RunConfig, state: TrainState, reducer: GradReducer | ShardedGradReducer,
-                 loader: Loader, groups: PipelineGroups | None) -> Stepper:
-    """The local stepper, or with pipeline `groups` (pp > 1) that of the state's stage."""
+                 loader: Loader, groups: PipelineGroups | None,
+                 cp: tuple[int, dist.ProcessGroup] | None = None) -> Stepper:
+    """The local stepper, or with pipeline `groups` (pp > 1) that of the state's stage; with
+    `cp` (this rank's cp rank and its cp group) the local stepper trains its part of every
+    sequence."""
     if groups is None:
-        return LocalStepper(state, reducer, loader, cfg)
+        context = None if cp is None else ContextGroup(
+            ContextSplit(cfg.seq_len, cfg.parallel.cp, cp[0]), cp[1],
+            cfg.determinism == "exact")
+        return LocalStepper(state, reducer, loader, cfg, context)
     spec = StageSpec.from_config(cfg, state.layout[0], state.model_cfg.d_model)
     runner = StageRunner(state.model, state.optimizer, reducer, spec, Transport(state.device),
                          groups.prev, groups.next, groups.pipe,

@@ -1,0 +1,397 @@
+"""Context parallelism (`parallel.cp`): one sequence split over the ranks of a cp group, and
+attention across the split, in one fixed order of key blocks whoever holds them.
+
+**The split** is the zig-zag of OLMo-core's `RingAttentionZigZagLoadBalancer.batch_shard`: the
+sequence is cut into 2N equal chunks and rank r holds chunks r and 2N-1-r, an early and a late
+one, so every rank holds the same share of the causal triangle. (OLMo-core's `llama3` balancer,
+what `TransformerContextParallelConfig.llama3` picks, gives rank r one contiguous 1/N slice and
+all-gathers K/V: balanced only under intra-document masking; without it rank N-1 computes 2N-1
+times rank 0's attention.)
+
+**Attention** runs in blocks of `block` tokens, the same at every degree. Query block i attends
+to the key blocks `needed[i]` the causal mask, the sliding window and the document boundaries
+leave visible, concatenated in global order: one masked softmax per query block over the same
+keys in the same order, whatever the degree, so each query row's output and dQ are formed by
+the same operations on the same operands at cp 1, 2 or 4. A key block's dK and dV are sums of
+contributions from the query blocks that see it, which sit on several ranks: in exact mode they
+are summed as integers (the fixed-point limbs of `parallel.reduce`), whose sum has no order, and
+rounded to float once by the block's owner; in fast mode in float, in rank order.
+
+**Exchange**: a rank fetches from their owners exactly the key/value blocks its query blocks
+need (point-to-point), and the backward returns those blocks' gradient contributions the same
+way. Full layers fetch every earlier block (what llama3's all-gather moves, less the blocks no
+query of the rank reaches), sliding layers only the window's: at cp 8 and 65,536 tokens a rank
+holds 8,192 tokens (two chunks of 4,096) and fetches the 4,096 keys before each chunk, 8,192
+keys where gathering everything fetches 57,344 (1/7 of the bytes; one neighbour's 4,096 under a
+contiguous split). Document masks (per-row document lengths) shrink both: a block no query of
+its document can see is neither fetched nor computed.
+
+**Why not torch's context-parallel API** (`torch.distributed.tensor.experimental
+.context_parallel`, torch 2.13): its SDPA ring attention takes `is_causal` only (an attention
+bias or mask raises NotImplementedError), so neither sliding windows nor document masks; masks
+need its FlexAttention path, which has no CPU backward. And a ring merges each query's partial
+softmaxes in ring order, relative to the rank, so the merge order changes with the degree and
+exact mode could not be bit-identical across degrees. Hence torch's point-to-point collectives,
+which run on gloo (CPU) and NCCL alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from relaytrain.model.olmo3 import repeat_kv
+from relaytrain.parallel.reduce import from_limbs, to_limbs
+
+MAX_BLOCK = 128  # tokens per attention block at long sequences
+_LIMB_LIMIT = float(2**32)  # clamp bound for a non-finite contribution (its step is skipped)
+
+
+def attention_block(seq_len: int) -> int:
+    """Tokens per attention block for sequences of `seq_len`: a function of the length alone
+    (so the same at every degree), a power of two, at most MAX_BLOCK and at most a sixteenth
+    of the sequence (so degrees up to 8 can split into whole blocks)."""
+    return 1 << max(0, min(MAX_BLOCK, seq_len // 16).bit_length() - 1)
+
+
+def split_problem(seq_len: int, degree: int) -> str | None:
+    """Why `seq_len` tokens cannot be split over `degree` ranks (None if they can): the 2N
+    chunks must be equal and hold whole attention blocks."""
+    block = attention_block(seq_len)
+    if seq_len % (2 * degree * block):
+        return (f"{seq_len} tokens do not split over cp {degree}: the sequence needs a multiple "
+                f"of 2 x cp x {block} (the attention block at this length) = "
+                f"{2 * degree * block} tokens")
+    return None
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """Which tokens of a `seq_len` sequence rank `rank` of `degree` holds (zig-zag)."""
+
+    seq_len: int
+    degree: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        problem = split_problem(self.seq_len, self.degree)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def block(self) -> int:
+        return attention_block(self.seq_len)
+
+    @property
+    def chunk(self) -> int:
+        return self.seq_len // (2 * self.degree)
+
+    def chunks(self, rank: int | None = None) -> tuple[int, int]:
+        r = self.rank if rank is None else rank
+        return r, 2 * self.degree - 1 - r
+
+    def blocks(self, rank: int | None = None) -> list[int]:
+        """Global indices of the blocks rank `rank` holds, in its local order."""
+        per = self.chunk // self.block
+        return [c * per + b for c in self.chunks(rank) for b in range(per)]
+
+    def owner(self, block: int) -> int:
+        c = block * self.block // self.chunk
+        return min(c, 2 * self.degree - 1 - c)
+
+    def positions(self, rank: int | None = None) -> Tensor:
+        """Global positions of the rank's tokens, in its local order."""
+        return torch.cat([torch.arange(c * self.chunk, (c + 1) * self.chunk)
+                          for c in self.chunks(rank)])
+
+    def local(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's part of a whole-sequence tensor (sequence along `dim`)."""
+        return torch.cat([x.narrow(dim, c * self.chunk, self.chunk) for c in self.chunks()],
+                         dim).contiguous()
+
+
+def doc_ids(doc_lengths: list[list[int]], seq_len: int) -> Tensor:
+    """[B, seq_len] document index of every position, from each row's document lengths."""
+    rows = []
+    for lengths in doc_lengths:
+        if sum(lengths) != seq_len or min(lengths) < 1:
+            raise ValueError(f"document lengths {lengths} do not tile {seq_len} tokens")
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+    return torch.stack(rows)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What one rank computes and exchanges for one kind of layer (full or a window) in one
+    forward: the key blocks each of its query blocks sees, those it fetches from each peer and
+    those it sends to each."""
+
+    split: ContextSplit
+    window: int | None
+    docs: Tensor | None  # [B, T] document ids, None: one document
+    needed: list[list[int]]  # per local query block, global key blocks in order
+    fetch: dict[int, list[int]]  # peer -> its blocks this rank needs
+    send: dict[int, list[int]]  # peer -> this rank's blocks the peer needs
+
+    @property
+    def fetched_tokens(self) -> int:
+        """Key tokens this rank fetches per exchange (K and V each; the backward returns as
+        many gradient values)."""
+        return self.split.block * sum(len(b) for b in self.fetch.values())
+
+    def mask(self, index: int, device: torch.device) -> Tensor:
+        """[B or 1, 1, block, keys] True where query sees key, for local query block `index`."""
+        blk, i = self.split.block, self.split.blocks()[index]
+        q = i * blk + torch.arange(blk, device=device)
+        k = torch.cat([j * blk + torch.arange(blk, device=device) for j in self.needed[index]])
+        seen = k[None, :] <= q[:, None]
+        if self.window is not None:
+            seen &= k[None, :] > q[:, None] - self.window
+        if self.docs is None:
+            return seen[None, None]
+        docs = self.docs.to(device)
+        return (seen[None] & (docs[:, q, None] == docs[:, None, k]))[:, None]
+
+
+def plan_attention(split: ContextSplit, window: int | None = None,
+                   docs: Tensor | None = None) -> AttentionPlan:
+    """The plan of rank `split.rank`: a pure function of the layout, the window and the
+    documents, which every rank computes alike for every rank."""
+    visible = _visible_blocks(split.seq_len, split.block, window, docs)
+    needs = [sorted({j for i in split.blocks(r) for j in visible[i]})
+             for r in range(split.degree)]
+    me, mine = split.rank, set(split.blocks())
+    fetch = {r: [j for j in needs[me] if split.owner(j) == r]
+             for r in range(split.degree) if r != me}
+    send = {r: [j for j in needs[r] if j in mine] for r in range(split.degree) if r != me}
+    return AttentionPlan(split, window, docs, [visible[i] for i in split.blocks()],
+                         {r: b for r, b in fetch.items() if b},
+                         {r: b for r, b in send.items() if b})
+
+
+def _visible_blocks(seq_len: int, block: int, window: int | None, docs: Tensor | None
+                    ) -> list[list[int]]:
+    """Per query block, the key blocks some query of it sees (causal, window, documents)."""
+    n = seq_len // block
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    seen = j <= i
+    if window is not None:  # the block's last key past its first query's window start
+        seen &= (j + 1) * block - 1 > i * block - window
+    if docs is not None:  # the key block's last document reaches the query block's first
+        first, last = docs[:, ::block], docs[:, block - 1::block]
+        seen &= (last[:, None, :] >= first[:, :, None]).any(0)
+    return [torch.nonzero(row).flatten().tolist() for row in seen]
+
+
+@dataclass
+class ContextGroup:
+    """A rank's place in its cp group: the split, the group (None at degree 1), whether dK/dV
+    are summed exactly, and the current sequences' documents ([B, T] ids, `doc_ids`; None: no
+    document mask). What the model takes as its `context` (`model.olmo3.SequenceShard`)."""
+
+    split: ContextSplit
+    group: dist.ProcessGroup | None = None
+    exact: bool = False
+    docs: Tensor | None = None
+
+    def positions(self) -> Tensor:
+        return self.split.positions()
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float
+               ) -> Tensor:
+        return context_attention(q, k, v, self.plan(window, self.docs), self, scale)
+
+    @functools.cached_property
+    def _plans(self) -> dict[int | None, AttentionPlan]:
+        return {}
+
+    def plan(self, window: int | None, docs: Tensor | None) -> AttentionPlan:
+        """The plan for this window; cached by window when there are no documents (the plan
+        then depends on nothing else)."""
+        if docs is not None:
+            return plan_attention(self.split, window, docs)
+        if window not in self._plans:
+            self._plans[window] = plan_attention(self.split, window)
+        return self._plans[window]
+
+
+def sequence_mean(values: list[float], context: ContextGroup | None,
+                  device: torch.device | None = None) -> tuple[float, ...]:
+    """Means over whole sequences from each cp rank's means over its (equal) share of their
+    tokens: gathered, summed exactly in rank order (`math.fsum`) and divided by the degree,
+    the same numbers on every rank (a collective over the cp group)."""
+    if context is None or context.group is None:
+        return tuple(values)
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(context.split.degree)]
+    dist.all_gather(every, mine, group=context.group)
+    return tuple(math.fsum(float(t[i]) for t in every) / context.split.degree
+                 for i in range(len(values)))
+
+
+def context_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
+                      comm: ContextGroup, scale: float) -> Tensor:
+    """Attention of this rank's queries [B, H, T/N, hd] over the keys `plan` makes visible,
+    with k, v [B, Hkv, T/N, hd] this rank's own (local order, as `ContextSplit.local`)."""
+    return _ContextAttention.apply(q, k, v, plan, comm, scale)
+
+
+class _ContextAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
+                comm: ContextGroup, scale: float) -> Tensor:
+        keys = _fetch(k, v, plan, comm.group)
+        n_rep = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        for index, rows in enumerate(_rows(plan)):
+            kb, vb = _keys(keys, plan.needed[index], n_rep)
+            p = _probs(q[:, :, rows].float().contiguous(), kb, plan.mask(index, q.device), scale)
+            out[:, :, rows] = p @ vb  # cast back to q's dtype
+        ctx.save_for_backward(q, k, v)
+        ctx.plan, ctx.comm, ctx.scale = plan, comm, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v = ctx.saved_tensors
+        plan, comm, scale = ctx.plan, ctx.comm, ctx.scale
+        keys = _fetch(k, v, plan, comm.group)  # fetched again: nothing of T x hd kept
+        n_rep, blk = q.shape[1] // k.shape[1], plan.split.block
+        dq = torch.empty_like(q)
+        sums = _BlockSums(comm.exact)
+        for index, rows in enumerate(_rows(plan)):
+            needed = plan.needed[index]
+            kb, vb = _keys(keys, needed, n_rep)
+            qi, gi = q[:, :, rows].float().contiguous(), grad[:, :, rows].float().contiguous()
+            p = _probs(qi, kb, plan.mask(index, q.device), scale)
+            ds = torch._softmax_backward_data(gi @ vb.transpose(-1, -2), p, -1, p.dtype)
+            dq[:, :, rows] = (ds @ kb) * scale
+            dk = _fold_heads((ds.transpose(-1, -2) @ qi) * scale, n_rep)
+            dv = _fold_heads(p.transpose(-1, -2) @ gi, n_rep)
+            for n, j in enumerate(needed):
+                sums.add(j, torch.stack([dk[:, :, n * blk:(n + 1) * blk],
+                                         dv[:, :, n * blk:(n + 1) * blk]]))
+        dkv = _return_sums(sums, plan, comm.group, torch.stack([k, v]))
+        return dq, dkv[0], dkv[1], None, None, None
+
+
+def _rows(plan: AttentionPlan) -> list[slice]:
+    blk = plan.split.block
+    return [slice(n * blk, (n + 1) * blk) for n in range(len(plan.split.blocks()))]
+
+
+def _probs(q: Tensor, kb: Tensor, mask: Tensor, scale: float) -> Tensor:
+    s = (q @ kb.transpose(-1, -2)) * scale
+    return torch.softmax(s.masked_fill_(~mask, float("-inf")), -1)
+
+
+def _keys(keys: dict[int, Tensor], needed: list[int], n_rep: int) -> tuple[Tensor, Tensor]:
+    """The needed blocks' K and V, concatenated in global order, expanded to the query heads,
+    in fp32 (the scores, softmax and sums are fp32 whatever the inputs, as flash kernels')."""
+    kv = torch.cat([keys[j] for j in needed], dim=-2).float()
+    return repeat_kv(kv[0], n_rep), repeat_kv(kv[1], n_rep)
+
+
+def _fold_heads(x: Tensor, n_rep: int) -> Tensor:
+    """[B, Hkv * n_rep, T, hd] -> [B, Hkv, T, hd]: each kv head's gradient over its queries."""
+    if n_rep == 1:
+        return x
+    b, h, t, d = x.shape
+    return x.view(b, h // n_rep, n_rep, t, d).sum(2)
+
+
+def _blocks_of(kv: Tensor, ids: list[int], blk: int) -> dict[int, Tensor]:
+    """Global block -> [2, B, Hkv, block, hd] views of stacked K and V holding blocks `ids`."""
+    return {j: kv[..., n * blk:(n + 1) * blk, :] for n, j in enumerate(ids)}
+
+
+def _fetch(k: Tensor, v: Tensor, plan: AttentionPlan, group: dist.ProcessGroup | None
+           ) -> dict[int, Tensor]:
+    """Global block -> its stacked K and V, for this rank's blocks and those it fetches."""
+    kv, blk = torch.stack([k, v]), plan.split.block
+    keys = _blocks_of(kv, plan.split.blocks(), blk)
+    sends = {peer: torch.cat([keys[j] for j in blocks], dim=-2)
+             for peer, blocks in plan.send.items()}
+    recvs = {peer: kv.new_empty(_block_shape(kv, len(blocks) * blk))
+             for peer, blocks in plan.fetch.items()}
+    _exchange(sends, recvs, group)
+    for peer, blocks in plan.fetch.items():
+        keys.update(_blocks_of(recvs[peer], blocks, blk))
+    return keys
+
+
+def _exchange(sends: dict[int, Tensor], recvs: dict[int, Tensor],
+              group: dist.ProcessGroup | None) -> None:
+    """Send and receive, peers named by their rank in `group`, all at once."""
+    if not sends and not recvs:
+        return
+    works = [dist.isend(t.contiguous(), group=group, group_dst=p) for p, t in sends.items()]
+    works += [dist.irecv(t, group=group, group_src=p) for p, t in recvs.items()]
+    for w in works:
+        w.wait()
+
+
+class _BlockSums:
+    """Per key block, the sum of its dK/dV contributions: int64 limbs (exact) or float."""
+
+    def __init__(self, exact: bool) -> None:
+        self.exact = exact
+        self.sums: dict[int, Tensor] = {}
+
+    def add(self, block: int, g: Tensor) -> None:
+        if self.exact:
+            hi, lo = to_limbs(g, _LIMB_LIMIT, clamp=True)
+            g = torch.stack([hi, lo])
+        if block in self.sums:
+            self.sums[block] += g
+        else:
+            self.sums[block] = g  # a new tensor (a stack) either way
+
+
+def _return_sums(sums: _BlockSums, plan: AttentionPlan, group: dist.ProcessGroup | None,
+                 like: Tensor) -> Tensor:
+    """This rank's blocks' dK/dV [2, B, Hkv, T/N, hd]: its own contributions plus those its
+    peers computed for them (received back along the fetch's routes), in rank order."""
+    sends = {peer: torch.cat([sums.sums[j] for j in blocks], dim=-1 if sums.exact else -2)
+             for peer, blocks in plan.fetch.items()}
+    recvs = {peer: torch.empty_like(torch.cat([sums.sums.get(j, _zeros(sums, like, plan))
+                                               for j in blocks], dim=-1 if sums.exact else -2))
+             for peer, blocks in plan.send.items()}
+    _exchange(sends, recvs, group)
+    out = []
+    blk = plan.split.block
+    for j in plan.split.blocks():
+        total = sums.sums.get(j, _zeros(sums, like, plan))
+        for peer in sorted(plan.send):
+            if j in plan.send[peer]:
+                n = plan.send[peer].index(j)
+                total = total + _part(recvs[peer], n, sums.exact, blk, like)
+        out.append(from_limbs(total[0], total[1]).view(_block_shape(like, blk)).to(like.dtype)
+                   if sums.exact else total.to(like.dtype))
+    return torch.cat(out, dim=-2)
+
+
+def _block_shape(like: Tensor, blk: int) -> torch.Size:
+    return torch.Size((*like.shape[:-2], blk, like.shape[-1]))
+
+
+def _zeros(sums: _BlockSums, like: Tensor, plan: AttentionPlan) -> Tensor:
+    shape = _block_shape(like, plan.split.block)
+    if sums.exact:
+        return torch.zeros((2, shape.numel()), dtype=torch.int64, device=like.device)
+    return like.new_zeros(shape, dtype=torch.float32)
+
+
+def _part(buf: Tensor, n: int, exact: bool, blk: int, like: Tensor) -> Tensor:
+    """Block `n` of a received buffer of concatenated blocks."""
+    if exact:
+        numel = _block_shape(like, blk).numel()
+        return buf[:, n * numel:(n + 1) * numel]
+    return buf[..., n * blk:(n + 1) * blk, :]
