@@ -42,6 +42,16 @@ from relaytrain.train.skip_step import SkipRule, SkipWindow
 __all__ = ["Controller", "TrainingStopped"]
 
 
+@dataclasses.dataclass
+class Dispatched:
+    """Steps step+1 .. step+count started on the workers, their results not yet taken."""
+
+    step: int
+    count: int
+    started: Any  # the engine's handle (Engine.start_all)
+    t0: float  # when they were dispatched
+
+
 def make_engine(cfg: RunConfig) -> Engine:
     if cfg.runtime.engine == "ray":
         from relaytrain.runtime.engines.ray import RayEngine
@@ -53,7 +63,9 @@ def make_engine(cfg: RunConfig) -> Engine:
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, quiet: bool = False):
+    def __init__(self, cfg: RunConfig, quiet: bool = False, engine: Engine | None = None):
+        """`engine`: one to run on instead of runtime.engine's (the control-plane benchmark's
+        simulated workers, runtime/engines/simulated.py)."""
         if not cfg.run_dir:
             raise ConfigError("config key 'run_dir' is empty; give a directory for the run's "
                               "metrics, ledger and checkpoints (e.g. run_dir=runs/demo)")
@@ -90,7 +102,8 @@ class Controller:
                                                 cfg.world_size), cfg.faults.slow_seconds)
         self.reporter = StepReporter(cfg, self.dataset.fingerprint, n_train, quiet,
                                      last_checkpoint=lambda: self.catalogue.last_committed)
-        self.engine: Engine | None = None  # started by run()
+        self.engine: Engine | None = engine  # else started by run()
+        self._results_at = 0.0  # when the last step's results came
         self.recovery: Recovery | None = None  # needs the engine
 
     # ---- the loop --------------------------------------------------------------------------
@@ -98,7 +111,8 @@ class Controller:
         """Train to train.max_steps, recovering from worker failures; the run's summary."""
         t_run = time.perf_counter()
         cfg, start = self.cfg, self.start
-        self.engine = make_engine(cfg)  # first: a cluster that cannot be joined writes nothing
+        if self.engine is None:  # first: a cluster that cannot be joined writes nothing
+            self.engine = make_engine(cfg)
         try:
             self._prepare_run_dir()
             self.reporter.open(start, cfg.data_parallel)
@@ -110,16 +124,20 @@ class Controller:
                                         cfg.runtime.threads_per_worker)
             self.reporter.start_progress(start, flops_per_token(self.model_cfg, cfg.seq_len),
                                          peak * cfg.world_size)
-            step = start
+            step, ahead = start, None
             while step < cfg.train.max_steps:
                 count = self._span(step)
                 done, in_flight = step, count
                 try:
-                    self._train(step, count)
+                    current, ahead = ahead or self._dispatch(step, count), None
+                    ahead = self._dispatch_ahead(step + count)
+                    self._train(current)
                     done, in_flight = step + count, 0
                     self._between_steps(done)
                 except WorkerFailure as failure:
-                    done = self.recovery.recover(failure, done, in_flight)
+                    done = self.recovery.recover(failure, done, in_flight,
+                                                 ahead=ahead.count if ahead else 0)
+                    ahead = None
                 step = done
                 self.reporter.progress(step)
             self._finish_writes(wait=STORAGE_WAIT_S)
@@ -132,21 +150,49 @@ class Controller:
                 self.recovery.close()
             self.engine.shutdown()
 
-    def _train(self, step: int, count: int) -> None:
-        """Steps step+1 .. step+count: dispatch, record, and checkpoint at their end."""
-        cfg, recovery = self.cfg, self.recovery
+    def _dispatch(self, step: int, count: int) -> Dispatched:
+        """Start steps step+1 .. step+count on every worker (their planned faults delivered)."""
         t0 = time.perf_counter()
         self._inject(step + 1, step + count)
         window = self.skip_window
         history = None if window is None else window.history(step)
-        results = self.engine.call_all(recovery.members,
-                                       lambda w: w.run_steps(step + 1, count, history),
-                                       cfg.runtime.call_timeout * count)
-        elapsed = (time.perf_counter() - t0) / count
+        started = self.engine.start_all(self.recovery.members,
+                                        lambda w: w.run_steps(step + 1, count, history),
+                                        self.cfg.runtime.call_timeout * count)
+        return Dispatched(step, count, started, t0)
+
+    def _dispatch_ahead(self, step: int) -> Dispatched | None:
+        """Dispatch ahead: the steps after `step`, started before `step`'s results are checked
+        and recorded, so that no worker waits for the controller between steps; None where
+        `step` ends at a barrier: a checkpoint, an evaluation, a possible resize (below the
+        configured size), the end of the run, an injected fault due next (delivered, as ever,
+        when its step is dispatched), or optim.skip_spikes (each step compares itself with
+        the results of the steps before it)."""
+        cfg = self.cfg
+        every = [e for e in (cfg.checkpoint.every, cfg.eval.every if self.eval_ids else 0) if e]
+        if (not cfg.runtime.dispatch_ahead or step >= cfg.train.max_steps
+                or self.skip_window is not None
+                or any(step % e == 0 for e in every)
+                or self.recovery.dp < self.recovery.target_dp):
+            return None
+        count = self._span(step)
+        if self.faults.planned(step + 1, step + count):
+            return None
+        return self._dispatch(step, count)
+
+    def _train(self, d: Dispatched) -> None:
+        """The dispatched steps' results: checked, recorded, and checkpointed at their end."""
+        cfg, recovery, step, count = self.cfg, self.recovery, d.step, d.count
+        results = self.engine.finish(d.started)
+        now = time.perf_counter()
+        # per step, from the later of its dispatch and the previous results (dispatched ahead)
+        elapsed = (now - max(d.t0, self._results_at)) / count
+        self._results_at = now
         per_step = [{w: r[i] for w, r in results.items()} for i in range(count)]
         placements = recovery.placements()
         records = self.reporter.check(step + 1, per_step, placements)
         end = step + count
+        window = self.skip_window
         if window is not None:  # before a commit's manifest asks for it; kept back to the
             # oldest state a restore may go to (the last committed checkpoint, a snapshot)
             window.take(step + 1, records, min(self.catalogue.last_committed,

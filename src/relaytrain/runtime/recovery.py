@@ -125,10 +125,11 @@ class Recovery:
             self._store = None
 
     # ---- failures --------------------------------------------------------------------------
-    def recover(self, failure: WorkerFailure, done: int, in_flight: int) -> int:
+    def recover(self, failure: WorkerFailure, done: int, in_flight: int, ahead: int = 0) -> int:
         """Replace what failed, re-form, restore the newest consistent state; the step to
         continue from. `done`: the last step recorded; `in_flight`: the steps of the failed
-        dispatch (a whole span for an asynchronous pipeline), lost with it."""
+        dispatch (a whole span for an asynchronous pipeline), lost with it; `ahead`: the
+        steps dispatched after it (runtime/controller.py, dispatch ahead), discarded too."""
         t_detect = time.time()
         self._check_limit(failure, t_detect)
         pids = {w: self.engine.pid(w) for w in self.members}
@@ -160,6 +161,7 @@ class Recovery:
             "failed_step": done + 1, "rank": rank, "cause": failure.kind,
             "message": failure.message, "source": restore.source, "dp": self.dp,
             "lost_steps": len(lost) + in_flight, "restored_step": restore.step,
+            "discarded_ahead": ahead,
             # detect: fault -> exception; replace: settle, kill, start replacements, pull
             # the snapshot; reform: new process groups; restore: rebuild from the state.
             "phases": {"detect": t_detect - fired if fired else None,

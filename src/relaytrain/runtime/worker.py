@@ -57,6 +57,10 @@ class Worker:
         self.stepper: Stepper | None = None  # for the state built in this generation (build)
         self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
         self._identity = process_identity()  # fixed for the process: each ping answers it
+        # The step the next run_steps must start at; None after a failed one, until the next
+        # build: a step dispatched ahead (runtime/controller.py) must not run on a state its
+        # predecessor left half-done, nor snapshot that state as the step before it.
+        self._next_step: int | None = None
 
     # ---- membership ------------------------------------------------------------------------
     def ping(self) -> ProcessIdentity:
@@ -110,6 +114,7 @@ class Worker:
         reducer = make_reducer(self.cfg, self.state, m.dp_group(), m.replica_group,
                                m.placement.dp if m.placement else 1)
         self.stepper = make_stepper(self.cfg, self.state, reducer, self.loader, m.groups)
+        self._next_step = step + 1
         return step
 
     def warm_up(self) -> None:
@@ -145,6 +150,12 @@ class Worker:
         # same shard of another replica): that copy outlives this process. A sharded one is
         # taken at the end of a span, when the span's collectives are done (at its start, an
         # abort after a peer's death raced with it, and the survivors' snapshots disagreed).
+        if first != self._next_step:
+            raise RuntimeError(f"steps {first}..{first + count - 1} cannot run: "
+                               + ("an earlier step of this generation failed"
+                                  if self._next_step is None
+                                  else f"the next step is {self._next_step}"))
+        self._next_step = None  # until this span is done
         p, every = self.membership.placement, self.cfg.elastic.snapshot_every
         sharded = self.membership.shard_group is not None
         due = p.dp // p.fsdp > 1 and every > 0
@@ -156,6 +167,7 @@ class Worker:
         if due and sharded and last % every == 0:
             self.state.take_snapshot(last)
         out[-1].written = self.writes.collect(wait=False)
+        self._next_step = last + 1
         return out
 
     # ---- checkpoints -----------------------------------------------------------------------
