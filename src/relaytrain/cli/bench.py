@@ -81,6 +81,12 @@ def _loader(args: argparse.Namespace) -> tuple[Any, Callable[[Any], str] | None]
     return bench_loader_vs_training(quick=args.quick), format_report
 
 
+def _control_plane(args: argparse.Namespace) -> tuple[Any, Callable[[Any], str] | None]:
+    from relaytrain.bench.control_plane import bench_control_plane, format_report
+
+    return bench_control_plane(quick=args.quick), format_report
+
+
 def _gpu(args: argparse.Namespace) -> tuple[Any, Callable[[Any], str] | None]:
     from relaytrain.bench.gpu import bench_gpu, format_report
 
@@ -98,6 +104,7 @@ BENCHES: dict[str, Run] = {
     "prepare": _prepare,
     "loader": _loader,
     "gpu": _gpu,
+    "control-plane": _control_plane,
 }
 
 

@@ -269,6 +269,9 @@ class SimulatedEngine(Engine):
         self._started: list[int] = []  # batches of calls started, not yet finished
         self._outstanding: list[int] = []  # after a failure: the batches `settle` waits for
         self.waited_s = 0.0  # how long the controller has waited for answers
+        self._steps: set[int] = set()  # the batches of calls that are steps
+        # when each batch of steps' results were taken, and the time waited by then
+        self.step_marks: list[tuple[float, float]] = []
         self.idle_s: list[float] = []  # each gap between consecutive steps (at shutdown)
         self.overruns = 0  # steps whose results took longer to build than the step time
 
@@ -324,6 +327,8 @@ class SimulatedEngine(Engine):
     def _start(self, invocations: dict[int, Invocation]) -> int:
         seq = self._send("call", {w: pickle.dumps(i) for w, i in invocations.items()})
         self._started.append(seq)
+        if any(i.method == "run_steps" for i in invocations.values()):
+            self._steps.add(seq)
         return seq
 
     def finish(self, started: int) -> dict[int, Any]:
@@ -334,7 +339,11 @@ class SimulatedEngine(Engine):
             self._outstanding, self._started = self._started, []
             w, (kind, message) = min(failed, key=lambda f: (f[1][0] != "died", f[0]))
             raise _failure(w, kind, message)
-        return {w: pickle.loads(a[1]) for w, a in answers.items()}
+        results = {w: pickle.loads(a[1]) for w, a in answers.items()}
+        if started in self._steps:
+            self._steps.discard(started)
+            self.step_marks.append((time.perf_counter(), self.waited_s))
+        return results
 
     def settle(self, timeout: float) -> dict[int, BaseException | None]:
         out: dict[int, BaseException | None] = {}

@@ -1,0 +1,150 @@
+"""`relaytrain bench control-plane`: the controller against 8, 64, 256 and 1,024 simulated
+workers (runtime/engines/simulated.py: the real controller, wire, reporter, ledger, catalogue
+and recovery; workers that take a fixed step time and do not train), and Ray's own fan-out cost
+with real (light) actors.
+
+Per size, two runs of the same steps: dispatch ahead (the default) with one worker killed near
+the end, and lockstep (`runtime.dispatch_ahead=false`). Reported: the controller's time per
+step (its wall time in the step loop less the time it waited for the workers' answers:
+dispatching, receiving and unpickling results, checking and recording them), the time workers
+sat idle between consecutive steps (measured by the workers' host), ledger bytes per step, the
+audit's time per 1,000 steps, and the recovery's decision (failure to the new layout chosen and
+its workers placed) and re-formation (process groups joined, state restored) times. Every
+figure is measured, none computed from another.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from relaytrain.bench import progress
+from relaytrain.bench.common import demo_data
+from relaytrain.config import load_config
+from relaytrain.data.audit import audit
+from relaytrain.runtime.controller import Controller
+from relaytrain.runtime.engines.simulated import SimulatedEngine
+from relaytrain.runtime.wire import StepResult
+
+SIZES = (8, 64, 256, 1024)
+STEP_S = 0.1  # the simulated step time: the host builds 1,024 workers' results within it
+WARM = 5  # steps left out at the start (first calls) of the per-step figures
+
+
+def _run(tmp: str, data: str, n: int, steps: int, ahead: bool, fail: bool) -> dict[str, Any]:
+    run = os.path.join(tmp, f"n{n}-{'ahead' if ahead else 'lockstep'}")
+    cfg = load_config(None, [f"run_dir={run}", f"data.path={data}", "model.preset=tiny",
+                             "data.seq_len=8", "runtime.engine=ray", f"parallel.dp={n}",
+                             f"train.global_batch={n}", "train.micro_batch=1",
+                             f"train.max_steps={steps}", "eval.every=0", "checkpoint.every=0",
+                             "log.progress=false", f"runtime.dispatch_ahead={str(ahead).lower()}"])
+    engine = SimulatedEngine(step_s=STEP_S)
+    fail_at = steps - 8
+    if fail:
+        engine.fail(fail_at, rank=n // 2)
+    summary = Controller(cfg, quiet=True, engine=engine).run()
+    t0 = time.perf_counter()
+    report = audit(run)
+    audit_s = time.perf_counter() - t0
+    if not report.ok:
+        raise RuntimeError(f"bench control-plane: the audit of {run} failed: "
+                           f"{report.first_failure()}")
+    # the steps between the warm-up and the failure (or the final checkpoint)
+    marks = engine.step_marks[WARM: (fail_at if fail else steps) - 2]
+    (t_a, w_a), (t_b, w_b) = marks[0], marks[-1]
+    out = {"controller_ms_per_step": 1e3 * ((t_b - t_a) - (w_b - w_a)) / (len(marks) - 1),
+           "idle_ms_median": 1e3 * statistics.median(engine.idle_s),
+           "idle_ms_max": 1e3 * max(engine.idle_s), "overruns": engine.overruns,
+           "ledger_bytes_per_step": os.path.getsize(os.path.join(run, "ledger.jsonl")) / steps,
+           "audit_s_per_1000_steps": 1e3 * audit_s / steps}
+    if fail:
+        [rec] = summary.recoveries
+        p = rec["phases"]
+        out.update(recovery_decision_s=p["replace"], recovery_reform_s=p["reform"] + p["restore"],
+                   lost_steps=rec["lost_steps"], discarded_ahead=rec["discarded_ahead"])
+    return out
+
+
+class _Light:
+    """A Ray actor that answers a step call with a step's result at once (Ray's cost alone)."""
+
+    def run_steps(self, first: int, count: int, history: Any = None) -> list[StepResult]:
+        return [StepResult(step=first, losses={0: (1.0, 1.0, 0.0)}, grad_norm=1.0, finite=True,
+                           ids=[first], time_data=0.0, time_compute=0.0)]
+
+
+def ray_fan_out(actors: int, rounds: int) -> dict[str, Any]:
+    """Median seconds for one step call to every one of `actors` light actors and back, and
+    for 8 of them."""
+    from relaytrain.runtime.engines.ray import _import_ray
+
+    _import_ray(private_cluster=True)
+    import ray
+
+    owns = not ray.is_initialized()
+    if owns:
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
+    try:
+        cls = ray.remote(num_cpus=0)(_Light)
+        pool = [cls.remote() for _ in range(actors)]
+        ray.get([a.run_steps.remote(0, 1) for a in pool], timeout=600)  # all started
+        out = {"actors": actors}
+        for n in sorted({8, actors}):
+            times = []
+            for k in range(rounds):
+                t0 = time.perf_counter()
+                ray.get([a.run_steps.remote(k + 1, 1) for a in pool[:n]])
+                times.append(time.perf_counter() - t0)
+            out[f"ms_per_step_{n}"] = 1e3 * statistics.median(times)
+        return out
+    finally:
+        if owns:
+            ray.shutdown()
+
+
+def bench_control_plane(quick: bool = False, sizes: tuple[int, ...] = SIZES,
+                        actors: int = 32) -> dict[str, Any]:
+    steps = 40 if quick else 150
+    progress.start("control-plane", f"per size {sizes}: {steps} steps of {STEP_S}s simulated, "
+                   "dispatch ahead (one kill) and lockstep; then Ray with "
+                   f"{actors} light actors")
+    out: dict[str, Any] = {"steps": steps, "step_s": STEP_S, "sizes": {}}
+    with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
+        progress.report("preparing data")
+        data = demo_data(tmp, max_docs=100, vocab=512)
+        for n in sizes:
+            progress.report(f"{n} simulated workers, dispatch ahead, a kill at step {steps - 8}")
+            ahead = _run(tmp, data, n, steps, ahead=True, fail=True)
+            progress.report(f"{n} simulated workers, lockstep")
+            lockstep = _run(tmp, data, n, steps, ahead=False, fail=False)
+            out["sizes"][n] = {"ahead": ahead, "lockstep": lockstep}
+    progress.report(f"Ray: {actors} light actors")
+    out["ray"] = ray_fan_out(actors, rounds=20 if quick else 100)
+    return out
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"control plane: {r['steps']} steps of {r['step_s']:g}s per run, simulated workers "
+             "(the real controller); figures measured per run",
+             f"{'workers':>8} {'ctl ms/step':>11} {'(lockstep)':>10} {'idle ms':>8} "
+             f"{'(lockstep)':>10} {'ledger B/step':>13} {'audit s/1k':>10} "
+             f"{'decide s':>8} {'re-form s':>9} {'lost':>4}"]
+    for n, s in r["sizes"].items():
+        a, b = s["ahead"], s["lockstep"]
+        lines.append(f"{n:>8} {a['controller_ms_per_step']:>11.2f} "
+                     f"{b['controller_ms_per_step']:>10.2f} {a['idle_ms_median']:>8.2f} "
+                     f"{b['idle_ms_median']:>10.2f} {a['ledger_bytes_per_step']:>13,.0f} "
+                     f"{a['audit_s_per_1000_steps']:>10.2f} {a['recovery_decision_s']:>8.3f} "
+                     f"{a['recovery_reform_s']:>9.3f} {a['lost_steps'] + a['discarded_ahead']:>4}")
+        if a["overruns"] or b["overruns"]:
+            lines.append(f"{'':>8} (the host outran the step time {a['overruns']} + "
+                         f"{b['overruns']} times: idle figures are upper bounds)")
+    ray = r["ray"]
+    lines.append("Ray fan-out, light actors (one step call to each and back), median: "
+                 + ", ".join(f"{k.split('_')[-1]} actors {v:.2f} ms" for k, v in ray.items()
+                             if k.startswith("ms_")))
+    return "\n".join(lines)
