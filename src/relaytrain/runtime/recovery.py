@@ -65,12 +65,18 @@ class Recovery:
         self.log: list[dict[str, Any]] = []  # the recovery records written so far
         self._pending: dict[str, Any] | None = None  # completed by the next step
         self._store: Server | None = None  # this generation's rendezvous store
+        self._layout: tuple[tuple, dict[int, Placement]] | None = None  # see placements()
 
     # ---- layout ----------------------------------------------------------------------------
     def placements(self) -> dict[int, Placement]:
-        """Worker id -> its place in the current generation (`parallel.groups.placements`)."""
-        return placements(self.members, self.dp, self.cfg.parallel.pp,
-                          shard_size(self.dp, self.cfg.parallel.fsdp))
+        """Worker id -> its place in the current generation (`parallel.groups.placements`);
+        the same dict until the members or the DP size change (asked every step: at 1,024
+        workers, forming it took the controller milliseconds). Not to be modified."""
+        key = (tuple(self.members), self.dp)
+        if self._layout is None or self._layout[0] != key:
+            self._layout = key, placements(self.members, self.dp, self.cfg.parallel.pp,
+                                           shard_size(self.dp, self.cfg.parallel.fsdp))
+        return self._layout[1]
 
     def save_parts(self) -> dict[int, str]:
         """Worker id -> the checkpoint part it writes: DP rank 0 of every stage writes its

@@ -165,6 +165,8 @@ class _Host:
             self.idle.append(start - self.last_end)
         failing = self._failing(invs) if steps else None
         out = {w: self._one(w, inv, failing) for w, inv in invs.items()}
+        if steps and all(a[0] != "ok" for a in out.values()):
+            steps = []  # refused at once (steps after a failed one): no step time passes
         if steps:
             end = start + self.step_s * steps[0].args[1]
             now = time.monotonic()
