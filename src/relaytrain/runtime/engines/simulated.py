@@ -272,8 +272,9 @@ class SimulatedEngine(Engine):
         self._outstanding: list[int] = []  # after a failure: the batches `settle` waits for
         self.waited_s = 0.0  # how long the controller has waited for answers
         self._steps: set[int] = set()  # the batches of calls that are steps
-        # when each batch of steps' results were taken, and the time waited by then
-        self.step_marks: list[tuple[float, float]] = []
+        # when each batch of steps' results were taken: the time, the time waited by then,
+        # and this process's CPU time (the controller's, unlike wall time, whatever the load)
+        self.step_marks: list[tuple[float, float, float]] = []
         self.idle_s: list[float] = []  # each gap between consecutive steps (at shutdown)
         self.overruns = 0  # steps whose results took longer to build than the step time
 
@@ -344,7 +345,7 @@ class SimulatedEngine(Engine):
         results = {w: pickle.loads(a[1]) for w, a in answers.items()}
         if started in self._steps:
             self._steps.discard(started)
-            self.step_marks.append((time.perf_counter(), self.waited_s))
+            self.step_marks.append((time.perf_counter(), self.waited_s, time.process_time()))
         return results
 
     def settle(self, timeout: float) -> dict[int, BaseException | None]:
