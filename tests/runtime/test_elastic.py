@@ -92,6 +92,26 @@ def test_a_kill_a_hang_and_a_raise_each_recover_without_waiting_for_the_collecti
     assert_reported_as_the_os_sees_them(seen, len(gens))
 
 
+# Dispatch ahead: step 7 is started on both workers before step 6's results are in. Rank 1
+# raises at 6; rank 0 waits for it in step 6's collective until the abort. Neither may then
+# run step 7 on the state step 6 left (nor snapshot that state as step 6's): only the steps in
+# flight are lost, and the run is bit-identical to one without the fault.
+@pytest.mark.timeout(120, func_only=True)
+def test_a_raise_while_the_next_step_is_dispatched_ahead_loses_only_the_steps_in_flight(
+        tmp_path, corpus_data, ray_cluster, fault_free):
+    run = tmp_path / "raised"
+    Controller(_cfg(run, corpus_data, "train.max_steps=12", "determinism=exact",
+                    "faults.raise_at=[6]", "faults.raise_rank=1", dp=2)).run()
+    [rec] = _records(run, "recovery")
+    assert (rec["failed_step"], rec["cause"], rec["source"], rec["restored_step"]) == \
+        (6, "raised", "memory", 5), rec
+    assert rec["lost_steps"] == 1 and rec["discarded_ahead"] == 1, rec
+    a, b = step_records(fault_free), step_records(run)
+    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
+    assert same_tensors(final_state(run), final_state(fault_free))
+    assert main(["data", "audit", str(run)]) == 0
+
+
 @pytest.mark.soak  # random fault plans on top of the deterministic faults above (~90 s)
 def test_three_kills_a_hang_and_a_raise_recover_to_the_same_bits(tmp_path, corpus_data,
                                                                  ray_cluster, fault_free):

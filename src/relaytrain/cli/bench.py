@@ -87,6 +87,12 @@ def _long_context(args: argparse.Namespace) -> tuple[Any, Callable[[Any], str] |
     return bench_long_context(quick=args.quick), format_report
 
 
+def _control_plane(args: argparse.Namespace) -> tuple[Any, Callable[[Any], str] | None]:
+    from relaytrain.bench.control_plane import bench_control_plane, format_report
+
+    return bench_control_plane(quick=args.quick), format_report
+
+
 def _gpu(args: argparse.Namespace) -> tuple[Any, Callable[[Any], str] | None]:
     from relaytrain.bench.gpu import bench_gpu, format_report
 
@@ -105,6 +111,7 @@ BENCHES: dict[str, Run] = {
     "loader": _loader,
     "gpu": _gpu,
     "long-context": _long_context,
+    "control-plane": _control_plane,
 }
 
 

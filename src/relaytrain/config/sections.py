@@ -165,6 +165,9 @@ class RuntimeSection:
     # once (runtime/abort.py), so keep it long enough for a slow step or a long all-gather.
     collective_timeout: float = 30.0
     setup_timeout: float = 120.0
+    # Dispatch the next step before this one's results are checked and recorded (except at a
+    # checkpoint, evaluation or resize): workers do not wait for the controller between steps
+    dispatch_ahead: bool = True
 
 
 @dataclass

@@ -99,6 +99,11 @@ class Loader:
         self._thread: threading.Thread | None = None
 
     # ---- the pure part ----------------------------------------------------------------------
+    def ids(self, batch_index: int) -> np.ndarray:
+        """The instance ids of this rank's part of batch `batch_index` (what the ledger records
+        of it), without reading a token: the control plane's simulated workers."""
+        return self._global_batch(batch_index)[1][self.positions]
+
     def make(self, batch_index: int) -> Batch:
         """Build batch `batch_index` synchronously (the thread calls this)."""
         epochs, ids = self._global_batch(batch_index)

@@ -60,6 +60,16 @@ __all__ = ["Controller", "TrainingStopped", "WorkNotSaved"]
 FINAL_SAVE_TRIES = 2  # saves of the final state from the workers' memory after its first
 
 
+@dataclasses.dataclass
+class Dispatched:
+    """Steps step+1 .. step+count started on the workers, their results not yet taken."""
+
+    step: int
+    count: int
+    started: Any  # the engine's handle (Engine.start_all)
+    t0: float  # when they were dispatched
+
+
 def make_engine(cfg: RunConfig) -> Engine:
     if cfg.runtime.engine == "ray":
         from relaytrain.runtime.engines.ray import RayEngine
@@ -71,7 +81,11 @@ def make_engine(cfg: RunConfig) -> Engine:
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, quiet: bool = False, notice: Notice | None = None):
+    def __init__(self, cfg: RunConfig, quiet: bool = False, notice: Notice | None = None,
+                 engine: Engine | None = None):
+        """`notice`: the CLI's SIGTERM/SIGINT notice (runtime/preemption.py); `engine`: one to
+        run on instead of runtime.engine's (the control-plane benchmark's simulated workers,
+        runtime/engines/simulated.py)."""
         if not cfg.run_dir:
             raise ConfigError("config key 'run_dir' is empty; give a directory for the run's "
                               "metrics, ledger and checkpoints (e.g. run_dir=runs/demo)")
@@ -121,7 +135,8 @@ class Controller:
         # SIGTERM/SIGINT (runtime/preemption.py): the CLI's notice; in process, one never in
         # force (the caller's handlers stay)
         self.notice = notice or Notice(cfg.checkpoint.preempt_grace)
-        self.engine: Engine | None = None  # started by run()
+        self.engine: Engine | None = engine  # else started by run()
+        self._results_at = 0.0  # when the last step's results came
         self.recovery: Recovery | None = None  # needs the engine
 
     # ---- the loop --------------------------------------------------------------------------
@@ -132,7 +147,8 @@ class Controller:
         cfg, start = self.cfg, self.start
         if self.notice.received:  # while the run was being set up: start nothing
             raise self._preempted(start, "nothing was trained")
-        self.engine = make_engine(cfg)  # first: a cluster that cannot be joined writes nothing
+        if self.engine is None:  # first: a cluster that cannot be joined writes nothing
+            self.engine = make_engine(cfg)
         self.notice.reinstall()  # Ray's start replaced SIGTERM's handler with its own
         self.notice.on_stop = self._stop_at_once
         try:
@@ -146,17 +162,22 @@ class Controller:
                                         cfg.runtime.threads_per_worker)
             self.reporter.start_progress(start, flops_per_token(self.model_cfg, cfg.seq_len),
                                          peak * cfg.world_size)
-            step = start
-            while step < cfg.train.max_steps and not self.notice.received:
+            step, ahead = start, None
+            # after a notice, the steps already dispatched ahead are taken, then it stops
+            while step < cfg.train.max_steps and (ahead or not self.notice.received):
                 count = self._span(step)
                 done, in_flight = step, count
                 try:
-                    self._train(step, count)
+                    current, ahead = ahead or self._dispatch(step, count), None
+                    ahead = self._dispatch_ahead(step + count)
+                    self._train(current)
                     done, in_flight = step + count, 0
                     if not self.notice.received:
                         self._between_steps(done)
                 except WorkerFailure as failure:
-                    done = self.recovery.recover(failure, done, in_flight)
+                    done = self.recovery.recover(failure, done, in_flight,
+                                                 ahead=ahead.count if ahead else 0)
+                    ahead = None
                 step = done
                 self.reporter.progress(step)
             if step < cfg.train.max_steps:
@@ -172,21 +193,49 @@ class Controller:
                 self.recovery.close()
             self.engine.shutdown()
 
-    def _train(self, step: int, count: int) -> None:
-        """Steps step+1 .. step+count: dispatch, record, and checkpoint at their end."""
-        cfg, recovery = self.cfg, self.recovery
+    def _dispatch(self, step: int, count: int) -> Dispatched:
+        """Start steps step+1 .. step+count on every worker (their planned faults delivered)."""
         t0 = time.perf_counter()
         self._inject(step + 1, step + count)
         window = self.skip_window
         history = None if window is None else window.history(step)
-        results = self.engine.call_all(recovery.members,
-                                       lambda w: w.run_steps(step + 1, count, history),
-                                       cfg.runtime.call_timeout * count)
-        elapsed = (time.perf_counter() - t0) / count
+        started = self.engine.start_all(self.recovery.members,
+                                        lambda w: w.run_steps(step + 1, count, history),
+                                        self.cfg.runtime.call_timeout * count)
+        return Dispatched(step, count, started, t0)
+
+    def _dispatch_ahead(self, step: int) -> Dispatched | None:
+        """Dispatch ahead: the steps after `step`, started before `step`'s results are checked
+        and recorded, so that no worker waits for the controller between steps; None where
+        `step` ends at a barrier: a checkpoint, an evaluation, a possible resize (below the
+        configured size), the end of the run, a preemption notice, an injected fault due next
+        (delivered, as ever, when its step is dispatched), or optim.skip_spikes (each step
+        compares itself with the results of the steps before it)."""
+        cfg = self.cfg
+        every = [e for e in (cfg.checkpoint.every, cfg.eval.every if self.eval_ids else 0) if e]
+        if (not cfg.runtime.dispatch_ahead or step >= cfg.train.max_steps
+                or self.notice.received or self.skip_window is not None
+                or any(step % e == 0 for e in every)
+                or self.recovery.dp < self.recovery.target_dp):
+            return None
+        count = self._span(step)
+        if self.faults.planned(step + 1, step + count):
+            return None
+        return self._dispatch(step, count)
+
+    def _train(self, d: Dispatched) -> None:
+        """The dispatched steps' results: checked, recorded, and checkpointed at their end."""
+        cfg, recovery, step, count = self.cfg, self.recovery, d.step, d.count
+        results = self.engine.finish(d.started)
+        now = time.perf_counter()
+        # per step, from the later of its dispatch and the previous results (dispatched ahead)
+        elapsed = (now - max(d.t0, self._results_at)) / count
+        self._results_at = now
         per_step = [{w: r[i] for w, r in results.items()} for i in range(count)]
         placements = recovery.placements()
         records = self.reporter.check(step + 1, per_step, placements)
         end = step + count
+        window = self.skip_window
         if window is not None:  # before a commit's manifest asks for it; kept back to the
             # oldest state a restore may go to (the last committed checkpoint, a snapshot)
             window.take(step + 1, records, min(self.catalogue.last_committed,

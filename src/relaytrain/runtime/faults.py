@@ -117,6 +117,10 @@ class FaultInjector:
         self.pending = [f for f in self.pending if f not in hits]
         return hits
 
+    def planned(self, first: int, last: int) -> bool:
+        """Whether a fault of any kind is still to be delivered at steps first .. last."""
+        return any(first <= f.step <= last for f in self.pending)
+
     def signal_later(self, pid: int, kind: str) -> None:
         """SIGKILL/SIGSTOP `pid` after a short delay, so it lands mid-step."""
 

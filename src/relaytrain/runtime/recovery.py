@@ -65,12 +65,19 @@ class Recovery:
         self.log: list[dict[str, Any]] = []  # the recovery records written so far
         self._pending: dict[str, Any] | None = None  # completed by the next step
         self._store: Server | None = None  # this generation's rendezvous store
+        self._layout: tuple[tuple, dict[int, Placement]] | None = None  # see placements()
 
     # ---- layout ----------------------------------------------------------------------------
     def placements(self) -> dict[int, Placement]:
-        """Worker id -> its place in the current generation (`parallel.groups.placements`)."""
-        return placements(self.members, self.dp, self.cfg.parallel.pp,
-                          shard_size(self.dp, self.cfg.parallel.fsdp), self.cfg.parallel.cp)
+        """Worker id -> its place in the current generation (`parallel.groups.placements`);
+        the same dict until the members or the DP size change (asked every step: at 1,024
+        workers, forming it took the controller milliseconds). Not to be modified."""
+        key = (tuple(self.members), self.dp)
+        if self._layout is None or self._layout[0] != key:
+            self._layout = key, placements(self.members, self.dp, self.cfg.parallel.pp,
+                                           shard_size(self.dp, self.cfg.parallel.fsdp),
+                                           self.cfg.parallel.cp)
+        return self._layout[1]
 
     def save_parts(self) -> dict[int, str]:
         """Worker id -> the checkpoint part it writes: DP rank 0 of every stage writes its
@@ -125,10 +132,11 @@ class Recovery:
             self._store = None
 
     # ---- failures --------------------------------------------------------------------------
-    def recover(self, failure: WorkerFailure, done: int, in_flight: int) -> int:
+    def recover(self, failure: WorkerFailure, done: int, in_flight: int, ahead: int = 0) -> int:
         """Replace what failed, re-form, restore the newest consistent state; the step to
         continue from. `done`: the last step recorded; `in_flight`: the steps of the failed
-        dispatch (a whole span for an asynchronous pipeline), lost with it."""
+        dispatch (a whole span for an asynchronous pipeline), lost with it; `ahead`: the
+        steps dispatched after it (runtime/controller.py, dispatch ahead), discarded too."""
         t_detect = time.time()
         self._check_limit(failure, t_detect)
         pids = {w: self.engine.pid(w) for w in self.members}
@@ -160,6 +168,7 @@ class Recovery:
             "failed_step": done + 1, "rank": rank, "cause": failure.kind,
             "message": failure.message, "source": restore.source, "dp": self.dp,
             "lost_steps": len(lost) + in_flight, "restored_step": restore.step,
+            "discarded_ahead": ahead,
             # detect: fault -> exception; replace: settle, kill, start replacements, pull
             # the snapshot; reform: new process groups; restore: rebuild from the state.
             "phases": {"detect": t_detect - fired if fired else None,

@@ -58,6 +58,10 @@ class Worker:
         self.stepper: Stepper | None = None  # for the state built in this generation (build)
         self.raise_hook = RaiseHook()  # faults.raise_at (see runtime/faults.py)
         self._identity = process_identity()  # fixed for the process: each ping answers it
+        # The step the next run_steps must start at; None after a failed one, until the next
+        # build: a step dispatched ahead (runtime/controller.py) must not run on a state its
+        # predecessor left half-done, nor snapshot that state as the step before it.
+        self._next_step: int | None = None
 
     # ---- membership ------------------------------------------------------------------------
     def ping(self) -> ProcessIdentity:
@@ -112,6 +116,7 @@ class Worker:
                                m.placement.dp if m.placement else 1)
         cp = None if m.cp_group is None else (m.placement.cp_rank, m.cp_group)
         self.stepper = make_stepper(self.cfg, self.state, reducer, self.loader, m.groups, cp)
+        self._next_step = step + 1
         return step
 
     def warm_up(self) -> None:
@@ -148,6 +153,12 @@ class Worker:
         # sharded one is taken at the end of a span, when the span's collectives are done (at
         # its start, an abort after a peer's death raced with it, and the survivors' snapshots
         # disagreed).
+        if first != self._next_step:
+            raise RuntimeError(f"steps {first}..{first + count - 1} cannot run: "
+                               + ("an earlier step of this generation failed"
+                                  if self._next_step is None
+                                  else f"the next step is {self._next_step}"))
+        self._next_step = None  # until this span is done
         p, every = self.membership.placement, self.cfg.elastic.snapshot_every
         sharded = self.membership.shard_group is not None
         due = p.dp // p.fsdp * p.cp > 1 and every > 0
@@ -159,6 +170,7 @@ class Worker:
         if due and sharded and last % every == 0:
             self.state.take_snapshot(last)
         out[-1].written = self.writes.collect(wait=False)
+        self._next_step = last + 1
         return out
 
     # ---- checkpoints -----------------------------------------------------------------------

@@ -132,6 +132,7 @@ def test_a_survivor_starved_past_the_ping_deadline_is_waited_for_not_named_hung(
     class Late:  # a worker whose ping is answered `after` seconds from now
         def __init__(self, after: float):
             self.ping = types.SimpleNamespace(remote=lambda: answer.remote(after))
+            self.ping.options = lambda **_: self.ping  # on the control thread, as actors do
 
     looks = {"starved": 0}
 

@@ -148,6 +148,21 @@ class Engine(ABC):
     def run(self, invocations: dict[int, Invocation], timeout: float) -> dict[int, Any]:
         """Carry out checked invocations (see `call`)."""
 
+    def start_all(self, wids: list[int], call: WorkerCall, timeout: float) -> Any:
+        """Dispatch the same call to every worker of `wids` without waiting for it; `finish`
+        takes the handle. A worker runs its calls in the order they were started, so the
+        controller can dispatch the next step while this one runs (dispatch ahead). `timeout`
+        counts from `finish`. Here the call runs in `finish`: an engine that cannot queue
+        calls stays strictly one call at a time."""
+        inv = invocation(call)
+        return {w: inv for w in wids}, timeout
+
+    def finish(self, started: Any) -> dict[int, Any]:
+        """The results of a `start_all`; its failures are raised as `call`'s are (`settle`
+        then also waits for the calls started after it)."""
+        invocations, timeout = started
+        return self.run(invocations, timeout)
+
     def settle(self, timeout: float) -> dict[int, BaseException | None]:
         """Wait for calls still running after a failure: per worker, None if it finished, the
         failure if it failed or did not finish in time."""

@@ -19,11 +19,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from relaytrain.config.sections import RunConfig
 from relaytrain.errors import ConfigError
-from relaytrain.runtime.engines.base import Engine, Invocation
+from relaytrain.runtime.engines.base import Engine, Invocation, invocation
 from relaytrain.runtime.engines.ray_join import check_join
 from relaytrain.runtime.failures import (
     NodeLost,
@@ -42,6 +43,7 @@ LOOPBACK = "127.0.0.1"
 # The calls the heartbeat watches: steps, where a run spends its time. The others end at their
 # deadline: a first build on a loaded machine can keep a worker from answering for seconds.
 WATCHED = frozenset({"run_steps"})
+CONTROL = "control"  # the actors' concurrency group of ping() and abort()
 
 
 class _RankedWorker(Worker):
@@ -55,6 +57,17 @@ class _RankedWorker(Worker):
         membership = getattr(self, "membership", None)
         placement = membership.placement if membership else None
         return f"Worker(id={self.wid}, rank={placement.rank if placement else '?'})"
+
+
+class _control:  # noqa: N801 (used as a function: `_control(actor).ping.remote()`)
+    """An actor's methods on its control thread: ping() and abort() are answered there even
+    while a step runs (or waits in a collective) on the other."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.actor, name).options(concurrency_group=CONTROL)
 
 
 def _import_ray(private_cluster: bool) -> None:
@@ -187,11 +200,20 @@ class _Heartbeat:
                     self.on_late, on_late = None, self.on_late
                     on_late()
             elif now - sent >= HEARTBEAT_S:
-                self.pings[w] = (self.actors[w].ping.remote(), now)
+                self.pings[w] = (_control(self.actors[w]).ping.remote(), now)
                 self.starved.forget(w)
             else:
                 self.pings[w] = (None, sent)
         return None
+
+
+@dataclass
+class _Started:
+    """Calls started on actors (`start_all`), for `finish` to collect."""
+
+    refs: dict[Any, int]  # object ref -> worker
+    timeout: float
+    watch: bool  # pinged by the heartbeat while it runs (WATCHED)
 
 
 class RayEngine(Engine):
@@ -203,6 +225,7 @@ class RayEngine(Engine):
         self._next_id = 0
         self._reserved: Any = None  # a placement group proven placeable by has_capacity()
         self._outstanding: dict[Any, int] = {}
+        self._started: list[_Started] = []  # calls started and not yet finished (in order)
         self._spares: list[int] = []
         self._standby: int | None = None  # see _start_standby
         self._warming: dict[int, Any] = {}  # spare -> its warm_up() call
@@ -279,7 +302,7 @@ class RayEngine(Engine):
     def _ready(self, wid: int, deadline: float) -> bool:
         """Whether a spare or the standby is up (answers a ping, warmed up) by `deadline` (or
         within a second)."""
-        ping, warm = self.actors[wid].ping.remote(), self._warming.pop(wid)
+        ping, warm = _control(self.actors[wid]).ping.remote(), self._warming.pop(wid)
         ready, _ = ray.wait([ping, warm], num_returns=2,
                             timeout=max(deadline - time.monotonic(), 1.0))
         try:
@@ -380,9 +403,10 @@ class RayEngine(Engine):
     def _new_actor(self, worker_args: tuple, **options: Any) -> int:
         wid = self._next_id
         self._next_id += 1
-        actor_cls = ray.remote(_RankedWorker).options(
-            max_restarts=0, max_task_retries=0,
-            max_concurrency=2,  # one thread answers ping() while another runs a step
+        # Calls run one at a time, in the order started (a step dispatched ahead waits behind
+        # the one before it); ping() and abort() have a thread of their own (`_control`).
+        actor_cls = ray.remote(concurrency_groups={CONTROL: 1})(_RankedWorker).options(
+            max_restarts=0, max_task_retries=0, max_concurrency=1,
             **options)
         self.actors[wid] = actor_cls.remote(wid, *worker_args)
         return wid
@@ -407,35 +431,56 @@ class RayEngine(Engine):
     def run(self, invocations: dict[int, Invocation], timeout: float) -> dict[int, Any]:
         """See `Engine.call`. In a WATCHED call, a worker that stops answering pings is named
         hung within PING_TIMEOUT (+ HEARTBEAT_S), not at the deadline."""
+        return self.finish(self._start(invocations, timeout))
+
+    def start_all(self, wids: list[int], call: Callable, timeout: float) -> _Started:
+        inv = invocation(call)
+        return self._start({w: inv for w in wids}, timeout)
+
+    def _start(self, invocations: dict[int, Invocation], timeout: float) -> _Started:
         refs = {getattr(self.actors[w], inv.method).remote(*inv.args, **inv.kwargs): w
                 for w, inv in invocations.items()}
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
+        started = _Started(refs, timeout, any(i.method in WATCHED for i in invocations.values()))
+        self._started.append(started)
+        return started
+
+    def finish(self, started: _Started) -> dict[int, Any]:
+        """See `Engine.finish`: the deadline and the heartbeat start now (a call started ahead
+        waited behind the one before it)."""
+        self._started.remove(started)
+        refs, results = started.refs, {}
+        deadline = time.monotonic() + started.timeout
         pending = list(refs)
-        watch = any(inv.method in WATCHED for inv in invocations.values())
-        heartbeat = _Heartbeat(self.actors, self._ids, self.prestart) if watch else None
+        heartbeat = _Heartbeat(self.actors, self._ids, self.prestart) if started.watch else None
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._outstanding = {p: refs[p] for p in pending}
-                raise self._diagnose_hang([refs[p] for p in pending], timeout)
+                self._abandon({p: refs[p] for p in pending})
+                raise self._diagnose_hang([refs[p] for p in pending], started.timeout)
             done, pending = ray.wait(pending, num_returns=1, timeout=min(left, HEARTBEAT_S))
             for ref in done:
                 try:
                     results[refs[ref]] = ray.get(ref)
                 except Exception as e:  # the first failure surfaces at once
-                    self._outstanding = {p: refs[p] for p in pending}
+                    self._abandon({p: refs[p] for p in pending})
                     raise _failure(refs[ref], e) from e
             failure = heartbeat.check([refs[p] for p in pending]) if heartbeat else None
             if failure is not None:
-                self._outstanding = {p: refs[p] for p in pending}
+                self._abandon({p: refs[p] for p in pending})
                 raise failure
         return results
+
+    def _abandon(self, pending: dict[Any, int]) -> None:
+        """After a failure: the calls `settle` waits for, those started after it included."""
+        self._outstanding = dict(pending)
+        for later in self._started:
+            self._outstanding.update(later.refs)
+        self._started = []
 
     def abort(self, wids: list[int], generation: int) -> None:
         """Ask each worker to abort `generation`'s collectives; no waiting (the answers are
         collected by `settle`)."""
-        self._aborting += [self.actors[w].abort.remote(generation) for w in wids
+        self._aborting += [_control(self.actors[w]).abort.remote(generation) for w in wids
                            if w in self.actors]
 
     def settle(self, timeout: float) -> dict[int, BaseException | None]:
@@ -479,7 +524,7 @@ class RayEngine(Engine):
         host) gets up to STARVED_GRACE more. A worker on a node Ray has not yet declared dead
         cannot answer either: it is named hung, and replaced all the same."""
         sent = time.monotonic()
-        pings = {self.actors[w].ping.remote(): w for w in wids}
+        pings = {_control(self.actors[w]).ping.remote(): w for w in wids}
         starved = _Starved(self._ids)
         out: dict[int, WorkerFailure | None] = {}
         pending, wait = list(pings), PING_TIMEOUT

@@ -1,0 +1,53 @@
+"""Ray's own cost of one step's fan-out: a call to each of N light actors and its answer back.
+
+The actors are light on purpose (this module imports nothing but the standard library, so an
+actor starts without torch): what is measured is Ray's submission, transport and scheduling,
+the part of a step's control plane that the simulated workers (runtime/engines/simulated.py)
+do not run. The answer has a step result's fields and size."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+
+class LightActor:
+    """Answers a step call at once with a step result's fields (runtime/wire.py `StepResult`)."""
+
+    def run_steps(self, first: int, count: int, history: Any = None) -> list[dict[str, Any]]:
+        return [{"step": first, "losses": {0: (1.0, 1.0, 0.0)}, "grad_norm": 1.0,
+                 "finite": True, "ids": [first], "time_data": 0.0, "time_compute": 0.0,
+                 "pipeline": None, "skipped": False, "state_bytes": 0, "peak_rss": 0,
+                 "written": []}]
+
+
+def ray_fan_out(actors: int, rounds: int) -> dict[str, Any]:
+    """Median milliseconds for one step call to each of 8 and of `actors` light actors and
+    back, on a private Ray cluster (or the one this process already joined)."""
+    from relaytrain.runtime.engines.ray import _import_ray
+
+    _import_ray(private_cluster=True)
+    import ray
+
+    owns = not ray.is_initialized()
+    if owns:
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
+    try:
+        cls = ray.remote(num_cpus=0)(LightActor)
+        pool = [cls.remote() for _ in range(actors)]
+        ray.get([a.run_steps.remote(0, 1) for a in pool], timeout=600)  # all started
+        out: dict[str, Any] = {"actors": actors}
+        for n in sorted({8, actors}):
+            times = []
+            for k in range(rounds):
+                t0 = time.perf_counter()
+                ray.get([a.run_steps.remote(k + 1, 1) for a in pool[:n]])
+                times.append(time.perf_counter() - t0)
+            out[f"ms_per_step_{n}"] = 1e3 * statistics.median(times)
+        return out
+    finally:
+        if owns:
+            ray.shutdown()
