@@ -17,15 +17,17 @@ overflowed (like a NaN) instead of silently wrapping.
 
 Packed: the two sums travel and accumulate in one int64, hi_sum * 2^S + lo_sum with
 S = 30 + bits(M) (M the global batch's micro-batches, bits(M) = M.bit_length()): lo_sum is
-below M * 2^30 <= 2^S, so the two fields never carry into each other and decode back to the
+at most M * 2^30 < 2^S, so the two fields never carry into each other and decode back to the
 very same integers (hi_sum = P >> S, lo_sum = P mod 2^S). That holds while |hi_sum| stays
 below 2^(63 - S), which every value below `pack_bound(M)` = 2^(3 - 2 bits(M)) in magnitude
-guarantees (M such values sum below 2^(33 - bits(M)) * 2^-30). A parameter any of whose values
-reaches that bound, on any rank, is folded and reduced as two limbs for that step instead (all
-ranks agree on which before the all-reduce, with the overflow flag they agree on anyway). So
-the accumulator and the all-reduce take 8 bytes a parameter instead of 16 (fast mode: 4), and
-the fold is one pass over the gradient and the accumulator: a fused CPU kernel
-(model/cpu_kernels.cpp) where it builds, torch's ops otherwise (the same integers either way).
+guarantees (M such values sum below 2^(33 - bits(M)) * 2^-30). So only such values are summed
+packed; the others (rare: gradients are mostly far smaller) go into two limbs' sums of their
+parameter, which the packed sums are added to at the end, the same integers again. The packed
+sums travel in one all-reduce with, in its tail, the overflow flag and which parameters hold
+two-limb sums on any rank (a second all-reduce carries those). So the accumulator and the
+all-reduce take 8 bytes a parameter instead of 16 (fast mode: 4), and the fold is one pass over
+the gradient and the accumulator: a fused CPU kernel (model/cpu_kernels.cpp) where it builds,
+torch's ops otherwise (the same integers either way). ReduceStats counts the time and bytes;
 `relaytrain bench dp-scaling` measures the cost.
 """
 
@@ -51,8 +53,10 @@ _INV_LO = 2.0**-60
 class ReduceStats:
     """What one step's reduction cost: seconds folding gradients into the accumulator and
     converting the sums back (exact; fast: copying gradients into and out of the flat buffer),
-    seconds in collectives, and bytes of the tensors reduced (the wire's payload; 0 alone)."""
+    seconds in collectives, and bytes of the tensors reduced (the wire's payload; 0 alone), for
+    `params` parameter values."""
 
+    params: int = 0
     fold_s: float = 0.0
     comm_s: float = 0.0
     wire_bytes: int = 0
@@ -81,20 +85,21 @@ class GradReducer:
         on_cpu = bool(self.params) and self.params[0].device.type == "cpu"
         self.fused = (exact and on_cpu and fold_kernel_builds()) if fused is None else fused
         self.overflow = False
-        self.stats = ReduceStats()
+        self.stats = ReduceStats(self.numel)
         self._acc: torch.Tensor | None = None  # packed sums, one int64 a value
         self._fresh: list[bool] = []  # no micro-batch folded into the parameter's slice yet
-        self._wide: dict[int, torch.Tensor] = {}  # parameter index -> its [2, n] limbs' sums
+        # parameter index -> the [2, n] limbs' sums of its values the packed sums left out
+        self._wide: dict[int, torch.Tensor] = {}
 
     def start(self) -> None:
         """Begin a global batch."""
         self.overflow = False
-        self.stats = ReduceStats()
+        self.stats = ReduceStats(self.numel)
         for p in self.params:
             p.grad = None
         if self.exact:
-            if self._acc is None:
-                self._acc = torch.empty(self.numel, dtype=torch.int64,
+            if self._acc is None:  # the packed slices, then room for _all_reduce's flags
+                self._acc = torch.empty(self.numel + 1 + len(self.params), dtype=torch.int64,
                                         device=self.params[0].device)
             self._fresh = [True] * len(self.params)  # the first fold writes over the slice
             self._wide = {}
@@ -114,31 +119,27 @@ class GradReducer:
         self.stats.fold_s += time.perf_counter() - t0
 
     def _fold(self, i: int, g: torch.Tensor) -> None:
-        """Parameter i's gradient `g` into its packed slice; what does not fit there (and all
-        of it once the parameter is wide) into its two limbs' sums."""
-        left = g.numel()
-        if i not in self._wide:
-            left = fold_packed(g, self._acc[self._slices[i]], self.shift, self.bound,
-                               self._fresh[i], self.fused)
-            self._fresh[i] = False
-            if left == 0:
-                return
-            self._widen(i)
-        rest = g if left == g.numel() else torch.where(g.abs() < self.bound, 0.0, g)
+        """Parameter i's gradient `g` into its packed slice; its values at or above the packing
+        bound (rare) into the parameter's two limbs' sums."""
+        left = fold_packed(g, self._acc[self._slices[i]], self.shift, self.bound,
+                           self._fresh[i], self.fused)
+        self._fresh[i] = False
+        if left == 0:
+            return
+        rest = torch.where(g.abs() < self.bound, 0.0, g)  # what the packed slice left out
         over = exceeds([rest], self.limit)
         self.overflow |= over
         hi, lo = to_limbs(rest, self.limit, over)
-        self._wide[i][0] += hi
-        self._wide[i][1] += lo
+        wide = self._widen(i)
+        wide[0] += hi
+        wide[1] += lo
 
-    def _widen(self, i: int) -> None:
-        """Parameter i from packed to two limbs: its sums so far decoded, its slice zeroed."""
-        packed = self._acc[self._slices[i]]
-        if self._fresh[i]:
-            packed.zero_()
-            self._fresh[i] = False
-        self._wide[i] = torch.stack(unpack(packed, self.shift))
-        packed.zero_()
+    def _widen(self, i: int) -> torch.Tensor:
+        """Parameter i's two limbs' sums, zeros at first."""
+        if i not in self._wide:
+            self._wide[i] = torch.zeros((2, self._slices[i].stop - self._slices[i].start),
+                                        dtype=torch.int64, device=self._acc.device)
+        return self._wide[i]
 
     def finish(self) -> bool:
         """All-reduce and write the global mean gradient into .grad; False on overflow."""
@@ -167,32 +168,29 @@ class GradReducer:
             self._all_reduce()
         t0 = time.perf_counter()
         for i, p in enumerate(self.params):
+            packed = self._acc[self._slices[i]]
             if i in self._wide:
-                p.grad = from_limbs(*self._wide[i]).view_as(p).to(p.dtype)
+                limbs = self._wide[i] + torch.stack(unpack(packed, self.shift))
+                p.grad = from_limbs(limbs[0], limbs[1]).view_as(p).to(p.dtype)
             else:
-                p.grad = unpack_float(self._acc[self._slices[i]], self.shift, p.dtype,
-                                      self.fused).view_as(p)
+                p.grad = unpack_float(packed, self.shift, p.dtype, self.fused).view_as(p)
         self.stats.fold_s += time.perf_counter() - t0
 
     def _all_reduce(self) -> None:
-        """Agree on overflow and on which parameters go wide (any rank's are), then sum the
-        packed slices and the wide parameters' limbs over the group."""
+        """Sum the packed slices over the group, and with them (in the accumulator's tail) the
+        overflow flag and which parameters have two limbs' sums on any rank; then those."""
         t0 = time.perf_counter()
-        flags = torch.zeros(1 + len(self.params), dtype=torch.int64)
+        flags = self._acc[self.numel:]
+        flags.zero_()
         flags[0] = int(self.overflow)
         flags[[1 + i for i in self._wide]] = 1
-        flags = flags.to(self._acc.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        agreed = flags.tolist()
-        self.overflow = bool(agreed[0])
-        for i in range(len(self.params)):
-            if agreed[1 + i] and i not in self._wide:
-                self._widen(i)
         dist.all_reduce(self._acc, group=self.group)
-        self.stats.wire_bytes += flags.nbytes + self._acc.nbytes
-        if self._wide:
-            wide = sorted(self._wide)
-            limbs = torch.cat([self._wide[i] for i in wide], dim=1)
+        self.stats.wire_bytes += self._acc.nbytes
+        agreed = flags.tolist()
+        self.overflow = agreed[0] > 0
+        wide = [i for i in range(len(self.params)) if agreed[1 + i] > 0]
+        if wide:
+            limbs = torch.cat([self._widen(i) for i in wide], dim=1)
             dist.all_reduce(limbs, group=self.group)
             self.stats.wire_bytes += limbs.nbytes
             for i, part in zip(wide, limbs.split([self._wide[i].shape[1] for i in wide], dim=1),
@@ -267,10 +265,10 @@ def fold_packed(g: torch.Tensor, acc: torch.Tensor, shift: int, bound: float, as
                 fused: bool) -> int:
     """Add (`assign`: write) the packed limbs of `g`'s values below `bound` in magnitude into
     `acc` (int64, one slot a value); the others' slots take nothing (`assign`: 0). Returns how
-    many values were left out. `fused`: the CPU kernel's one pass, where it takes `g` (fp32,
-    contiguous); torch's ops otherwise, to the same integers."""
-    if fused and g.dtype == torch.float32 and g.is_contiguous():
-        return torch.ops.relaytrain_cpu.fold_packed_(g, acc, shift, bound, assign)
+    many values were left out. `fused`: the CPU kernel's one pass, where it takes `g` (fp32);
+    torch's ops otherwise, to the same integers."""
+    if fused and g.dtype == torch.float32:
+        return torch.ops.relaytrain_cpu.fold_packed_(g.contiguous(), acc, shift, bound, assign)
     small = g.abs() < bound  # NaN: False
     hi, lo = to_limbs(torch.where(small, g, 0.0), 0.0, False)
     packed = hi.bitwise_left_shift_(shift).add_(lo)

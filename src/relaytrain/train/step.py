@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from relaytrain.parallel.reduce import GradReducer
+from relaytrain.parallel.reduce import GradReducer, ReduceStats
 from relaytrain.train.optim import AdamW
 from relaytrain.train.skip_step import global_ce
 
@@ -47,6 +47,7 @@ class StepOutcome:
     finite: bool = True
     skipped: bool = False  # optim.skip_spikes held the update back (train/skip_step.py)
     pipeline: PipelineStats | None = None  # a pipeline stage's schedule measurements
+    reduction: ReduceStats | None = None  # the gradient reduction's cost (unpipelined steps)
 
 
 def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
@@ -71,6 +72,7 @@ def train_step(model: nn.Module, optimizer: AdamW,
         reducer.after_backward()
         out.losses[index] = (float(total.detach()), float(ce), float(z))
     ok = reducer.finish()
+    out.reduction = reducer.stats
     out.grad_norm = float(reducer.clip(clip if clip > 0 else math.inf))
     # every rank joins the loss's collective, whatever its own losses hold
     ce = global_ce(out.losses, total_micro_batches, reducer.group, device) \
