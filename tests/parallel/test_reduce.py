@@ -198,6 +198,23 @@ def test_the_reducer_gives_today_s_gradient_and_overflow_bit_for_bit(m):
             assert red._wide == {} if gs is packed else over
 
 
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 2**16 - 1])
+def test_packed_sums_at_the_extremes_of_the_bound_stay_exact(m):
+    """Every micro-batch at the largest value that packs, of either sign, or at the tiniest
+    negative one (whose low limb is the largest): the packed sums neither overflow nor carry
+    between their fields."""
+    top = torch.nextafter(torch.tensor(pack_bound(m)), torch.tensor(0.0)).item()
+    grads = [torch.tensor([top, -top, -(2.0**-61), -(2.0**-149), 0.0])] * m
+    hi_sum, lo_sum, over = _todays_sums(grads, m)
+    assert not over
+    for fused in _fused_modes():
+        acc = torch.zeros(5, dtype=torch.int64)
+        assert all(fold_packed(g, acc, pack_shift(m), pack_bound(m), False, fused) == 0
+                   for g in grads)
+        hi, lo = unpack(acc, pack_shift(m))
+        assert torch.equal(hi, hi_sum) and torch.equal(lo, lo_sum), fused
+
+
 def _mixed_ranks(rank: int, world: int, port: int) -> None:
     """Rank r's micro-batches; parameter `b` gets a value above the packing bound on the last
     rank only, so every rank must reduce it as two limbs."""
