@@ -36,6 +36,9 @@ def test_the_cpu_dry_run_fills_every_section_of_the_json(tmp_path):
     assert saved["portability"]["cpu_to_cpu"]["continuous"]
     det = saved["determinism"]
     assert det["rerun_bitwise"] and det["resume_bitwise"] and det["exact_cost"] > 0
+    # the reduction's figures beside fast mode's: one device folds (exact) but reduces nothing
+    assert 0 < det["exact_fold_share"] < 1 and det["fast_fold_share"] == 0
+    assert det["exact_wire_bytes_per_param"] == det["fast_wire_bytes_per_param"] == 0
     assert "portability" in format_report(r)
 
 

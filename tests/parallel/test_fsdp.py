@@ -25,7 +25,7 @@ from relaytrain.parallel.fsdp import (
     shard_model,
     sum_gradients,
 )
-from relaytrain.parallel.reduce import from_limbs, to_limbs
+from relaytrain.parallel.reduce import fold_kernel_builds, from_limbs, to_limbs
 from relaytrain.train.optim import build_optimizer
 from relaytrain.train.step import autocast_for
 
@@ -53,6 +53,45 @@ def _integer_reduce_scatter(rank: int, world: int, port: int) -> None:
     exact = from_limbs(sum(hi for hi, _ in limbs), sum(lo for _, lo in limbs)).float()
     assert torch.equal(outputs[0], exact) and torch.equal(outputs[1], exact)
     dist.destroy_process_group()
+
+
+def _packed_reduce_scatter(rank: int, world: int, port: int) -> None:
+    """Values that pack, and the same with one value above the packing bound on rank 0 only in
+    one micro-batch's second slice: every rank reduces that slice as two limbs."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    chunk = 37
+
+    def grads_of(r: int, big: bool) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(r)
+        out = [torch.randn(world * chunk, generator=gen) * 1e-3 for _ in range(2)]
+        if big and r == 0:
+            out[1][world * 3 + 1] = 5.0  # column 3 of chunk k = 0: the second slice of 2
+        return out
+
+    for big in (False, True):
+        reducer = ShardedGradReducer([], [], None, None, True, 2 * world, world)
+        reducer.fused = fold_kernel_builds()  # the kernel where it builds
+        comm = _IntegerReduceScatter(reducer, 2, None, 2 * world)
+        out = torch.full((chunk,), float("nan"))
+        for g in grads_of(rank, big):
+            comm(out, g, dist.group.WORLD, None)
+        limbs = [to_limbs(g.view(world, chunk)[rank], reducer.limit, False)
+                 for r in range(world) for g in grads_of(r, big)]
+        exact = from_limbs(sum(hi for hi, _ in limbs), sum(lo for _, lo in limbs)).float()
+        assert torch.equal(out, exact)
+        packed_values = world * chunk * 2 - (2 * world if big else 0)
+        assert reducer.stats.wire_bytes == 8 * 2 * -(-chunk // 2) + 8 * packed_values + (
+            16 * 2 * world if big else 0)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_the_reduce_scatter_packs_where_every_rank_s_values_allow():
+    """Packed values (8 bytes each on the wire) where all ranks' values of a slice are below
+    the packing bound, two limbs for a slice where one rank's are not (agreed in a one-value
+    all-reduce per slice, 8 bytes): the same integer sum either way."""
+    mp.spawn(_packed_reduce_scatter, args=(2, _free_port()), nprocs=2)
 
 
 def _free_port() -> int:

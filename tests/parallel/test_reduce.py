@@ -1,9 +1,28 @@
-"""The exact gradient reduction: integer fixed-point sums that do not depend on order."""
+"""The exact gradient reduction: integer fixed-point sums that do not depend on order, packed
+two limbs to an int64 where the values allow, folded by a fused kernel to today's integers."""
 
+import os
+import socket
+
+import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
-from relaytrain.parallel.reduce import GradReducer
+from relaytrain.parallel.reduce import (
+    GradReducer,
+    exceeds,
+    fold_kernel_builds,
+    fold_packed,
+    from_limbs,
+    overflow_limit,
+    pack_bound,
+    pack_shift,
+    to_limbs,
+    unpack,
+    unpack_float,
+)
 
 
 def _grads(m: int, shape=(7, 5), seed=0):
@@ -101,3 +120,148 @@ def test_the_overflow_limit_is_exact_not_rounded_to_float32():
     red.after_backward()
     assert red.finish()
     assert p.grad.item() == 171798688.0
+
+
+def _awkward_values(m: int, n: int = 40_000, seed: int = 0) -> list[torch.Tensor]:
+    """`m` micro-batches' gradients of `n` values: random magnitudes from 1e-30 to 1e2 of both
+    signs, and in every micro-batch zeros of both signs, subnormals, ties of the low limb's
+    rounding (odd multiples of 2^-61), values at and beside the packing bound, at the overflow
+    limit and just below it."""
+    g = torch.Generator().manual_seed(seed)
+    bound, limit = pack_bound(m), overflow_limit(m)
+    below = lambda x: torch.nextafter(torch.tensor(x), torch.tensor(0.0)).item()  # noqa: E731
+    at = torch.tensor(limit).item()  # float32 rounds the limit: the least value not below it
+    at = at if at >= limit else torch.nextafter(torch.tensor(at), torch.tensor(2 * at)).item()
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, -3e-39, 2.0**-126,
+                            3 * 2.0**-61, 5 * 2.0**-61, -5 * 2.0**-61, 7 * 2.0**-61,
+                            2.0**-31 + 2.0**-61,
+                            bound, -bound, below(bound), -below(bound), at, -at,
+                            below(limit), -below(limit)], dtype=torch.float32)
+    out = []
+    for _ in range(m):
+        x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 3, (n,), generator=g)
+        x[torch.randperm(n, generator=g)[: len(special)]] = special
+        out.append(x)
+    return out
+
+
+def _todays_sums(grads: list[torch.Tensor], m: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The limbs' sums and overflow of the fold before packing (every value as two limbs)."""
+    limit, hi_sum, lo_sum, over = overflow_limit(m), 0, 0, False
+    for g in grads:
+        o = exceeds([g], limit)
+        hi, lo = to_limbs(g, limit, o)
+        hi_sum, lo_sum, over = hi_sum + hi, lo_sum + lo, over or o
+    return hi_sum, lo_sum, over
+
+
+def _fused_modes() -> list[bool]:
+    return [False, True] if fold_kernel_builds() else [False]
+
+
+def test_the_fold_packs_today_s_limbs_into_the_very_same_integers():
+    """The packed sums decode to the limbs' sums bit for bit (the fused kernel and torch's ops
+    alike), and only values at or above the bound are left out, NaN among them."""
+    m = 4
+    grads = _awkward_values(m)
+    grads[2][5] = float("nan")
+    bound, shift = pack_bound(m), pack_shift(m)
+    small = [torch.where(g.abs() < bound, g, 0.0) for g in grads]
+    hi_sum, lo_sum, _ = _todays_sums(small, m)
+    for fused in _fused_modes():
+        acc = torch.full((grads[0].numel(),), 12345, dtype=torch.int64)  # garbage: assigned
+        left = [fold_packed(g, acc, shift, bound, k == 0, fused) for k, g in enumerate(grads)]
+        assert left == [int((g.abs() >= bound).sum()) + int(g.isnan().sum()) for g in grads]
+        hi, lo = unpack(acc, shift)
+        assert torch.equal(hi, hi_sum) and torch.equal(lo, lo_sum), fused
+        assert torch.equal(unpack_float(acc, shift, torch.float32, fused),
+                           from_limbs(hi_sum, lo_sum).float())
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 25])
+def test_the_reducer_gives_today_s_gradient_and_overflow_bit_for_bit(m):
+    """Packed where the values allow, two limbs for the parameters where not: the gradient is
+    today's to the bit, and so is the overflow verdict (values at the limit overflow)."""
+    grads = _awkward_values(m, seed=m)
+    for fused in _fused_modes():
+        packed = [g.where(g.abs() < pack_bound(m), 0.0) for g in grads]
+        for gs in (packed, grads):  # all packed; then some wide and some at the limit
+            hi_sum, lo_sum, over = _todays_sums(gs, m)
+            p = nn.Parameter(torch.zeros(gs[0].shape))
+            red = GradReducer([p], None, exact=True, total_micro_batches=m, fused=fused)
+            red.start()
+            for g in gs:
+                p.grad = g.clone()
+                red.after_backward()
+            assert red.finish() == (not over)
+            assert torch.equal(p.grad, from_limbs(hi_sum, lo_sum).float()), fused
+            assert red._wide == {} if gs is packed else over
+
+
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 2**16 - 1])
+def test_packed_sums_at_the_extremes_of_the_bound_stay_exact(m):
+    """Every micro-batch at the largest value that packs, of either sign, or at the tiniest
+    negative one (whose low limb is the largest): the packed sums neither overflow nor carry
+    between their fields."""
+    top = torch.nextafter(torch.tensor(pack_bound(m)), torch.tensor(0.0)).item()
+    grads = [torch.tensor([top, -top, -(2.0**-61), -(2.0**-149), 0.0])] * m
+    hi_sum, lo_sum, over = _todays_sums(grads, m)
+    assert not over
+    for fused in _fused_modes():
+        acc = torch.zeros(5, dtype=torch.int64)
+        assert all(fold_packed(g, acc, pack_shift(m), pack_bound(m), False, fused) == 0
+                   for g in grads)
+        hi, lo = unpack(acc, pack_shift(m))
+        assert torch.equal(hi, hi_sum) and torch.equal(lo, lo_sum), fused
+
+
+def _mixed_ranks(rank: int, world: int, port: int) -> None:
+    """Rank r's micro-batches; parameter `b` gets a value above the packing bound on the last
+    rank only, so every rank must reduce it as two limbs."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    m = 6
+    shapes = {"a": (300,), "b": (7, 11), "unused": (4,)}
+
+    def grads_of(k: int) -> dict[str, torch.Tensor]:  # global micro-batch k's gradients
+        gen = torch.Generator().manual_seed(k)
+        out = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()
+               if n != "unused"}
+        if k == m - 1:
+            out["b"][3, 4] = 3.0
+        return out
+
+    def reduce(group: dist.ProcessGroup | None, ks: list[int], fused: bool) -> dict:
+        params = {n: nn.Parameter(torch.zeros(s)) for n, s in shapes.items()}
+        red = GradReducer(list(params.values()), group, exact=True, total_micro_batches=m,
+                          fused=fused)
+        red.start()
+        for k in ks:
+            for n, g in grads_of(k).items():
+                params[n].grad = g
+            red.after_backward()
+        assert red.finish()
+        return {n: p.grad for n, p in params.items()}, red
+
+    for fused in _fused_modes():
+        alone, _ = reduce(None, list(range(m)), fused)
+        mine, red = reduce(dist.group.WORLD, list(range(rank, m, world)), fused)
+        assert all(torch.equal(mine[n], alone[n]) for n in shapes)
+        assert 1 in red._wide and 0 not in red._wide  # b went wide everywhere, a did not
+        assert red.stats.wire_bytes == 8 * (1 + 3) + 8 * 381 + 16 * 77
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_agree_on_which_parameters_go_wide_and_sum_as_one_rank(world):
+    """On real gloo ranks: packed sums, a parameter wide on one rank only reduced as two limbs on
+    all, an unused one as zeros; the gradient that of one rank folding every micro-batch, and
+    8 bytes a packed value on the wire, 16 a wide one."""
+    mp.spawn(_mixed_ranks, args=(world, _free_port()), nprocs=world)

@@ -37,6 +37,18 @@ def test_the_step_loss_is_the_same_for_every_split_of_the_micro_batches(tmp_path
     assert four["time_compute"] == 4.0 and four["time_data"] == pytest.approx(0.3)
 
 
+def test_the_record_carries_the_slowest_worker_s_gradient_reduction(tmp_path):
+    """The reduction's fold and collective seconds and its bytes per parameter (the reducer's
+    `ReduceStats`), the largest over workers."""
+    cfg = tiny_config(tmp_path, "data", "train.global_batch=4", "train.micro_batch=1")
+    results = _results([[0, 1], [2, 3]])
+    for r, result in results.items():
+        result.time_fold, result.time_comm, result.wire_bytes_per_param = 0.1 + r, 0.2 - r, 8.0
+    record = combine(1, results, _placements(2), cfg)
+    assert (record["time_fold"], record["time_comm"], record["wire_bytes_per_param"]) == (
+        1.1, 0.2, 8.0)
+
+
 def test_the_ledger_names_the_ids_of_each_dp_rank_in_rank_order():
     assert ledger_parts(_results([[0, 1], [2, 3]]), _placements(2)) == [[0, 1], [12, 13]]
 

@@ -15,6 +15,7 @@ import torch
 from relaytrain.config import load_config
 from relaytrain.config.sections import OptimSection
 from relaytrain.data.loader import Batch
+from relaytrain.parallel.reduce import ReduceStats
 from relaytrain.train import stepper
 from relaytrain.train.optim import build_optimizer, lr_at
 from relaytrain.train.state import state_bytes
@@ -58,7 +59,7 @@ class FakeLoader:
 def outcome(k: int, pipeline: PipelineStats | None = None) -> StepOutcome:
     """A step's made-up outcome, told apart by the batch it trained (`k`)."""
     return StepOutcome(losses={k: (k + 0.5, k + 0.25, 0.25)}, grad_norm=float(k), finite=k != 3,
-                       pipeline=pipeline)
+                       pipeline=pipeline, reduction=ReduceStats(100, 0.25, 0.5, 800))
 
 
 def test_the_local_stepper_forms_a_result_per_step_with_its_ids_timings_and_size(
@@ -85,6 +86,7 @@ def test_the_local_stepper_forms_a_result_per_step_with_its_ids_timings_and_size
         assert (r.time_data, r.time_compute) == (LOAD_S, STEP_S)
         assert r.state_bytes == state_bytes(model, optimizer) == 2 * 4 * 8 + 4 * 6
         assert r.pipeline is None and r.written == []
+        assert (r.time_fold, r.time_comm, r.wire_bytes_per_param) == (0.25, 0.5, 8.0)
         assert r.peak_rss > 0 or not os.path.exists("/proc/self/status")
 
 

@@ -1,5 +1,7 @@
 """`relaytrain bench dp-scaling`: throughput at dp = 1, 2 (and 4 where cores allow) on real Ray
-actors, and the cost of exact mode over fast mode, as ratios from one run."""
+actors, and the cost of exact mode over fast mode, as ratios from one run; beside each run, the
+gradient reduction's share of the step (its fold and its collectives, from the step records:
+`time_fold`, `time_comm`) and the bytes it reduced per parameter (`wire_bytes_per_param`)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,21 @@ from relaytrain.bench import progress
 from relaytrain.bench.common import demo_data, run_training
 from relaytrain.runlog import read_metrics
 
+TARGET_EXACT = 1.10  # exact over fast step time (issue 44)
+
 
 def _throughput(run_dir: str, skip: int) -> float:
     steps = read_metrics(run_dir).steps[skip:]
     return statistics.median(r["tokens_per_s"] for r in steps)
+
+
+def reduction_cost(run_dir: str, skip: int) -> dict[str, float]:
+    """The gradient reduction's median share of the step's compute time (its fold and
+    conversions, its collectives) and the bytes it reduced per parameter."""
+    steps = read_metrics(run_dir).steps[skip:]
+    return {"fold_share": statistics.median(r["time_fold"] / r["time_compute"] for r in steps),
+            "comm_share": statistics.median(r["time_comm"] / r["time_compute"] for r in steps),
+            "wire_bytes_per_param": max(r["wire_bytes_per_param"] for r in steps)}
 
 
 def bench_dp_scaling(quick: bool = False) -> dict[str, Any]:
@@ -38,6 +51,7 @@ def bench_dp_scaling(quick: bool = False) -> dict[str, Any]:
             run = os.path.join(tmp, f"dp{dp}-{mode}")
             run_training([*common, f"run_dir={run}", f"parallel.dp={dp}", f"determinism={mode}"])
             out["runs"][f"dp{dp}-{mode}"] = _throughput(run, skip)
+            out.setdefault("reduction", {})[f"dp{dp}-{mode}"] = reduction_cost(run, skip)
     r = out["runs"]
     out["speedup_dp2"] = r["dp2-fast"] / r["dp1-fast"]
     if "dp4-fast" in r:
@@ -57,5 +71,16 @@ def format_report(r: dict[str, Any]) -> str:
     else:
         lines.append("  dp4: skipped (fewer than 4 cores)")
     lines.append(f"  exact-mode cost: {r['exact_over_fast_dp1']:.2f}x slower at dp1, "
-                 f"{r['exact_over_fast_dp2']:.2f}x at dp2")
+                 f"{r['exact_over_fast_dp2']:.2f}x at dp2 (target <= {TARGET_EXACT:.2f}x)")
+    lines += format_reduction(r["reduction"])
     return "\n".join(lines) + "\n" + json.dumps(r)
+
+
+def format_reduction(costs: dict[str, dict[str, float]]) -> list[str]:
+    """The gradient reduction's lines of a report: per run, its share of the step and its bytes
+    on the wire per parameter."""
+    return ["  gradient reduction (share of the step: fold + conversions, collectives; bytes "
+            "reduced per parameter):"] + [
+        f"    {k:<12} fold {100 * v['fold_share']:5.1f}%  collectives "
+        f"{100 * v['comm_share']:5.1f}%  {v['wire_bytes_per_param']:5.2f} B/param"
+        for k, v in costs.items()]

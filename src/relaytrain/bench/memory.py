@@ -1,7 +1,10 @@
 """`relaytrain bench memory`: what sharding (parallel.fsdp) saves and costs, side by side in one
 run: per-worker bytes of parameters + gradients + AdamW moments and peak resident memory of a
 step, for dp 2 unsharded and fsdp 2 and 4 on the small preset, the step time of fsdp 2 against
-dp 2 (same workers, same batch), and exact mode's cost with and without sharding.
+dp 2 (same workers, same batch), and exact mode's cost with and without sharding, with the
+gradient reduction's share of each step and its bytes per parameter (`bench dp-scaling`'s).
+Under sharding the bytes count every micro-batch's reduce-scatter (fast mode: FSDP2's fp32
+input, 4 bytes a parameter; its time is inside FSDP2's backward, not in the shares).
 
 The step is `bench train-throughput`'s, at the preset's full context: sequences of 256 tokens in
 micro-batches of 8, two micro-batches per worker at dp 2 (FSDP2's cost is per micro-batch and
@@ -20,6 +23,7 @@ from typing import Any
 
 from relaytrain.bench import progress
 from relaytrain.bench.common import demo_data, run_training
+from relaytrain.bench.dp_scaling import TARGET_EXACT, format_reduction, reduction_cost
 from relaytrain.runlog import read_metrics
 
 # (name, dp, fsdp, determinism); dp2-fast is the baseline of every ratio.
@@ -55,6 +59,7 @@ def bench_memory(quick: bool = False) -> dict[str, Any]:
             run_training([*common, f"run_dir={run}", f"parallel.dp={dp}",
                           f"parallel.fsdp={fsdp}", f"determinism={mode}"])
             got = _measure(run, skip)
+            out.setdefault("reduction", {})[name] = reduction_cost(run, skip)
             out.setdefault("step_s_of_each_run", {}).setdefault(name, []).append(got["step_s"])
             if name in out["runs"]:
                 got["step_s"] = min(got["step_s"], out["runs"][name]["step_s"])
@@ -86,5 +91,6 @@ def format_report(r: dict[str, Any]) -> str:
                  f"runs each: dp2 {', '.join(f'{x:.3f}' for x in runs['dp2-fast'])} s, fsdp2 "
                  f"{', '.join(f'{x:.3f}' for x in runs['fsdp2-fast'])} s)")
     lines.append(f"  exact-mode cost: {r['exact_over_fast']['dp2']:.2f}x at dp2, "
-                 f"{r['exact_over_fast']['fsdp2']:.2f}x at fsdp2")
+                 f"{r['exact_over_fast']['fsdp2']:.2f}x at fsdp2 (target <= {TARGET_EXACT:.2f}x)")
+    lines += format_reduction(r["reduction"])
     return "\n".join(lines) + "\n" + json.dumps(r)

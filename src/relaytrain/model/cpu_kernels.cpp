@@ -15,7 +15,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -502,6 +504,82 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> window_attention_bwd(
   return {dq, dk, dv};
 }
 
+// x + kMagic, for an integer-valued x with |x| < 2^51, holds x in its low bits: the integer is
+// then read by a subtraction of bit patterns (vectorised, where a conversion is not on AVX2);
+// for a non-integral x >= 0 the sum rounds x to the nearest integer, ties to even (kMagic is
+// even), as torch's round does.
+constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52
+constexpr int64_t kMagicBits = 0x4338000000000000;
+
+inline int64_t rounded_bits(double x) {
+  const double y = x + kMagic;
+  int64_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  return bits - kMagicBits;
+}
+
+// Exact mode's fold of a micro-batch's gradient into packed fixed point (parallel/reduce.py
+// says what the packing is and why): for each value with |g| < bound, its limbs
+// hi = floor(g 2^30) and lo = round((g 2^30 - hi) 2^30) (to_limbs's float64 operations, one for
+// one: no contraction, rounding half to even) added into acc as hi 2^shift + lo (assign: written
+// over acc). Other values (NaN and infinities among them) are left for the two-limb fold: their
+// slot takes nothing (assign: 0). Returns how many were left. One pass over g and acc. The
+// bound is at most 2 (2^(3 - 2 bits(M))), so |hi| <= 2^31 and lo <= 2^30 read exactly.
+int64_t fold_packed_(const at::Tensor& g, const at::Tensor& acc, int64_t shift, double bound,
+                     bool assign) {
+  check(g, "grad");
+  TORCH_CHECK(acc.device().is_cpu() && acc.scalar_type() == at::kLong && acc.is_contiguous() &&
+              acc.numel() == g.numel(), "relaytrain_cpu: acc must be a contiguous int64 CPU "
+              "tensor of grad's size");
+  TORCH_CHECK(shift > 0 && shift < 63 && bound <= 2.0, "relaytrain_cpu: shift ", shift,
+              " or bound ", bound, " out of range");
+  const float* gp = g.data_ptr<float>();
+  int64_t* ap = acc.data_ptr<int64_t>();
+  std::atomic<int64_t> left{0};
+  at::parallel_for(0, g.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    const float* __restrict x = gp;  // locals the stores below cannot alias: vectorised
+    int64_t* __restrict a = ap;
+    const int64_t k = shift;
+    const double b = bound;
+    const uint64_t keep = assign ? 0 : ~uint64_t(0);  // a[i]'s bits, or none of them
+    int64_t here = 0;
+    for (int64_t i = begin; i < end; ++i) {  // no branch, no std::floor: vectorised
+      const double d = x[i];
+      const int64_t small = std::fabs(d) < b;  // NaN: 0
+      const double s = d * 0x1p30;
+      const double r = (s + kMagic) - kMagic;  // s rounded to an integer (|s| < 2^31)
+      const double h = r - static_cast<double>(r > s);  // floor(s), exactly
+      // In uint64 (wrapping, not undefined, for the values left out, which are masked off)
+      const uint64_t v = (static_cast<uint64_t>(rounded_bits(h)) << k) +
+                         static_cast<uint64_t>(rounded_bits((s - h) * 0x1p30));
+      a[i] = static_cast<int64_t>((static_cast<uint64_t>(a[i]) & keep) +
+                                  (v & -static_cast<uint64_t>(small)));
+      here += 1 - small;
+    }
+    left += here;
+  });
+  return left.load();
+}
+
+// The float32 value of packed sums: hi = acc >> shift, lo = acc mod 2^shift, then from_limbs's
+// float64 hi 2^-30 + lo 2^-60 rounded once more to float32, as from_limbs(...).float() does.
+at::Tensor unpack_float(const at::Tensor& acc, int64_t shift) {
+  TORCH_CHECK(acc.device().is_cpu() && acc.scalar_type() == at::kLong && acc.is_contiguous(),
+              "relaytrain_cpu: acc must be a contiguous int64 CPU tensor");
+  TORCH_CHECK(shift > 0 && shift < 63, "relaytrain_cpu: shift ", shift, " out of range");
+  at::Tensor out = at::empty(acc.sizes(), acc.options().dtype(at::kFloat));
+  const int64_t* ap = acc.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t mask = (int64_t(1) << shift) - 1;
+  at::parallel_for(0, acc.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const double hi = static_cast<double>(ap[i] >> shift) * 0x1p-30;
+      op[i] = static_cast<float>(hi + static_cast<double>(ap[i] & mask) * 0x1p-60);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(relaytrain_cpu, m) {
@@ -516,6 +594,8 @@ TORCH_LIBRARY(relaytrain_cpu, m) {
         "-> (Tensor, Tensor)");
   m.def("window_attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, int window, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("fold_packed_(Tensor grad, Tensor(a!) acc, int shift, float bound, bool assign) -> int");
+  m.def("unpack_float(Tensor acc, int shift) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(relaytrain_cpu, CPU, m) {
@@ -528,4 +608,6 @@ TORCH_LIBRARY_IMPL(relaytrain_cpu, CPU, m) {
   m.impl("softmax_scale_", softmax_scale_);
   m.impl("window_attention_fwd", window_attention_fwd);
   m.impl("window_attention_bwd", window_attention_bwd);
+  m.impl("fold_packed_", fold_packed_);
+  m.impl("unpack_float", unpack_float);
 }

@@ -24,10 +24,12 @@ are the unsharded run's, which computes under autocast from fp32 weights (docs/D
 
 `fast` sums in float32 as FSDP2 does. `exact` keeps parallel/reduce.py's promise under
 sharding: each micro-batch's unsharded gradient becomes int64 limbs, reduce-scattered as
-integers (both limbs in one collective) and summed over this rank's micro-batches in an integer
-accumulator; at the last micro-batch of the step the accumulator is summed over replicas and
-converted back, into the chunk FSDP2 accumulates the gradient in (earlier micro-batches hand it
-zeros: adding an exact zero changes no bit). The gradient norm is computed from each tensor's
+integers and summed over this rank's micro-batches in an integer accumulator; at the last
+micro-batch of the step the accumulator is summed over replicas and converted back, into the
+chunk FSDP2 accumulates the gradient in (earlier micro-batches hand it zeros: adding an exact
+zero changes no bit). The limbs travel packed (one int64 a value, parallel/reduce.py) where every
+rank's values allow, which the shard group agrees on first in a one-value all-reduce; both
+limbs in one collective where not. The gradient norm is computed from each tensor's
 whole gradient, gathered one tensor at a time, so it is the unsharded model's `get_total_norm`
 bit for bit. A step's state is then the same bits for every (dp, fsdp) whose chunks are
 whole CPU vectors (parallel/shards.py's `misaligned`, which says why), and every layout
@@ -38,6 +40,7 @@ Imported only by a worker that shards (see parallel/shards.py: the import is 1.2
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -48,7 +51,20 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from relaytrain.parallel.precision import gather_dtype
-from relaytrain.parallel.reduce import any_rank, exceeds, from_limbs, overflow_limit, to_limbs
+from relaytrain.parallel.reduce import (
+    ReduceStats,
+    any_rank,
+    exceeds,
+    fold_kernel_builds,
+    fold_packed,
+    from_limbs,
+    overflow_limit,
+    pack_bound,
+    pack_shift,
+    to_limbs,
+    unpack,
+    unpack_float,
+)
 from relaytrain.parallel.shards import whole_tensor
 
 # torch 2.13 renamed reduce_scatter_tensor (and warns on the old name); torch 2.8 has only it.
@@ -56,7 +72,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 # Gradient values (over all ranks) converted to limbs and reduce-scattered at a time in exact
-# mode: 32 bytes each while converted, so at most 512 MiB.
+# mode: up to 32 bytes each while converted (two limbs), so at most 512 MiB.
 SLICE_VALUES = 2**24
 
 
@@ -127,7 +143,13 @@ class ShardedGradReducer:
         self.group = group  # every data-parallel rank: agrees on overflow
         self.exact = exact
         self.limit = overflow_limit(total_micro_batches)
+        self.shift = pack_shift(total_micro_batches)
+        self.bound = pack_bound(total_micro_batches)
+        self.numel = sum(p.numel() for p in self.params)  # the whole tensors'
+        on_cpu = bool(self.params) and self.params[0].device.type == "cpu"
+        self.fused = exact and on_cpu and fold_kernel_builds()
         self.overflow = False
+        self.stats = ReduceStats(self.numel)  # fast mode: bytes only (FSDP2 reduces)
         self._comms: list[_IntegerReduceScatter] = []
         if exact:
             local = total_micro_batches // data_parallel
@@ -137,17 +159,25 @@ class ShardedGradReducer:
                 self._comms.append(comm)
         elif replicas is not None:
             for unit in units:
-                unit.set_all_reduce_hook(lambda out: dist.all_reduce(out, group=replicas))
+                unit.set_all_reduce_hook(lambda out: self._all_reduce_fast(out, replicas))
+
+    def _all_reduce_fast(self, out: torch.Tensor, replicas: dist.ProcessGroup) -> None:
+        self.stats.wire_bytes += out.nbytes
+        dist.all_reduce(out, group=replicas)
 
     def start(self) -> None:
         self.overflow = False
+        self.stats = ReduceStats(self.numel)
         for p in self.params:
             p.grad = None
         for comm in self._comms:
             comm.reset()
 
     def after_backward(self) -> None:
-        """Nothing to do: FSDP2 reduced this micro-batch's gradient in its backward."""
+        """Nothing to do: FSDP2 reduced this micro-batch's gradient in its backward (fast mode:
+        its reduce-scatter's fp32 input, counted here, 4 bytes a parameter)."""
+        if not self.exact:
+            self.stats.wire_bytes += 4 * self.numel
 
     def finish(self) -> bool:
         """Agree on overflow (exact); False if any rank saw one."""
@@ -180,36 +210,104 @@ class _IntegerReduceScatter(ReduceScatter):
 
     def reset(self) -> None:
         self.calls = 0
-        self.acc: torch.Tensor | None = None
+        self.acc: torch.Tensor | None = None  # packed sums
+        self.wide: torch.Tensor | None = None  # [2, chunk] limbs' sums of the slices not packed
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
-        r = self.reducer
         world, chunk = group.size(), output_tensor.numel()
         if self.acc is None:
-            self.acc = torch.zeros((2, chunk), dtype=torch.int64, device=output_tensor.device)
-        # Rank k's part of the input is chunk k. In slices of every chunk (the limbs take 32
-        # bytes a value while they are formed: a whole head's gradient would take tens of GB).
+            self.acc = torch.zeros(chunk, dtype=torch.int64, device=output_tensor.device)
+        # Rank k's part of the input is chunk k. In slices of every chunk (the limbs take up to
+        # 32 bytes a value while they are formed: a whole head's gradient would take tens of GB).
         step = max(1, self.slice_values // world)
         for a in range(0, chunk, step):
             piece = input_tensor.view(world, chunk)[:, a: a + step]
-            over = exceeds([piece], r.limit)
-            r.overflow |= over
-            hi, lo = to_limbs(piece, r.limit, over)
-            # Rows 2k and 2k + 1, rank k's two limbs, go to rank k.
-            send = torch.stack([hi.view(world, -1), lo.view(world, -1)], dim=1)
-            got = torch.empty((2, piece.shape[1]), dtype=torch.int64, device=piece.device)
-            _reduce_scatter(got, send.view(2 * world, -1), group=group)
-            self.acc[:, a: a + step] += got
+            if self._all_pack(piece, group):
+                self.acc[a: a + step] += self._scatter_packed(piece, group)
+            else:
+                if self.wide is None:
+                    self.wide = torch.zeros((2, chunk), dtype=torch.int64, device=piece.device)
+                self.wide[:, a: a + step] += self._scatter_limbs(piece, group)
         self.calls += 1
         if self.calls < self.micro_batches:
             output_tensor.zero_()
             return None
-        if self.replicas is not None:
-            dist.all_reduce(self.acc, group=self.replicas)
-        output_tensor.copy_(from_limbs(self.acc[0], self.acc[1]).view_as(output_tensor))
+        output_tensor.copy_(self._total().view_as(output_tensor))
         self.reset()
         return None
+
+    def _all_pack(self, piece: torch.Tensor, group: dist.ProcessGroup) -> bool:
+        """Whether every rank's values of `piece` are below the packing bound (a collective)."""
+        t0 = time.perf_counter()
+        peak = torch.linalg.vector_norm(piece, float("inf"))
+        flag = torch.where(peak < self.reducer.bound, 0, 1).to(torch.int64).view(1)  # NaN: 1
+        t1 = time.perf_counter()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        self._count(t1 - t0, time.perf_counter() - t1, flag.nbytes)
+        return not bool(flag.item())
+
+    def _scatter_packed(self, piece: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """This rank's slice of every rank's packed `piece`, summed (8 bytes a value)."""
+        r = self.reducer
+        t0 = time.perf_counter()
+        send = torch.empty(piece.shape, dtype=torch.int64, device=piece.device)
+        fold_packed(piece, send, r.shift, r.bound, True, r.fused)
+        got = torch.empty(piece.shape[1], dtype=torch.int64, device=piece.device)
+        t1 = time.perf_counter()
+        _reduce_scatter(got, send.view(-1), group=group)
+        self._count(t1 - t0, time.perf_counter() - t1, send.nbytes)
+        return got
+
+    def _scatter_limbs(self, piece: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """This rank's slice of every rank's `piece` as two limbs, summed (16 bytes a value)."""
+        r = self.reducer
+        t0 = time.perf_counter()
+        world = piece.shape[0]
+        over = exceeds([piece], r.limit)
+        r.overflow |= over
+        hi, lo = to_limbs(piece, r.limit, over)
+        # Rows 2k and 2k + 1, rank k's two limbs, go to rank k.
+        send = torch.stack([hi.view(world, -1), lo.view(world, -1)], dim=1)
+        got = torch.empty((2, piece.shape[1]), dtype=torch.int64, device=piece.device)
+        t1 = time.perf_counter()
+        _reduce_scatter(got, send.view(2 * world, -1), group=group)
+        self._count(t1 - t0, time.perf_counter() - t1, send.nbytes)
+        return got
+
+    def _total(self) -> torch.Tensor:
+        """The step's sum over this rank's micro-batches and (hybrid) the replicas, as float32:
+        packed where no slice on any replica went wide, else as two limbs."""
+        r = self.reducer
+        assert self.acc is not None
+        t0 = time.perf_counter()
+        wide = self.wide is not None
+        if self.replicas is not None:  # wide on any replica: wide on all
+            flag = torch.tensor([int(wide)], dtype=torch.int64, device=self.acc.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replicas)
+            wide = bool(flag.item())
+            self._count(0.0, time.perf_counter() - t0, flag.nbytes)
+            t0 = time.perf_counter()
+        total = self.acc
+        if wide:
+            total = torch.stack(unpack(self.acc, r.shift))
+            if self.wide is not None:
+                total += self.wide
+        t1 = time.perf_counter()
+        if self.replicas is not None:
+            dist.all_reduce(total, group=self.replicas)
+        t2 = time.perf_counter()
+        out = (from_limbs(total[0], total[1]).float() if wide
+               else unpack_float(total, r.shift, torch.float32, r.fused))
+        self._count(t1 - t0 + time.perf_counter() - t2, t2 - t1,
+                    total.nbytes if self.replicas is not None else 0)
+        return out
+
+    def _count(self, fold_s: float, comm_s: float, wire_bytes: int) -> None:
+        stats = self.reducer.stats
+        stats.fold_s += fold_s
+        stats.comm_s += comm_s
+        stats.wire_bytes += wire_bytes

@@ -11,94 +11,192 @@ any data-parallel size. Each float32 value g is split into two int64 limbs,
 hi = floor(g * 2^30) and lo = round((g * 2^30 - hi) * 2^30), which keep every bit of g down to
 2^-60 (a float32 gradient has 24 significant bits, so only values below ~1e-18 lose anything).
 The limbs are summed separately (no carries needed) and recombined in float64 once:
-sum = hi_sum * 2^-30 + lo_sum * 2^-60. The cost is a few elementwise passes per micro-batch and
-an all-reduce of 4x the bytes of float32 (`relaytrain bench dp-scaling` measures it). Overflow
-is detected: a micro-batch gradient element above 2^32 / (micro-batches) would overflow the
-int64 sum, so the step is reported as overflowed (like a NaN) instead of silently wrapping.
+sum = hi_sum * 2^-30 + lo_sum * 2^-60. Overflow is detected: a micro-batch gradient element
+above 2^32 / (micro-batches) would overflow the int64 sum, so the step is reported as
+overflowed (like a NaN) instead of silently wrapping.
+
+Packed: the two sums travel and accumulate in one int64, hi_sum * 2^S + lo_sum with
+S = 30 + bits(M) (M the global batch's micro-batches, bits(M) = M.bit_length()): lo_sum is
+at most M * 2^30 < 2^S, so the two fields never carry into each other and decode back to the
+very same integers (hi_sum = P >> S, lo_sum = P mod 2^S). That holds while |hi_sum| stays
+below 2^(63 - S), which every value below `pack_bound(M)` = 2^(3 - 2 bits(M)) in magnitude
+guarantees (M such values sum below 2^(33 - bits(M)) * 2^-30). So only such values are summed
+packed; the others (rare: gradients are mostly far smaller) go into two limbs' sums of their
+parameter, which the packed sums are added to at the end, the same integers again. The packed
+sums travel in one all-reduce with, in its tail, the overflow flag and which parameters hold
+two-limb sums on any rank (a second all-reduce carries those). So the accumulator and the
+all-reduce take 8 bytes a parameter instead of 16 (fast mode: 4), and the fold is one pass over
+the gradient and the accumulator: a fused CPU kernel (model/cpu_kernels.cpp) where it builds,
+torch's ops otherwise (the same integers either way). ReduceStats counts the time and bytes;
+`relaytrain bench dp-scaling` measures the cost.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from relaytrain.model import cpu_kernels
 
 _SHIFT = float(2**30)
 _INV_HI = 2.0**-30
 _INV_LO = 2.0**-60
 
 
+@dataclass
+class ReduceStats:
+    """What one step's reduction cost: seconds folding gradients into the accumulator and
+    converting the sums back (exact; fast: copying gradients into and out of the flat buffer),
+    seconds in collectives, and bytes of the tensors reduced (the wire's payload; 0 alone), for
+    `params` parameter values."""
+
+    params: int = 0
+    fold_s: float = 0.0
+    comm_s: float = 0.0
+    wire_bytes: int = 0
+
+
 class GradReducer:
     """Sums the gradients of all micro-batches of a global batch over the DP group into .grad.
 
     The loss of each micro-batch is pre-scaled by 1 / (micro-batches in the global batch), so the
-    sum is the global mean gradient.
+    sum is the global mean gradient. `fused`: fold with the CPU kernel (default: where it
+    applies and builds).
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None,
-                 exact: bool, total_micro_batches: int):
+                 exact: bool, total_micro_batches: int, fused: bool | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.exact = exact
         self.limit = overflow_limit(total_micro_batches)
+        self.shift = pack_shift(total_micro_batches)
+        self.bound = pack_bound(total_micro_batches)
         self.numel = sum(p.numel() for p in self.params)
-        self._offsets = [0, *itertools.accumulate(p.numel() for p in self.params)][:-1]
+        offsets = [0, *itertools.accumulate(p.numel() for p in self.params)][:-1]
+        self._slices = [slice(a, a + p.numel())
+                        for a, p in zip(offsets, self.params, strict=True)]
+        on_cpu = bool(self.params) and self.params[0].device.type == "cpu"
+        self.fused = (exact and on_cpu and fold_kernel_builds()) if fused is None else fused
         self.overflow = False
-        self._acc: torch.Tensor | None = None
+        self.stats = ReduceStats(self.numel)
+        self._acc: torch.Tensor | None = None  # packed sums, one int64 a value
+        self._fresh: list[bool] = []  # no micro-batch folded into the parameter's slice yet
+        # parameter index -> the [2, n] limbs' sums of its values the packed sums left out
+        self._wide: dict[int, torch.Tensor] = {}
 
     def start(self) -> None:
         """Begin a global batch."""
         self.overflow = False
+        self.stats = ReduceStats(self.numel)
         for p in self.params:
             p.grad = None
         if self.exact:
-            device = self.params[0].device
-            if self._acc is None:
-                self._acc = torch.zeros(2 * self.numel, dtype=torch.int64, device=device)
-            else:
-                self._acc.zero_()
+            if self._acc is None:  # the packed slices, then room for _all_reduce's flags
+                self._acc = torch.empty(self.numel + 1 + len(self.params), dtype=torch.int64,
+                                        device=self.params[0].device)
+            self._fresh = [True] * len(self.params)  # the first fold writes over the slice
+            self._wide = {}
 
     def after_backward(self) -> None:
-        """Fold this micro-batch's gradient into the integer accumulator (exact mode).
-
-        Parameter by parameter and in place, the same arithmetic as on one flat float64 copy of
-        the whole gradient, without that copy and its temporaries, which were page-faulted in
-        afresh at every micro-batch and dominated the fold's time (docs/MEASURED.md)."""
+        """Fold this micro-batch's gradient into the integer accumulator (exact mode), parameter
+        by parameter, one pass each over its gradient and its slice of the accumulator (no
+        float64 copy or temporaries: page-faulting those in afresh at every micro-batch
+        dominated the fold's time, docs/MEASURED.md)."""
         if not self.exact:
             return
-        assert self._acc is not None
-        grads = [(p.grad, off) for p, off in zip(self.params, self._offsets, strict=True)
-                 if p.grad is not None]
-        over = exceeds([g for g, _ in grads], self.limit)
-        self.overflow |= over
-        hi_acc, lo_acc = self._acc[: self.numel], self._acc[self.numel:]
-        for g, off in grads:
-            hi, lo = to_limbs(g, self.limit, over)
-            n = hi.numel()
-            hi_acc[off: off + n] += hi
-            lo_acc[off: off + n] += lo
-        for p in self.params:
+        t0 = time.perf_counter()
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self._fold(i, p.grad)
             p.grad = None
+        self.stats.fold_s += time.perf_counter() - t0
+
+    def _fold(self, i: int, g: torch.Tensor) -> None:
+        """Parameter i's gradient `g` into its packed slice; its values at or above the packing
+        bound (rare) into the parameter's two limbs' sums."""
+        left = fold_packed(g, self._acc[self._slices[i]], self.shift, self.bound,
+                           self._fresh[i], self.fused)
+        self._fresh[i] = False
+        if left == 0:
+            return
+        rest = torch.where(g.abs() < self.bound, 0.0, g)  # what the packed slice left out
+        over = exceeds([rest], self.limit)
+        self.overflow |= over
+        hi, lo = to_limbs(rest, self.limit, over)
+        wide = self._widen(i)
+        wide[0] += hi
+        wide[1] += lo
+
+    def _widen(self, i: int) -> torch.Tensor:
+        """Parameter i's two limbs' sums, zeros at first."""
+        if i not in self._wide:
+            self._wide[i] = torch.zeros((2, self._slices[i].stop - self._slices[i].start),
+                                        dtype=torch.int64, device=self._acc.device)
+        return self._wide[i]
 
     def finish(self) -> bool:
         """All-reduce and write the global mean gradient into .grad; False on overflow."""
         world = dist.get_world_size(self.group) if self.group is not None else 1
         if self.exact:
-            assert self._acc is not None
-            if world > 1:
-                self.overflow = any_rank(self.overflow, self.group, self._acc.device)
-                dist.all_reduce(self._acc, group=self.group)
-            hi_acc, lo_acc = self._acc[: self.numel], self._acc[self.numel:]
-            for p, off in zip(self.params, self._offsets, strict=True):
-                limbs = slice(off, off + p.numel())
-                p.grad = from_limbs(hi_acc[limbs], lo_acc[limbs]).view_as(p).to(p.dtype)
+            self._finish_exact(world)
         elif world > 1:
+            t0 = time.perf_counter()
             flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in self.params])
+            t1 = time.perf_counter()
             dist.all_reduce(flat, group=self.group)
+            t2 = time.perf_counter()
             _scatter(flat, self.params)
+            self.stats.fold_s += (t1 - t0) + (time.perf_counter() - t2)
+            self.stats.comm_s += t2 - t1
+            self.stats.wire_bytes += flat.nbytes
         return not self.overflow
+
+    def _finish_exact(self, world: int) -> None:
+        assert self._acc is not None
+        for i, fresh in enumerate(self._fresh):
+            if fresh:  # no gradient all step: a sum of zero
+                self._acc[self._slices[i]].zero_()
+                self._fresh[i] = False
+        if world > 1:
+            self._all_reduce()
+        t0 = time.perf_counter()
+        for i, p in enumerate(self.params):
+            packed = self._acc[self._slices[i]]
+            if i in self._wide:
+                limbs = self._wide[i] + torch.stack(unpack(packed, self.shift))
+                p.grad = from_limbs(limbs[0], limbs[1]).view_as(p).to(p.dtype)
+            else:
+                p.grad = unpack_float(packed, self.shift, p.dtype, self.fused).view_as(p)
+        self.stats.fold_s += time.perf_counter() - t0
+
+    def _all_reduce(self) -> None:
+        """Sum the packed slices over the group, and with them (in the accumulator's tail) the
+        overflow flag and which parameters have two limbs' sums on any rank; then those."""
+        t0 = time.perf_counter()
+        flags = self._acc[self.numel:]
+        flags.zero_()
+        flags[0] = int(self.overflow)
+        flags[[1 + i for i in self._wide]] = 1
+        dist.all_reduce(self._acc, group=self.group)
+        self.stats.wire_bytes += self._acc.nbytes
+        agreed = flags.tolist()
+        self.overflow = agreed[0] > 0
+        wide = [i for i in range(len(self.params)) if agreed[1 + i] > 0]
+        if wide:
+            limbs = torch.cat([self._widen(i) for i in wide], dim=1)
+            dist.all_reduce(limbs, group=self.group)
+            self.stats.wire_bytes += limbs.nbytes
+            for i, part in zip(wide, limbs.split([self._wide[i].shape[1] for i in wide], dim=1),
+                               strict=True):
+                self._wide[i] = part
+        self.stats.comm_s += time.perf_counter() - t0
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip the gradient to `max_norm` by its global norm (returned)."""
@@ -142,6 +240,57 @@ def to_limbs(g: torch.Tensor, limit: float, clamp: bool) -> tuple[torch.Tensor, 
 def from_limbs(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """The float64 value of summed limbs."""
     return hi.double().mul_(_INV_HI).add_(lo.double().mul_(_INV_LO))
+
+
+def pack_shift(total_micro_batches: int) -> int:
+    """S of the packed sums hi_sum * 2^S + lo_sum (module docstring)."""
+    return 30 + max(1, total_micro_batches).bit_length()
+
+
+def pack_bound(total_micro_batches: int) -> float:
+    """The magnitude below which a value's limbs are summed packed (module docstring); 0
+    (nothing packs) for 2^16 micro-batches or more, where 2^(63 - S) leaves no room."""
+    bits = max(1, total_micro_batches).bit_length()
+    return 2.0 ** (3 - 2 * bits) if bits <= 16 else 0.0
+
+
+@functools.cache
+def fold_kernel_builds() -> bool:
+    """Whether the fused CPU fold (model/cpu_kernels.cpp) is loaded here (built once per host
+    where it is not: model/cpu_kernels.py)."""
+    return cpu_kernels.unavailable() is None
+
+
+def fold_packed(g: torch.Tensor, acc: torch.Tensor, shift: int, bound: float, assign: bool,
+                fused: bool) -> int:
+    """Add (`assign`: write) the packed limbs of `g`'s values below `bound` in magnitude into
+    `acc` (int64, one slot a value); the others' slots take nothing (`assign`: 0). Returns how
+    many values were left out. `fused`: the CPU kernel's one pass, where it takes `g` (fp32);
+    torch's ops otherwise, to the same integers."""
+    if fused and g.dtype == torch.float32:
+        return torch.ops.relaytrain_cpu.fold_packed_(g.contiguous(), acc, shift, bound, assign)
+    small = g.abs() < bound  # NaN: False
+    hi, lo = to_limbs(torch.where(small, g, 0.0), 0.0, False)
+    packed = hi.bitwise_left_shift_(shift).add_(lo)
+    if assign:
+        acc.copy_(packed)
+    else:
+        acc.add_(packed)
+    return g.numel() - int(small.sum())
+
+
+def unpack(packed: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (hi_sum, lo_sum) limbs' sums a packed sum holds, the very same integers."""
+    return packed.bitwise_right_shift(shift), packed.bitwise_and((1 << shift) - 1)
+
+
+def unpack_float(packed: torch.Tensor, shift: int, dtype: torch.dtype,
+                 fused: bool) -> torch.Tensor:
+    """`from_limbs(*unpack(packed, shift))` in `dtype`: the fused CPU kernel's one pass where it
+    applies (float32 out)."""
+    if fused and dtype == torch.float32 and packed.device.type == "cpu":
+        return torch.ops.relaytrain_cpu.unpack_float(packed, shift)
+    return from_limbs(*unpack(packed, shift)).to(dtype)
 
 
 def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:

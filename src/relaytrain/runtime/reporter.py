@@ -55,6 +55,9 @@ def combine(step: int, results: dict[int, StepResult], placements: dict[int, Pla
               "time_compute": max(r.time_compute for r in results.values()),
               "state_bytes": max(r.state_bytes for r in results.values()),
               "peak_rss": max(r.peak_rss for r in results.values())}
+    if cfg.parallel.pp == 1:  # the gradient reduction's cost (unpipelined steps measure it)
+        for key in ("time_fold", "time_comm", "wire_bytes_per_param"):
+            record[key] = max(getattr(r, key) for r in results.values())
     if cfg.optim.skip_spikes:  # every rank decided alike, from the same global values
         record["skipped"] = results[last_stage].skipped
     if cfg.parallel.pp > 1:  # every stage's schedule measurements (its DP rank 0's)

@@ -15,7 +15,7 @@ from torch import nn
 
 from relaytrain.data.packing import Docs, model_inputs
 from relaytrain.parallel.context import ContextGroup, sequence_mean
-from relaytrain.parallel.reduce import GradReducer
+from relaytrain.parallel.reduce import GradReducer, ReduceStats
 from relaytrain.train.optim import AdamW
 from relaytrain.train.skip_step import global_ce
 
@@ -50,6 +50,7 @@ class StepOutcome:
     finite: bool = True
     skipped: bool = False  # optim.skip_spikes held the update back (train/skip_step.py)
     pipeline: PipelineStats | None = None  # a pipeline stage's schedule measurements
+    reduction: ReduceStats | None = None  # the gradient reduction's cost (unpipelined steps)
 
 
 def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
@@ -84,6 +85,7 @@ def train_step(model: nn.Module, optimizer: AdamW,
         out.losses[index] = sequence_mean([float(x.detach()) for x in losses], context,
                                           device)
     ok = reducer.finish()
+    out.reduction = reducer.stats
     out.grad_norm = float(reducer.clip(clip if clip > 0 else math.inf))
     # every rank joins the loss's collective, whatever its own losses hold (a cp group's ranks
     # hold the same: its first fills the slots)

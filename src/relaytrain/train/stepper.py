@@ -19,7 +19,7 @@ from relaytrain.config.sections import RunConfig
 from relaytrain.data.loader import Loader
 from relaytrain.parallel.context import ContextGroup, ContextSplit
 from relaytrain.parallel.groups import PipelineGroups
-from relaytrain.parallel.reduce import GradReducer
+from relaytrain.parallel.reduce import GradReducer, ReduceStats
 from relaytrain.train.evaluate import heldout_losses
 from relaytrain.train.metrics import proc_bytes
 from relaytrain.train.optim import lr_at, set_lr
@@ -52,6 +52,11 @@ class StepResult:
     # (Linux; 0 elsewhere); unpipelined steps
     state_bytes: int = 0
     peak_rss: int = 0
+    # the gradient reduction's share of the step (parallel/reduce.py's `ReduceStats`): seconds
+    # folding and converting, seconds in collectives, bytes reduced per parameter; unpipelined
+    time_fold: float = 0.0
+    time_comm: float = 0.0
+    wire_bytes_per_param: float = 0.0
     # checkpoint writes that finished by the end of the call (on a call's last step only)
     written: list[WriteReport] = field(default_factory=list)
 
@@ -68,9 +73,12 @@ _STEP_RESULT_FIELDS = tuple(StepResult.__dataclass_fields__)
 def step_result(step: int, out: StepOutcome, ids: list[int], time_data: float,
                 time_compute: float) -> StepResult:
     """The one place a step's result is formed, for plain and pipelined steps alike."""
+    red = out.reduction or ReduceStats()
     return StepResult(step=step, losses=out.losses, grad_norm=out.grad_norm, finite=out.finite,
                       ids=ids, time_data=time_data, time_compute=time_compute,
-                      pipeline=out.pipeline, skipped=out.skipped)
+                      pipeline=out.pipeline, skipped=out.skipped, time_fold=red.fold_s,
+                      time_comm=red.comm_s,
+                      wire_bytes_per_param=red.wire_bytes / max(1, red.params))
 
 
 class Stepper(Protocol):
