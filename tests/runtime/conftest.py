@@ -220,7 +220,12 @@ def cluster_env(monkeypatch):
                RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="4",
                RAY_TMPDIR=tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: socket paths
     for key, value in env.items():
-        if os.environ.get(key) != value:
+        if key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+            # kept after the test: this process's Ray keeps the token it loaded first, so a
+            # private cluster started later must be given the same one (engines/ray.py
+            # `_import_ray` keeps a token already in the environment)
+            os.environ[key] = value
+        elif os.environ.get(key) != value:
             monkeypatch.setenv(key, value)
     yield env
     shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)

@@ -24,6 +24,7 @@ def run_train(args: argparse.Namespace) -> int:
     second signal, or the grace running out, ends the process at once with 128 + the signal:
     runtime/preemption.py). docs/CONTRACTS.md "Exit codes"."""
     from relaytrain.config import load_config
+    from relaytrain.runtime.catalogue import prove_writable
     from relaytrain.runtime.controller import Controller, WorkNotSaved
     from relaytrain.runtime.failures import RecoveryLimitExceeded
     from relaytrain.runtime.lease import RunLease, lease_places
@@ -31,6 +32,9 @@ def run_train(args: argparse.Namespace) -> int:
     from relaytrain.runtime.reporter import TrainingStopped
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.run_dir:  # before the lease is written there: an unwritable place is bad input
+        prove_writable(cfg.run_dir, "run_dir")
+        prove_writable(cfg.checkpoint_url, "checkpoint.url")
     places = lease_places(cfg.run_dir, cfg.checkpoint_url) if cfg.run_dir else []
     try:
         with Notice(cfg.checkpoint.preempt_grace) as notice, \

@@ -88,12 +88,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.pipelining._backward import (
-    _get_grad_fn_or_grad_acc,
-    construct_reverse_graph,
-    get_param_groups,
-    stage_backward_weight,
-)
 from torch.func import functional_call
 
 from relaytrain.config.sections import RunConfig
@@ -257,6 +251,14 @@ def _backward_input(out: Tensor, grad_out: Tensor | None, start: Tensor,
     `stage_backward_weight`, the gradients reaching the nodes where a weight joins it:
     torch.distributed.pipelining's `stage_backward_input`, which also detaches `out` in place
     (refused when `out` is a view, as the final norm's output is)."""
+    # imported here: torch.distributed.pipelining imports the compiler and FSDP, seconds of
+    # every worker's start that only a split backward (zb-h1) needs
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc,
+        construct_reverse_graph,
+        get_param_groups,
+    )
+
     graph = construct_reverse_graph([_get_grad_fn_or_grad_acc(out)])
     groups = get_param_groups([_get_grad_fn_or_grad_acc(start)],
                               [_get_grad_fn_or_grad_acc(w) for w in weights], graph)
@@ -586,6 +588,8 @@ class StageRunner:
         if held.leaves is None:
             return held.nbytes
         assert held.param_groups is not None
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
         leaves = list(held.leaves.values())
         stage_backward_weight(iter(leaves), held.param_groups)
         if "embed" in held.cuts:  # the embedding below the first stage's cut
