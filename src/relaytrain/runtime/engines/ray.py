@@ -77,16 +77,33 @@ def _import_ray(private_cluster: bool) -> None:
     the processes Ray starts, never printed) must be in the environment before that; a cluster
     given by address keeps whatever its operator configured. Ray also decides at import whether
     a node on 127.0.0.1 really stays there (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`): otherwise it
-    swaps in the machine's external address, and its servers then listen on every interface."""
+    swaps in the machine's external address, and its servers then listen on every interface.
+    Where Ray was imported already (and no cluster is up), its cached mode and token are read
+    again: else a token it loaded earlier (or none) would not be the one the new cluster's
+    processes inherit, and the driver would be refused by its own cluster."""
     global ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy
-    if private_cluster and "ray" not in sys.modules:
+    imported = sys.modules.get("ray")
+    if private_cluster and (imported is None or not imported.is_initialized()):
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
             os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        if imported is not None:
+            _reread_auth()
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+def _reread_auth() -> None:
+    """Ray's cached authentication mode and token, read again from the environment (Ray's own
+    CLI refreshes its config the same way); nothing on a Ray without token authentication."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _placed(pg: Any) -> bool:
