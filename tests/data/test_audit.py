@@ -194,8 +194,6 @@ def ray_with_same_shard_loaders():
     """A private Ray cluster whose worker processes load DP rank 0's instances on every rank
     (the bug: the shard is taken as rank 0's; each rank still fills its own micro-batch slots),
     patched at process start: a monkeypatch here cannot reach an actor's process."""
-    import os
-    import secrets
 
     def same_shard_on_every_rank() -> None:  # nested: Ray ships it by value
         from relaytrain.data.loader import Loader
@@ -213,12 +211,13 @@ def ray_with_same_shard_loaders():
 
         worker.Loader = SameShardLoader
 
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     import ray
 
     if ray.is_initialized():  # the session's shared cluster (tests/runtime/conftest.py)
         ray.shutdown()
+    from relaytrain.runtime.engines.ray import _import_ray
+
+    _import_ray(private_cluster=True)  # the token, as the process's Ray will read it
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"},
