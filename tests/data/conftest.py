@@ -68,3 +68,22 @@ def write_tokens(path: Path, n_tokens: int, seed: int) -> None:
     toks[-1] = EOS
     path.parent.mkdir(parents=True, exist_ok=True)
     toks.astype("<u4").tofile(path)
+
+
+def olmo_core_batches(dataset: object, work_dir: Path, *, global_tokens: int, seed: int,
+                      pad: int, dp: int, rank: int, epochs: int,
+                      fields: tuple[str, ...] = ("input_ids",)) -> list[tuple]:
+    """(instance ids, *fields) of every batch rank `rank` of `dp` gets from OLMo-core's own
+    data loader over a prepared OLMo-core `dataset`, epoch by epoch."""
+    from olmo_core import data as olmo_data
+
+    loader = olmo_data.NumpyDataLoaderBase.wrap_numpy_dataset(
+        dataset, global_batch_size=global_tokens, collator=olmo_data.DataCollator(
+            pad_token_id=pad), work_dir=work_dir, seed=seed, dp_world_size=dp, dp_rank=rank,
+        fs_local_rank=0, num_threads=0)
+    out = []
+    for epoch in range(1, epochs + 1):
+        loader.reshuffle(epoch=epoch, in_memory=True)
+        out += [(b["index"].tolist(), *(b[f].numpy() for f in fields)) for b in loader]
+        loader.reset()
+    return out

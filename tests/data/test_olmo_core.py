@@ -24,7 +24,7 @@ from relaytrain.data.olmo_order import (
 )
 from relaytrain.data.token_arrays import MixFile, TokenArrays, parse_manifest, read_manifest
 from relaytrain.errors import DataError
-from tests.data.conftest import EOS, write_tokens
+from tests.data.conftest import EOS, olmo_core_batches, write_tokens
 
 olmo_data = pytest.importorskip("olmo_core.data")
 
@@ -53,16 +53,8 @@ def olmo_batches(paths: list[str], work_dir: Path, dp: int, rank: int,
                                         eos_token_id=EOS, vocab_size=VOCAB, dtype=np.uint32)
     dataset.work_dir = work_dir
     dataset.prepare()
-    loader = olmo_data.NumpyDataLoaderBase.wrap_numpy_dataset(
-        dataset, global_batch_size=BATCH * SEQ_LEN, collator=olmo_data.DataCollator(
-            pad_token_id=PAD), work_dir=work_dir, seed=SEED, dp_world_size=dp, dp_rank=rank,
-        fs_local_rank=0, num_threads=0)
-    out = []
-    for epoch in range(1, epochs + 1):
-        loader.reshuffle(epoch=epoch, in_memory=True)
-        out += [(b["index"].tolist(), b["input_ids"].numpy()) for b in loader]
-        loader.reset()
-    return out
+    return olmo_core_batches(dataset, work_dir, global_tokens=BATCH * SEQ_LEN, seed=SEED,
+                             pad=PAD, dp=dp, rank=rank, epochs=epochs)
 
 
 @pytest.fixture(scope="module")

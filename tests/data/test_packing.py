@@ -16,7 +16,7 @@ from relaytrain.data.mix_index import index_mix
 from relaytrain.data.packing import PackedSplit, best_fit_decreasing, model_inputs
 from relaytrain.data.token_arrays import MixFile
 from relaytrain.errors import DataError
-from tests.data.conftest import EOS
+from tests.data.conftest import EOS, olmo_core_batches
 
 olmo_data = pytest.importorskip("olmo_core.data")
 
@@ -70,17 +70,9 @@ def olmo_batches(paths: list[str], work_dir: Path, dp: int, rank: int, epochs: i
         tokenizer=olmo_data.TokenizerConfig(vocab_size=VOCAB, eos_token_id=EOS,
                                             pad_token_id=PAD)).build()
     dataset.prepare()
-    loader = olmo_data.NumpyDataLoaderBase.wrap_numpy_dataset(
-        dataset, global_batch_size=BATCH * SEQ_LEN, collator=olmo_data.DataCollator(
-            pad_token_id=PAD), work_dir=work_dir, seed=SEED, dp_world_size=dp, dp_rank=rank,
-        fs_local_rank=0, num_threads=0)
-    out = []
-    for epoch in range(1, epochs + 1):
-        loader.reshuffle(epoch=epoch, in_memory=True)
-        out += [(b["index"].tolist(), b["input_ids"].numpy(), b["doc_lens"].numpy(),
-                 b["label_mask"].numpy()) for b in loader]
-        loader.reset()
-    return out
+    return olmo_core_batches(dataset, work_dir, global_tokens=BATCH * SEQ_LEN, seed=SEED,
+                             pad=PAD, dp=dp, rank=rank, epochs=epochs,
+                             fields=("input_ids", "doc_lens", "label_mask"))
 
 
 @pytest.mark.timeout(180)
