@@ -340,6 +340,9 @@ def _save_sharded(rank: int, port: int, out: str) -> None:
             whole[optim_key(ours, state)] = t.full_tensor() if isinstance(t, DTensor) else t
     if rank == 0:
         torch.save(whole, f"{out}/whole.pt")
+    # Both ranks leave together: a rank that tears gloo down while its peer still holds the
+    # pair aborts the peer ("terminate called without an active exception", seen once in CI).
+    dist.barrier()
     dist.destroy_process_group()
 
 
