@@ -1,6 +1,8 @@
 """The exact gradient reduction: integer fixed-point sums that do not depend on order, packed
-two limbs to an int64 where the values allow, folded by a fused kernel to today's integers."""
+two limbs to an int64 where the values allow, folded by a fused kernel to today's integers,
+during the backward as each gradient is made or after it."""
 
+import contextlib
 import os
 import socket
 
@@ -213,6 +215,57 @@ def test_packed_sums_at_the_extremes_of_the_bound_stay_exact(m):
                    for g in grads)
         hi, lo = unpack(acc, pack_shift(m))
         assert torch.equal(hi, hi_sum) and torch.equal(lo, lo_sum), fused
+        assert torch.equal(unpack_float(acc, pack_shift(m), torch.float32, fused),
+                           from_limbs(hi_sum, lo_sum).float()), fused
+
+
+def _reduce_by_autograd(grads: dict[str, list[torch.Tensor]], m: int, fused: bool,
+                        overlap: bool) -> tuple[bool, dict[str, torch.Tensor]]:
+    """The reducer's result for parameters whose micro-batch k gradient autograd makes as
+    `grads[name][k]` exactly (the gradient of sum(p * g) is g times 1), folded during the
+    backward (`overlap`) or after it."""
+    params = {n: nn.Parameter(torch.zeros(gs[0].shape)) for n, gs in grads.items()}
+    red = GradReducer(list(params.values()), None, exact=True, total_micro_batches=m,
+                      fused=fused)
+    red.start()
+    with red.overlapping() if overlap else contextlib.nullcontext():
+        for k in range(m):
+            sum((p * grads[n][k]).sum() for n, p in params.items()).backward()
+            assert all((p.grad is None) == overlap for p in params.values())  # folded, dropped
+            red.after_backward()
+    return red.finish(), {n: p.grad for n, p in params.items()}
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 25])
+def test_the_overlapped_fold_gives_today_s_gradient_and_overflow_bit_for_bit(m):
+    """Each gradient folded by a hook as autograd accumulates it gives the gradient of the fold
+    after the backward, and today's limbs' sum, to the bit: for a parameter whose values all
+    pack and for one with zeros, subnormals, wide values and values at the overflow limit."""
+    awkward = _awkward_values(m, seed=m)
+    grads = {"packed": [g.where(g.abs() < pack_bound(m), 0.0) for g in awkward],
+             "awkward": awkward}
+    want = {n: from_limbs(*_todays_sums(gs, m)[:2]).float() for n, gs in grads.items()}
+    over = _todays_sums(awkward, m)[2]
+    for fused in _fused_modes():
+        for overlap in (True, False):
+            ok, got = _reduce_by_autograd(grads, m, fused, overlap)
+            assert ok == (not over), (fused, overlap)
+            assert all(torch.equal(got[n], want[n]) for n in grads), (fused, overlap)
+
+
+def test_a_gradient_accumulated_twice_in_one_micro_batch_is_refused_not_folded_in_parts():
+    """Two backward calls into one micro-batch's gradient would fold as two parts, not as their
+    float sum: the overlapped fold raises; outside `overlapping` nothing is hooked."""
+    p = nn.Parameter(torch.zeros(3))
+    red = GradReducer([p], None, exact=True, total_micro_batches=2)
+    red.start()
+    with red.overlapping():
+        (p * 2.0).sum().backward()
+        with pytest.raises(RuntimeError, match="accumulated twice in one micro-batch"):
+            (p * 3.0).sum().backward()
+    p.grad = None
+    (p * 2.0).sum().backward()
+    assert torch.equal(p.grad, torch.full((3,), 2.0))  # left for after_backward, not folded
 
 
 def _mixed_ranks(rank: int, world: int, port: int) -> None:

@@ -518,6 +518,15 @@ inline int64_t rounded_bits(double x) {
   return bits - kMagicBits;
 }
 
+// The double of an integer |v| < 2^51, exactly, by its bits: AVX2 has no vector conversion of
+// int64 to double, and the loops below vectorise with this.
+inline double exact_double(int64_t v) {
+  const int64_t bits = v + kMagicBits;
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d - kMagic;
+}
+
 // 1.0 where c holds, else 0.0, by a bit mask: static_cast<double>(c) of a float comparison is a
 // branch to the compiler (the comparison might trap), which kept the fold's loop scalar and
 // mispredicted on every other value (10 ns a value); the mask vectorises.
@@ -576,15 +585,23 @@ int64_t fold_packed_(const at::Tensor& g, const at::Tensor& acc, int64_t shift, 
 at::Tensor unpack_float(const at::Tensor& acc, int64_t shift) {
   TORCH_CHECK(acc.device().is_cpu() && acc.scalar_type() == at::kLong && acc.is_contiguous(),
               "relaytrain_cpu: acc must be a contiguous int64 CPU tensor");
-  TORCH_CHECK(shift > 0 && shift < 63, "relaytrain_cpu: shift ", shift, " out of range");
+  TORCH_CHECK(shift >= 12 && shift < 63, "relaytrain_cpu: shift ", shift, " out of range");
   at::Tensor out = at::empty(acc.sizes(), acc.options().dtype(at::kFloat));
   const int64_t* ap = acc.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const int64_t mask = (int64_t(1) << shift) - 1;
+  const uint64_t mask = (uint64_t(1) << shift) - 1;
+  // acc >> shift (arithmetic) as a logical shift, which AVX2 vectorises: acc + 2^63 shifted,
+  // less 2^63 shifted. |hi| < 2^(63 - shift) reads exactly, and so does lo < 2^shift where
+  // anything packs (shift <= 46: reduce.pack_bound; above, the sums are 0).
+  const uint64_t sign = uint64_t(1) << 63, bias = sign >> shift;
   at::parallel_for(0, acc.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    const int64_t* __restrict a = ap;
+    float* __restrict o = op;
     for (int64_t i = begin; i < end; ++i) {
-      const double hi = static_cast<double>(ap[i] >> shift) * 0x1p-30;
-      op[i] = static_cast<float>(hi + static_cast<double>(ap[i] & mask) * 0x1p-60);
+      const uint64_t u = static_cast<uint64_t>(a[i]);
+      const double hi = exact_double(static_cast<int64_t>(((u ^ sign) >> shift) - bias));
+      o[i] = static_cast<float>(hi * 0x1p-30 + exact_double(static_cast<int64_t>(u & mask)) *
+                                0x1p-60);
     }
   });
   return out;

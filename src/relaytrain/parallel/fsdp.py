@@ -40,6 +40,7 @@ Imported only by a worker that shards (see parallel/shards.py: the import is 1.2
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -172,6 +173,10 @@ class ShardedGradReducer:
             p.grad = None
         for comm in self._comms:
             comm.reset()
+
+    def overlapping(self) -> contextlib.AbstractContextManager:
+        """Nothing to add: FSDP2 reduces each unit's gradient within the backward already."""
+        return contextlib.nullcontext()
 
     def after_backward(self) -> None:
         """Nothing to do: FSDP2 reduced this micro-batch's gradient in its backward (fast mode:

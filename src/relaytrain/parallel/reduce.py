@@ -27,15 +27,20 @@ sums travel in one all-reduce with, in its tail, the overflow flag and which par
 two-limb sums on any rank (a second all-reduce carries those). So the accumulator and the
 all-reduce take 8 bytes a parameter instead of 16 (fast mode: 4), and the fold is one pass over
 the gradient and the accumulator: a fused CPU kernel (model/cpu_kernels.cpp) where it builds,
-torch's ops otherwise (the same integers either way). ReduceStats counts the time and bytes;
-`relaytrain bench dp-scaling` measures the cost.
+torch's ops otherwise (the same integers either way). Within `GradReducer.overlapping` (the
+unpipelined step, train/step.py) each parameter's gradient folds as soon as autograd has
+accumulated it, still in cache, and is dropped, instead of in one pass over every gradient after
+the backward. ReduceStats counts the time and bytes; `relaytrain bench dp-scaling` measures the
+cost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +93,7 @@ class GradReducer:
         self.stats = ReduceStats(self.numel)
         self._acc: torch.Tensor | None = None  # packed sums, one int64 a value
         self._fresh: list[bool] = []  # no micro-batch folded into the parameter's slice yet
+        self._folded: list[bool] = []  # the parameter's gradient folded in this micro-batch
         # parameter index -> the [2, n] limbs' sums of its values the packed sums left out
         self._wide: dict[int, torch.Tensor] = {}
 
@@ -102,7 +108,39 @@ class GradReducer:
                 self._acc = torch.empty(self.numel + 1 + len(self.params), dtype=torch.int64,
                                         device=self.params[0].device)
             self._fresh = [True] * len(self.params)  # the first fold writes over the slice
+            self._folded = [False] * len(self.params)
             self._wide = {}
+
+    @contextlib.contextmanager
+    def overlapping(self) -> Iterator[None]:
+        """Within (exact mode): each parameter's micro-batch gradient is folded the moment
+        autograd has accumulated it (a post-accumulate-grad hook), while it is hot in cache, and
+        dropped, so the rest of the backward can reuse its memory; `after_backward` then folds
+        only gradients set otherwise (by hand). The same integers: each gradient is folded
+        once, whole. A parameter whose gradient autograd accumulates twice in one micro-batch
+        (two backward calls, reentrant checkpointing) would sum as two folds, not the fold of
+        one float sum, and raises instead."""
+        if not self.exact:
+            yield
+            return
+        handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                   for i, p in enumerate(self.params)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _on_grad(self, i: int, p: nn.Parameter) -> None:
+        if self._folded[i]:
+            raise RuntimeError(
+                f"exact mode: parameter {i}'s gradient was accumulated twice in one "
+                "micro-batch's backward, which the overlapped fold cannot sum bit-exactly; "
+                "run one backward a micro-batch (non-reentrant checkpointing)")
+        t0 = time.perf_counter()
+        self._fold(i, p.grad)
+        p.grad = None
+        self.stats.fold_s += time.perf_counter() - t0
 
     def after_backward(self) -> None:
         """Fold this micro-batch's gradient into the integer accumulator (exact mode), parameter
@@ -116,6 +154,7 @@ class GradReducer:
             if p.grad is not None:
                 self._fold(i, p.grad)
             p.grad = None
+        self._folded = [False] * len(self.params)
         self.stats.fold_s += time.perf_counter() - t0
 
     def _fold(self, i: int, g: torch.Tensor) -> None:
@@ -124,6 +163,7 @@ class GradReducer:
         left = fold_packed(g, self._acc[self._slices[i]], self.shift, self.bound,
                            self._fresh[i], self.fused)
         self._fresh[i] = False
+        self._folded[i] = True
         if left == 0:
             return
         rest = torch.where(g.abs() < self.bound, 0.0, g)  # what the packed slice left out

@@ -77,13 +77,14 @@ def train_step(model: nn.Module, optimizer: AdamW,
     the means over all its tokens, whatever the split."""
     out = StepOutcome()
     reducer.start()
-    for index, tokens in micro_batches:
-        docs = (documents or {}).get(index)
-        losses = _forward_backward(model, tokens, z_loss, total_micro_batches, device,
-                                   docs, mask_documents, context)
-        reducer.after_backward()
-        out.losses[index] = sequence_mean([float(x.detach()) for x in losses], context,
-                                          device)
+    with reducer.overlapping():  # exact mode folds each gradient as the backward makes it
+        for index, tokens in micro_batches:
+            docs = (documents or {}).get(index)
+            losses = _forward_backward(model, tokens, z_loss, total_micro_batches, device,
+                                       docs, mask_documents, context)
+            reducer.after_backward()
+            out.losses[index] = sequence_mean([float(x.detach()) for x in losses], context,
+                                              device)
     ok = reducer.finish()
     out.reduction = reducer.stats
     out.grad_norm = float(reducer.clip(clip if clip > 0 else math.inf))
