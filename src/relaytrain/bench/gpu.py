@@ -68,6 +68,11 @@ TARGETS = {"vs_hf_compiled": 1.2, "mfu_1b": 0.5, "mfu_7b": 0.4}
 GIB = 2**30
 
 
+# Bytes a value while torch's ops fold a gradient into packed sums (parallel.reduce.fold_packed:
+# the bool mask, the masked fp32 copy, its float64 scaled copy and floor, both int64 limbs).
+FOLD_BYTES = 37
+
+
 def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
                 exact: bool = False, gather: str = "auto", cp: int = 1) -> dict[str, Any]:
     """Bytes a training step of `cfg` needs on one CUDA device with fp32 master weights, as
@@ -96,10 +101,14 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     weights to bf16 (compiled blocks cast inside their graphs; eager ones, `model.compile=
     none`, would keep every block's copy in autocast's cache through the forward: 2n);
     gathered in bf16, the weights are bf16 already (no copies) and so is the residual stream,
-    checkpoints included. Exact mode adds the int64 limbs: an accumulator of 16 bytes per
-    (sharded) parameter, and while a gradient is reduced its limbs in float64 and int64 and
-    the collective's buffer, 32 bytes a value: unsharded, of the largest tensor (the head's
-    weight); sharded, of one slice (`parallel.fsdp.SLICE_VALUES`).
+    checkpoints included. Exact mode adds the packed int64 sums (parallel/reduce.py): an
+    accumulator of 8 bytes per (sharded) parameter, and while a gradient is folded by torch's
+    ops (CUDA) its temporaries, `FOLD_BYTES` a value: unsharded, of the largest tensor (the
+    head's weight); sharded, of one slice (`parallel.fsdp.SLICE_VALUES`) and its int64 send
+    buffer, 8 more. A parameter with values above the packing bound (rare) adds two limbs'
+    sums, 16 bytes a value of it, which the plan leaves out. Unsharded, exact mode drops each
+    gradient once it is folded (`GradReducer.overlapping`) and writes them all back after the
+    backward, when the activations are gone: the plan's 4n of gradients bounds both.
 
     With context parallelism (`cp` devices per sequence, parallel/context.py) a device holds
     1/cp of the tokens: its checkpoints and recomputed activations shrink cp-fold, and the
@@ -119,8 +128,9 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     unit = max(root, layer_params(cfg)) if fsdp > 1 else cfg.vocab_size * cfg.d_model
     gathered = (root + 2 * layer_params(cfg)) if fsdp > 1 else 0
     states = 16 * n // fsdp
-    accumulator = 16 * n // fsdp if exact else 0
-    exact_transient = 32 * (min(unit, SLICE_VALUES) if fsdp > 1 else unit) if exact else 0
+    accumulator = 8 * n // fsdp if exact else 0
+    exact_transient = ((FOLD_BYTES + 8) * min(unit, SLICE_VALUES) if fsdp > 1
+                       else FOLD_BYTES * unit) if exact else 0
     in_flight = (width + 4) * unit if fsdp > 1 else 0  # the unit's gradient + fp32 RS input
     checkpoints = cfg.n_layers * tokens * cfg.d_model * width
     block = tokens * (16 * cfg.d_model + 6 * cfg.mlp_hidden)
@@ -168,8 +178,9 @@ _TABLE_ROWS = (  # a row of `memory_table`: its label and the plan's keys it add
      "and the next", ("gathered",)),
     ("a unit's whole gradient (bf16 fast, fp32 exact) + its fp32 reduce-scatter input",
      ("reduce_in_flight",)),
-    ("int64 gradient accumulator (1/fsdp)", ("exact_accumulator",)),
-    ("a gradient slice as limbs while it is reduced (32 B a value)", ("exact_transient",)),
+    ("packed int64 gradient accumulator, 8 B a value (1/fsdp)", ("exact_accumulator",)),
+    ("a gradient (slice) while it is folded into packed limbs (37-45 B a value)",
+     ("exact_transient",)),
     ("block checkpoints (bf16 fast, fp32 exact) + recompute + loss chunk",
      ("checkpoints", "recompute_estimate", "loss_chunk")),
     ("**planned peak** (backward)", ("peak",)),  # the last two rows stay last

@@ -73,7 +73,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 # Gradient values (over all ranks) converted to limbs and reduce-scattered at a time in exact
-# mode: up to 32 bytes each while converted (two limbs), so at most 512 MiB.
+# mode: up to 45 bytes each while folded (torch's ops, and the int64 send buffer: bench.gpu's
+# FOLD_BYTES + 8), so at most 720 MiB.
 SLICE_VALUES = 2**24
 
 
@@ -227,7 +228,7 @@ class _IntegerReduceScatter(ReduceScatter):
         if self.acc is None:
             self.acc = torch.zeros(chunk, dtype=torch.int64, device=output_tensor.device)
         # Rank k's part of the input is chunk k. In slices of every chunk (the limbs take up to
-        # 32 bytes a value while they are formed: a whole head's gradient would take tens of GB).
+        # 45 bytes a value while they are formed: a whole head's gradient would take tens of GB).
         step = max(1, self.slice_values // world)
         for a in range(0, chunk, step):
             piece = input_tensor.view(world, chunk)[:, a: a + step]
