@@ -1,8 +1,10 @@
 """Context parallelism (parallel.cp) in real runs on Ray actors over gloo: each instance's
 sequence split over the cp workers of its DP rank. Across cp degrees the losses and weights
 agree with cp 1 within 1e-5 (the documented fallback: docs/DETERMINISM.md says why not to the
-bit); at a fixed cp, exact mode is bit-identical across dp and across a resume; a cp 2
-checkpoint resumes at cp 1; bad layouts are one line."""
+bit), on concatenated and on packed, document-masked instances; at a fixed cp, exact mode is
+bit-identical across dp (both kinds) and across a resume; a killed or hung cp worker is
+replaced alone to the same bits; a cp 2 checkpoint resumes at cp 1; bad layouts are one
+line."""
 
 from __future__ import annotations
 
