@@ -157,8 +157,19 @@ class AttentionPlan:
             seen &= k[None, :] > q[:, None] - self.window
         if self.docs is None:
             return seen[None, None]
-        docs = self.docs.to(device)
+        docs = self._docs_on(device)
         return (seen[None] & (docs[:, q, None] == docs[:, None, k]))[:, None]
+
+    @functools.cached_property
+    def _device_docs(self) -> dict[torch.device, Tensor]:
+        return {}
+
+    def _docs_on(self, device: torch.device) -> Tensor:
+        """The document ids on `device`, copied there once per plan (not per query block)."""
+        assert self.docs is not None
+        if device not in self._device_docs:
+            self._device_docs[device] = self.docs.to(device)
+        return self._device_docs[device]
 
 
 def plan_attention(split: ContextSplit, window: int | None = None,
