@@ -82,32 +82,33 @@ PACKED = ("data.instances=packed", "data.source_group_size=2",
 
 
 @pytest.fixture(scope="module")
-def packed_cp1(tmp_path_factory, packed_mix):
-    """cp 1 on packed, masked instances, in exact and fast mode: the references."""
-    root = tmp_path_factory.mktemp("packed-cp1")
-    for mode in ("exact", "fast"):
-        run_cp(root / mode, packed_mix, 1, 1, f"determinism={mode}", *PACKED)
-    return root
+def packed_runs(tmp_path_factory, packed_mix):
+    """Runs on packed, masked instances by (cp, dp, mode), each run once per module (cp 1, the
+    reference, in this process)."""
+    root, done = tmp_path_factory.mktemp("packed"), {}
+
+    def run(cp: int, dp: int, mode: str):
+        if (cp, dp, mode) not in done:
+            done[cp, dp, mode] = root / f"cp{cp}-dp{dp}-{mode}"
+            run_cp(done[cp, dp, mode], packed_mix, cp, dp, f"determinism={mode}", *PACKED)
+        return done[cp, dp, mode]
+    return run
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_cp_2_and_4_train_packed_masked_instances_as_cp_1_within_1e_5(
-        tmp_path, packed_mix, ray_cluster, packed_cp1, cp, mode):
+def test_cp_2_and_4_train_packed_masked_instances_as_cp_1_within_1e_5(ray_cluster, packed_runs,
+                                                                       cp, mode):
     """Attention within documents across the split, positions from each document's start,
     the loss the mean over each instance's scored tokens however the padding falls: losses and
     final weights within 1e-5 of cp 1's."""
-    run = tmp_path / f"cp{cp}"
-    run_cp(run, packed_mix, cp, 1, f"determinism={mode}", *PACKED)
-    assert_close_runs(run, packed_cp1 / mode)
+    assert_close_runs(packed_runs(cp, 1, mode), packed_runs(1, 1, mode))
 
 
-def test_exact_mode_on_packed_instances_at_cp_2_is_bit_identical_across_dp(
-        tmp_path, packed_mix, ray_cluster):
+def test_exact_mode_on_packed_instances_at_cp_2_is_bit_identical_across_dp(ray_cluster,
+                                                                           packed_runs):
     """dp 2 x cp 2 trains dp 1 x cp 2's bits on packed, masked instances."""
-    run_cp(tmp_path / "dp1", packed_mix, 2, 1, "determinism=exact", *PACKED)
-    run_cp(tmp_path / "dp2", packed_mix, 2, 2, "determinism=exact", *PACKED)
-    assert_bit_identical(tmp_path / "dp2", tmp_path / "dp1")
+    assert_bit_identical(packed_runs(2, 2, "exact"), packed_runs(2, 1, "exact"))
 
 
 @pytest.fixture(scope="module")
