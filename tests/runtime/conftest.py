@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from relaytrain.cli import main
@@ -44,6 +45,25 @@ def make_corpus(root: Path, seed: int = 0) -> str:
 def corpus_data(tmp_path_factory) -> str:
     """The prepared corpus every training test shares."""
     return make_corpus(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def packed_mix(tmp_path_factory) -> str:
+    """Four token files of documents from 1 to ~100 tokens (seq_len 32, window 16), indexed
+    with a PAD id: what packed instances are packed from."""
+    vocab, eos, pad = 320, 318, 319
+    root = tmp_path_factory.mktemp("packed-mix")
+    for i, n in enumerate([3000, 1701, 2500, 900, 900]):
+        rng = np.random.default_rng(i)
+        toks = rng.integers(0, eos, size=n)
+        toks[rng.choice(n, size=n // 25, replace=False)] = eos
+        toks[-1] = eos
+        toks.astype("<u2").tofile(root / f"part-{i}.npy")
+    out = root / "index"
+    assert main(["data", "index", "--files", *(str(root / f"part-{i}.npy") for i in range(4)),
+                 "--heldout", str(root / "part-4.npy"), "--vocab-size", str(vocab), "--eos-id",
+                 str(eos), "--pad-id", str(pad), "--out", str(out)]) == 0
+    return str(out)
 
 
 def tiny_config(run_dir: Path | str, data: str, *overrides: str) -> RunConfig:

@@ -128,12 +128,11 @@ def _validate_context(cfg: RunConfig, need: Callable[[bool, str], None]) -> None
          f"({', '.join(FLUSH_SCHEDULES)}) or parallel.cp=1")
     need(p.pp == 1 and p.fsdp == 1, f"config key 'parallel.cp': got {p.cp} with parallel.pp="
          f"{p.pp} and parallel.fsdp={p.fsdp}; context parallelism runs unpipelined and "
-         "unsharded for now (pp=1, fsdp=1), or use parallel.cp=1")
+         "unsharded for now (pp=1, fsdp=1: its workers hold whole weights, and neither the "
+         "stages' transport nor the shard groups carry a split sequence), or use "
+         "parallel.cp=1")
     problem = split_problem(cfg.seq_len, p.cp)
     need(problem is None, f"config key 'data.seq_len': {problem}")
-    need(cfg.data.instances != "packed", f"config key 'parallel.cp': got {p.cp} with "
-         "data.instances=packed, but the split does not carry document lengths and padding "
-         "yet; expected data.instances=concatenated or parallel.cp=1")
 
 
 def _validate_seeds(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

@@ -266,7 +266,12 @@ class SequenceShard(Protocol):
     `ContextGroup`): the global positions of its tokens, and attention across the split."""
 
     def positions(self) -> Tensor:
-        """Global positions of this rank's tokens, in its local order."""
+        """Positions of this rank's tokens, in its local order: [T/N] in the sequence, or
+        [B, T/N] within their documents."""
+
+    def within(self, doc_lens: Tensor) -> SequenceShard:
+        """The same part of sequences of these documents (`doc_lens` [B, D]): attention and
+        positions within documents."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float
                ) -> Tensor:
@@ -549,6 +554,8 @@ class Olmo3(nn.Module):
         if context is not None:
             pos = context.positions().to(device)
             tables = {y: rope_cos_sin(self.cfg, y, int(pos.max()) + 1, device) for y in yarns}
+            if pos.dim() == 2:  # within documents: per-row tables [B, 1, T/N, hd]
+                pos = pos[:, None]
             return ({y: (cos[pos], sin[pos]) for y, (cos, sin) in tables.items()},
                     Window(window), None)
         rope = {yarn: rope_cos_sin(self.cfg, yarn, t, device) for yarn in yarns}
@@ -572,11 +579,12 @@ class Olmo3(nn.Module):
         """See the class; `doc_lens` [B, D] (OLMo-core's: each row's document lengths,
         zero-padded, summing to T) keeps attention and positions within documents. With a
         `context`, x (and labels) are this rank's part of each sequence (context parallelism):
-        positions are the context's, and it attends across the split."""
+        positions are the context's, and it attends across the split (both within documents
+        given `doc_lens`, `SequenceShard.within`)."""
         if labels is not None and not self.last:
             raise ValueError("labels given to a stage without the LM head (last=False)")
         if doc_lens is not None and context is not None:
-            raise ValueError("document masks across a context-parallel split are not wired")
+            context, doc_lens = context.within(doc_lens), None
         h = self.embed(x) if self.first else x
         rope, sliding, full = self._layout(h.shape[1], h.device, doc_lens, context)
         for block in self.layers.values():
