@@ -376,7 +376,10 @@ def test_every_flush_schedule_reruns_bit_identically(runs):
     (("parallel.pp=2", "parallel.dp=2"), ()),
     (("parallel.pp=2", "parallel.dp=2", "parallel.schedule=zb-h1"), ()),
     # every stage defers its W's differently (stage i by i backwards)
-    (("parallel.pp=4", "parallel.schedule=zb-h1"), ("model.n_layers=4",))])
+    (("parallel.pp=4", "parallel.schedule=zb-h1"), ("model.n_layers=4",)),
+    # two chunks per rank (virtual stages 0, 2 on rank 0 and 1, 3 on rank 1), with DP
+    (("parallel.pp=2", "parallel.dp=2", "parallel.schedule=interleaved-1f1b",
+      "parallel.virtual_stages=2"), ("model.n_layers=4",))])
 def test_dp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_model(runs, layout, model):
     ref = runs("determinism=exact", *model)
     res = runs("determinism=exact", *model, *layout)
