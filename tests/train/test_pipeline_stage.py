@@ -384,6 +384,9 @@ def test_dp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_model(runs, 
     ref = runs("determinism=exact", *model)
     res = runs("determinism=exact", *model, *layout)
     assert step_losses(res) == step_losses(ref)
+    # the global norm too (clipping scales by it), gathered from stages in any layer order
+    assert [s["grad_norm"] for s in last_stage(res)["steps"]] == [
+        s["grad_norm"] for s in ref[0]["steps"]]
     w, ref_w = final_weights([r for r in res if r["dp_rank"] == 0]), final_weights(ref)
     assert all(torch.equal(w[k], ref_w[k]) for k in ref_w)
     if "parallel.dp=2" in layout:
