@@ -172,7 +172,7 @@ def test_zb_h1_splits_the_backward_into_the_same_bits_as_1f1bs_whole_one(monkeyp
     gradients sent upstream and the update's gradient equal 1f1b's bit for bit. (Alone, the
     stage's norm is the pipeline's: the flush schedules' all-gather has no peers here.)"""
     monkeypatch.setattr(StageRunner, "_global_norm",
-                        lambda self, grads, ok: (torch.nn.utils.get_total_norm(grads), ok))
+                        lambda self, grads, order, ok: (torch.nn.utils.get_total_norm(grads), ok))
     *_, net, opt, stats = run_middle_stage("1f1b")
     *_, zb_net, zb_opt, zb_stats = run_middle_stage("zb-h1")
     assert net.sent.keys() == zb_net.sent.keys()
