@@ -300,7 +300,9 @@ def _global_order(name: str) -> int:
 # Where a split list cuts a stage's graph: the first stage's B stops at the embedding's output
 # (the embedding's weight gradient is W's), and the last stage's B runs the fused LM head and
 # loss whole, its weight gradient included (the loss scales both precomputed gradients in place
-# at its one backward), and splits what lies below the final norm's output.
+# at its one backward) and folded at once, not held until W (a vocab x d_model tensor per
+# micro-batch, on the stage that defers the most W's), and splits what lies below the final
+# norm's output.
 _CUTS = {"first": "embed", "last": "norm"}
 
 
@@ -340,8 +342,7 @@ def _backward_input(out: Tensor, grad_out: Tensor | None, start: Tensor,
 
 
 def _kept_bytes(held: _InFlight) -> int:
-    """Bytes of the gradients a split B keeps for W (distinct storages; not the LM head's, which
-    is the storage its loss saved at F, counted then)."""
+    """Bytes of the gradients a split B keeps for W (distinct storages)."""
     kept = [g for group in held.param_groups or () for grads in group["grads"]
             for g in grads or () if g is not None]
     kept += [held.cuts["embed"][1]] if "embed" in held.cuts else []
@@ -368,11 +369,9 @@ class _InFlight:
     weights: int | None  # data pointer of the weight storage the graph holds
     # split lists: module name -> (its output, the leaf standing for it downstream; after B on
     # the first stage, the gradient at that leaf), see `_CUTS`; the gradients at the
-    # weight-reading nodes that B leaves for W; the LM head's weight gradient (B computes it:
-    # the fused loss gives it with the input gradient)
+    # weight-reading nodes that B leaves for W
     cuts: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     param_groups: list[dict[str, Any]] | None = None
-    head_grad: Tensor | None = None
 
 
 @dataclass
@@ -629,8 +628,11 @@ class StageRunner:
         elif is_split:
             if "norm" in held.cuts:  # the LM head and loss whole, then split below them
                 below, leaf = held.cuts["norm"]
-                head = leaves[self._cut_weights["norm"]]
-                grad_out, held.head_grad = torch.autograd.grad(out, [leaf, head])
+                name = self._cut_weights["norm"]
+                grad_out, head_grad = torch.autograd.grad(out, [leaf, leaves[name]])
+                self._fold([head_grad], [name])  # in B's order, which is W's: the same bits
+                self.reducer.after_backward()
+                held.nbytes -= head_grad.untyped_storage().nbytes()  # its loss saved it at F
                 out = below
             start = held.cuts["embed"][1] if "embed" in held.cuts else x
             grad, held.param_groups = _backward_input(out, grad_out, start, leaves.values())
@@ -665,11 +667,10 @@ class StageRunner:
             below, grad = held.cuts["embed"]
             table = held.leaves[self._cut_weights["embed"]]
             (table.grad,) = torch.autograd.grad(below, [table], grad)
-        if held.head_grad is not None:
-            held.leaves[self._cut_weights["norm"]].grad = held.head_grad
-        held.param_groups = held.head_grad = None
+        held.param_groups = None
         held.cuts.clear()
-        self._fold([leaf.grad for leaf in leaves])
+        names = [n for n in held.leaves if n != self._cut_weights.get("norm")]  # head: at B
+        self._fold([held.leaves[n].grad for n in names], names)
         self.reducer.after_backward()
         return held.nbytes
 
