@@ -25,7 +25,12 @@ What B then computes depends on the schedule:
   gradients from those (torch.distributed.pipelining's `stage_backward_input` and
   `stage_backward_weight`) and folds them into ``p.grad`` (and exact mode's integer accumulator)
   like a whole backward would: the same ops on the same values, so the same bits. The first
-  stage's B goes down to its embedding's output (what its W starts from). A sharded stage runs
+  stage's B goes down to its embedding's output (what its W starts from); the last stage's B
+  gets the LM head's weight gradient whole from the fused loss and folds it then. A micro-batch
+  awaiting W holds its whole graph (the F-time activations) plus those gradients, more than one
+  awaiting B, and stage i holds up to i of them: the reason zb-h1's peak activation memory
+  exceeds 1f1b's (bench pipeline), where the paper counts one awaiting W as at most one
+  awaiting B. A sharded stage runs
   the whole backward at B (FSDP2's reduce-scatter hooks fire at the end of a backward) and W is
   empty there: correct, with 1f1b's timing.
 - paci, ``mode=perf`` (one weight copy): the backward of the F-time graph in which every *saved
