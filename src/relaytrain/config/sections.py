@@ -146,6 +146,9 @@ class ParallelSection:
     cp: int = 1
     schedule: ScheduleName = "1f1b"
     stage_layers: list[int] | None = None  # layers per stage; None: balanced by cost
+    # Model chunks per pipeline rank (interleaved-1f1b only): the model is cut into pp x V
+    # virtual stages, balanced by cost; rank i holds virtual stages i, i + pp, ...
+    virtual_stages: int = 1
     # Steps per dispatch for asynchronous schedules. The pipeline drains at each end (a consistent
     # cut), which costs about (S-1)/(span x micro-batches) of the time, and a failure loses the
     # span in flight: 32 keeps the drain under 3% at S = 8 with 8 micro-batches per step.

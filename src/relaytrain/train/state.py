@@ -130,12 +130,15 @@ class TrainState:
         self.sharded = False
 
     def _new_module(self, layout: Layout) -> Olmo3:
-        """The whole model, or this rank's stage of it (global parameter names either way)."""
+        """The whole model, or this rank's stage of it (global parameter names either way, so
+        checkpoints and snapshots are the same tensors whatever the layout: a rank of
+        interleaved-1f1b holds its V chunks' layers in one module)."""
         stage, pp, _ = layout
         if pp == 1:
             return Olmo3(self.model_cfg)
-        ranges = partition_layers(self.model_cfg, pp, self.cfg.parallel.stage_layers,
-                                  self.cfg.seq_len)
+        p = self.cfg.parallel
+        virtual = p.virtual_stages if p.schedule == "interleaved-1f1b" else 1
+        ranges = partition_layers(self.model_cfg, pp * virtual, p.stage_layers, self.cfg.seq_len)
         return build_stage(self.model_cfg, stage, pp, ranges)
 
     # ---- snapshots -------------------------------------------------------------------------
