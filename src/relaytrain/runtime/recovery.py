@@ -177,6 +177,8 @@ class Recovery:
             "message": failure.message, "source": restore.source, "dp": self.dp,
             "lost_steps": len(lost) + in_flight, "restored_step": restore.step,
             "discarded_ahead": ahead, "continued_on": len(self.members),
+            # failed workers replaced: by workers up already, by ones waited for (`waited`)
+            "replaced": len(replaced),
             # why the survivors waited for a process to start (None: they did not)
             "waited_for_replacement": waited,
             # detect: fault -> exception; replace: settle, kill, take replacements that are

@@ -479,7 +479,9 @@ class RayEngine(Engine):
             remove_placement_group(self._reserved)
             self._reserved = None
         pg = placement_group([self._bundle()], strategy="PACK")
-        ray.wait([pg.ready()], timeout=5.0)
+        deadline = time.monotonic() + 5.0
+        while not _placed(pg) and time.monotonic() < deadline:  # not pg.ready(): a task, slower
+            time.sleep(0.01)
         timer = threading.Timer(seconds, remove_placement_group, (pg,))
         timer.daemon = True
         timer.start()
