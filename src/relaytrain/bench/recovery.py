@@ -108,7 +108,9 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
             # HELD_S: no capacity to replace it until then.
             progress.report("a kill with no capacity to replace it (shrink)")
             run_dir = os.path.join(tmp, "shrink")
-            shrunk = run_training([*common, f"run_dir={run_dir}", "train.max_steps=80",
+            # 160 steps: time to grow back (the slot held, then a new process's start-up:
+            # 16.5 s on 2 cores under load 15)
+            shrunk = run_training([*common, f"run_dir={run_dir}", "train.max_steps=160",
                                    "faults.kill_at=[10]", f"faults.hold_capacity_s={HELD_S:g}",
                                    "elastic.spares=0",
                                    f"runtime.cpus_per_worker={(os.cpu_count() or 4) / 4:g}"])
