@@ -214,6 +214,47 @@ def assert_only_failed_ranks_replaced(run_dir: Path | str) -> list[dict]:
     return gens
 
 
+def assert_survivors_kept_their_processes(run_dir: Path | str) -> list[dict]:
+    """Per generation after the first: a growth (`resize`) kept every member's process and
+    added new ones; a recovery's is formed by the survivors, each the very same process (its
+    PID and the OS's start time of it, as each worker process reported itself), plus one
+    process per failed worker it replaced (`replaced`): on fewer workers if it went on without
+    some (`continued_on`). Returns the recovery records."""
+    recoveries, gens = records(run_dir, "recovery"), records(run_dir, "generation")
+    resizes = {r["step"] for r in records(run_dir, "resize")}
+    assert len(gens) == 1 + len(recoveries) + len(resizes), gens
+    procs = [{(w["pid"], w["start"]) for w in g["workers"].values()} for g in gens]
+    formed_by = iter(recoveries)
+    for g, before, after in zip(gens[1:], procs[:-1], procs[1:], strict=True):
+        if g["step"] in resizes and before < after:
+            continue
+        rec = next(formed_by)
+        assert len(after - before) == rec["replaced"] and len(after) == rec["continued_on"], \
+            (rec, before, after)
+    return recoveries
+
+
+def assert_went_on_at_once(run_dir: Path | str, workers: int) -> list[dict]:
+    """No recovery of the run waited for a process to start (its record says so), the
+    survivors kept their processes (`assert_survivors_kept_their_processes`), the steps after
+    a recovery that went on with fewer workers ran at its size (the ledger's header and step
+    records), and the run ended at `workers`. The recovery records."""
+    recoveries = assert_survivors_kept_their_processes(run_dir)
+    assert recoveries and len(records(run_dir, "generation")[-1]["workers"]) == workers
+    for rec in recoveries:
+        assert rec["waited_for_replacement"] is None, rec
+        assert rec["phases"]["wait_replacement"] == 0.0, rec
+    ledger = [json.loads(x) for x in (Path(run_dir) / "ledger.jsonl").read_text().splitlines()]
+    after_header = {(ledger[i]["dp"], ledger[i + 1]["step"], ledger[i + 1]["dp"])
+                    for i in range(1, len(ledger) - 1)
+                    if ledger[i]["kind"] == "header" and ledger[i + 1]["kind"] == "step"}
+    for rec in recoveries:
+        if rec["replaced"] == 0:
+            assert (rec["dp"], rec["restored_step"] + 1, rec["dp"]) in after_header, \
+                (rec, after_header)
+    return recoveries
+
+
 def assert_bit_identical(run: Path | str, reference: Path | str,
                          steps: range | None = None) -> None:
     """`run` recorded the same steps (`steps`, if given), losses, gradient norms and final

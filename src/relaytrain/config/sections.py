@@ -175,6 +175,9 @@ class RuntimeSection:
 
 @dataclass
 class ElasticSection:
+    # how long after a failure the run keeps trying to grow back (replacements starting in the
+    # background) while it goes on with fewer workers; where no smaller layout exists (a
+    # pipeline's stage, context parallelism, elastic.min_workers), how long it waits for them
     replace_timeout: float = 30.0
     min_workers: int = 1
     max_recoveries: int = 10

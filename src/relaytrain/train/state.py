@@ -177,13 +177,15 @@ class TrainState:
             self.load_tensors(self._assembled(given), local=True)
         elif given is not None:
             self.load_tensors(given)
-        elif self._snapshot is not None and self._snapshot[0] == step:
+        elif self._snapshot is not None and self._snapshot[0] == step and (
+                not self._snapshot[2] or self._own_rows() ==
+                {k: tuple(w["rows"]) for k, w in self._snapshot[2].items()}):
             _, tensors, where = self._snapshot
-            if where and {k: tuple(w["rows"]) for k, w in where.items()} != self._own_rows():
-                raise RuntimeError(f"this worker's snapshot of step {step} holds rows of "
-                                   "another layout (they must be pulled from the peers)")
             self.load_tensors(tensors, local=bool(where))
         elif step > self.cfg.start_step:
+            # (also past a snapshot of `step` that holds rows of another layout: a restore from
+            # the checkpoint of the step it was taken at, onto fewer workers; from memory, the
+            # controller gives a worker whose rows changed their pieces instead)
             self.load_tensors(self._read_checkpoint(step), local=True, owned=True)
         elif self.cfg.init.origin is not None:
             self.load_tensors(self._read_checkpoint(None), local=True, owned=True)
