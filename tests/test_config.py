@@ -1,6 +1,7 @@
 """The run configuration: YAML plus key=value overrides, one clear line for every mistake."""
 
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,8 @@ def test_exact_mode_refuses_bf16_gathers_in_one_line():
 def test_sharded_pipeline_stages_run_the_flush_schedules_only(schedule):
     with pytest.raises(ConfigError, match=f"'parallel.fsdp': got 2 with parallel.pp=2 and the "
                                           f"asynchronous schedule '{schedule}'; sharded stages "
-                                          "run the flush schedules \\(gpipe, 1f1b, zb-h1\\)"):
+                                          "run the flush schedules \\(gpipe, 1f1b, zb-h1, "
+                                          "interleaved-1f1b\\)"):
         load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.fsdp=2",
                                           "parallel.pp=2", f"parallel.schedule={schedule}"])
     for flush in ("gpipe", "1f1b", "zb-h1"):
@@ -142,12 +144,37 @@ def test_skipping_spikes_is_refused_on_a_pipeline_whose_stages_update_apart(sche
     in a batch."""
     with pytest.raises(ConfigError, match=r"^config key 'optim.skip_spikes': got true with "
                                           r"parallel.pp=2 and schedule '(pipedream|paci)' .* "
-                                          r"expected a flush schedule \(gpipe, 1f1b, zb-h1, or "
+                                          r"expected a flush schedule \(gpipe, 1f1b, zb-h1, "
+                                          r"interleaved-1f1b, or "
                                           r"paci "
                                           r"with parallel.paci.flush=true and parallel.paci.a "
                                           r">= the micro-batches per DP rank\)"):
         load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2", *schedule,
                                           "optim.skip_spikes=true"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.virtual_stages=2"], "'parallel.virtual_stages': got 2 with "
+     "parallel.schedule=1f1b and parallel.pp=2; expected 1, or parallel.schedule="
+     "interleaved-1f1b with parallel.pp >= 2"),
+    (["parallel.virtual_stages=0"], "'parallel.virtual_stages': got 0, expected >= 1"),
+    (["parallel.schedule=interleaved-1f1b", "parallel.pp=3", "model.n_layers=6"],
+     "got interleaved-1f1b with 4 micro-batches per data-parallel rank, expected a multiple of "
+     "parallel.pp=3"),
+    (["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "model.n_layers=3"],
+     "parallel.pp x virtual_stages = 4 virtual stages need as many layers"),
+    (["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "model.n_layers=4",
+      "parallel.fsdp=2"], "'parallel.fsdp': got 2 with interleaved-1f1b"),
+    (["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "model.n_layers=4",
+      "parallel.stage_layers=[2,2]"], "'parallel.stage_layers': set with interleaved-1f1b")])
+def test_virtual_stages_are_interleaved_1f1bs_on_a_model_deep_enough(overrides, message):
+    base = ["runtime.engine=ray", "parallel.pp=2"]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/tiny.yaml", [*base, *overrides])
+    cfg = load_config("configs/tiny.yaml", [*base, "parallel.schedule=interleaved-1f1b",
+                                            "parallel.virtual_stages=2", "model.n_layers=4"])
+    assert cfg.parallel.virtual_stages == 2
+    assert load_config("configs/tiny.yaml").parallel.virtual_stages == 1
 
 
 def test_skipping_spikes_takes_the_flush_schedules_and_defaults_to_olmo_cores_rule():

@@ -125,7 +125,7 @@ OFFICIAL = {
     },
     # Stage 3: YaRN (factor, beta_fast, beta_slow, old_context_len), packed instances
     # (source_group_size, source_permutation_seed) with doc lengths, context parallelism
-    # (degree, head_stride), whose key is another branch's: a comment line until merged.
+    # (degree, head_stride): parallel.cp, a comment line where the config shards (fsdp > 1).
     "olmo3-7b-long-context.yaml": {
         "script": SCRIPTS + "OLMo-3-1025-7B-long-context.py",
         "commit": "138b1fca4992c704f320c05718ef8168ffb44ea1",
@@ -243,9 +243,13 @@ def test_each_stage_config_holds_its_scripts_values(name):
     text = path.read_text()
     assert script["script"] in text  # the config names its script
     assert [n for n in script["no_key"] if n not in text] == []  # named in a comment
-    if script.get("cp"):  # parallel.cp is another branch's key: a comment line until merged
+    if script.get("cp"):  # cp with fsdp is refused for now: there a comment line
         degree, stride = script["cp"]
-        assert f"  # cp: {degree}\n" in text and f"degree={degree}, head_stride={stride}" in text
+        assert f"degree={degree}, head_stride={stride}" in text
+        if cfg.parallel.fsdp == 1:
+            assert cfg.parallel.cp == degree
+        else:
+            assert cfg.parallel.cp == 1 and f"  # cp: {degree}\n" in text
     sets = DataMix.v3_small_ppl_validation.build("", TokenizerConfig.dolma2().identifier)[1]
     if script["lm_eval"]:
         assert script["lm_eval"][0] == V3_SMALL and list(cfg.eval.sets) == sets

@@ -109,6 +109,11 @@ def test_long_documents_are_truncated_and_padding_is_ignored_by_the_loss(indexed
     real = docs[1]
     for r in range(3):
         assert (labels[r, : real[r] - 1] != -100).all() and (labels[r, real[r] - 1:] == -100).all()
+    # whole (what a cp split takes): every token an input, the same labels scored, and one more
+    # ignored at the end, as OLMo-core's get_labels
+    inputs_w, labels_w, lens_w = model_inputs(torch.from_numpy(rows[:3]), docs, whole=True)
+    assert torch.equal(inputs_w, torch.from_numpy(rows[:3])) and torch.equal(lens_w, docs[0])
+    assert torch.equal(labels_w[:, :-1], labels) and (labels_w[:, -1] == -100).all()
 
 
 def test_best_fit_takes_the_fullest_instance_that_still_holds_a_document():

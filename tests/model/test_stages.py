@@ -10,7 +10,7 @@ from relaytrain.model.accounting import head_flops_per_token, layer_flops_per_to
 from relaytrain.model.config import PRESETS
 from relaytrain.model.init import init_weights
 from relaytrain.model.olmo3 import Olmo3
-from relaytrain.model.stages import build_stage, partition_layers
+from relaytrain.model.stages import build_stage, partition_layers, rank_chunks
 
 torch.set_num_threads(1)
 TINY = PRESETS["tiny"].with_vocab(500)
@@ -78,3 +78,28 @@ def test_stages_compose_to_exactly_the_full_model(counts):
     for s in stages:
         h = s(h)
     assert torch.equal(h, full(x))
+
+
+@pytest.mark.parametrize(("ranks", "chunks"), [(2, 2), (2, 3), (3, 2)])
+def test_interleaved_ranks_hold_every_ranks_th_virtual_stage_and_compose_to_the_model(ranks,
+                                                                                      chunks):
+    """S x V virtual stages; rank r holds r, r + S, ...: one module with the global names, run a
+    chunk at a time round the ranks, is the model (the embedding only with the first chunk of
+    rank 0, the head only with the last of rank S - 1)."""
+    cfg = cfg_with(ranks * chunks)
+    full = Olmo3(cfg)
+    init_weights(full, 3)
+    ranges = partition_layers(cfg, ranks * chunks)
+    assert rank_chunks(ranges, 1, ranks) == ranges[1::ranks]
+    stages = [build_stage(cfg, r, ranks, ranges) for r in range(ranks)]
+    assert sorted(n for s in stages for n, _ in s.named_parameters()) == sorted(
+        n for n, _ in full.named_parameters())
+    for s in stages:
+        init_weights(s, 3)
+    x = torch.randint(0, 500, (2, 40))
+    h = x
+    for v, layers in enumerate(ranges):
+        h = stages[v % ranks](h, chunk=layers)
+    assert torch.equal(h, full(x))
+    with pytest.raises(ValueError, match="several chunks"):
+        stages[0](x)

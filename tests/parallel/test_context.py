@@ -48,8 +48,8 @@ def _dense(q, k, v, window, docs):
 def _run(split: ContextSplit, group, exact: bool, window, docs) -> tuple[torch.Tensor, ...]:
     """This rank's output and dQ, dK, dV of its tokens (local order)."""
     q, k, v, g = (split.local(x, dim=2).requires_grad_() for x in _inputs())
-    comm = ContextGroup(split, group, exact)
-    out = context_attention(q, k, v, comm.plan(window, docs), comm, D**-0.5)
+    comm = ContextGroup(split, group, exact, docs)
+    out = context_attention(q, k, v, comm.plan(window), comm, D**-0.5)
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), g.detach()))
 
 
@@ -148,12 +148,40 @@ def test_the_model_with_a_cp_1_context_trains_as_without_one():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def test_the_model_with_a_cp_1_context_keeps_documents_as_without_one():
+    """Packed rows (documents shorter and longer than the window) given the split as the
+    context with their document lengths: attention within documents, RoPE positions from each
+    document's start, as the unsplit document-masked model; loss and gradients to float
+    rounding, and not those of the rows unmasked."""
+    from relaytrain.model.config import PRESETS
+    from relaytrain.model.init import init_weights
+    from relaytrain.model.olmo3 import Olmo3
+
+    cfg = PRESETS["tiny-gqa"].with_vocab(300)
+    model = Olmo3(cfg)
+    init_weights(model, seed=0)
+    tokens = torch.randint(0, 300, (2, 65), generator=torch.Generator().manual_seed(1))
+    long = cfg.sliding_window + 5
+    doc_lens = torch.tensor([[3, long, 64 - 3 - long], [64, 0, 0]])
+    got = []
+    for kwargs in ({"doc_lens": doc_lens},
+                   {"doc_lens": doc_lens, "context": ContextGroup(ContextSplit(64), None, True)},
+                   {"context": ContextGroup(ContextSplit(64), None, True)}):
+        model.zero_grad()
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:], **kwargs)[0]
+        loss.backward()
+        got.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(got[0], got[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert abs(float(got[1][0] - got[2][0])) > 1e-4  # the documents change the loss
+
+
 def test_bf16_inputs_are_scored_in_fp32_and_get_gradients_of_their_dtype():
     """Under CUDA's autocast q, k, v arrive in bf16: scores, softmax and sums run in fp32 (as
     flash kernels'), the output and gradients come back in bf16."""
     q, k, v, g = (x.bfloat16().requires_grad_() for x in _inputs())
     comm = ContextGroup(ContextSplit(T), None, exact=True)
-    out = context_attention(q, k, v, comm.plan(WINDOW, None), comm, D**-0.5)
+    out = context_attention(q, k, v, comm.plan(WINDOW), comm, D**-0.5)
     grads = torch.autograd.grad(out, (q, k, v), g.detach())
     assert {t.dtype for t in (out, *grads)} == {torch.bfloat16}
     ref = _dense(*(x.detach().float() for x in (q, k, v)), WINDOW, None)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from relaytrain.cli import main
@@ -44,6 +45,25 @@ def make_corpus(root: Path, seed: int = 0) -> str:
 def corpus_data(tmp_path_factory) -> str:
     """The prepared corpus every training test shares."""
     return make_corpus(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def packed_mix(tmp_path_factory) -> str:
+    """Four token files of documents from 1 to ~100 tokens (seq_len 32, window 16), indexed
+    with a PAD id: what packed instances are packed from."""
+    vocab, eos, pad = 320, 318, 319
+    root = tmp_path_factory.mktemp("packed-mix")
+    for i, n in enumerate([3000, 1701, 2500, 900, 900]):
+        rng = np.random.default_rng(i)
+        toks = rng.integers(0, eos, size=n)
+        toks[rng.choice(n, size=n // 25, replace=False)] = eos
+        toks[-1] = eos
+        toks.astype("<u2").tofile(root / f"part-{i}.npy")
+    out = root / "index"
+    assert main(["data", "index", "--files", *(str(root / f"part-{i}.npy") for i in range(4)),
+                 "--heldout", str(root / "part-4.npy"), "--vocab-size", str(vocab), "--eos-id",
+                 str(eos), "--pad-id", str(pad), "--out", str(out)]) == 0
+    return str(out)
 
 
 def tiny_config(run_dir: Path | str, data: str, *overrides: str) -> RunConfig:
@@ -192,6 +212,47 @@ def assert_only_failed_ranks_replaced(run_dir: Path | str) -> list[dict]:
         changed = {r for r, w in before["workers"].items() if after["workers"][r] != w}
         assert changed == {str(rec["rank"])}, (rec, before, after)
     return gens
+
+
+def assert_survivors_kept_their_processes(run_dir: Path | str) -> list[dict]:
+    """Per generation after the first: a growth (`resize`) kept every member's process and
+    added new ones; a recovery's is formed by the survivors, each the very same process (its
+    PID and the OS's start time of it, as each worker process reported itself), plus one
+    process per failed worker it replaced (`replaced`): on fewer workers if it went on without
+    some (`continued_on`). Returns the recovery records."""
+    recoveries, gens = records(run_dir, "recovery"), records(run_dir, "generation")
+    resizes = {r["step"] for r in records(run_dir, "resize")}
+    assert len(gens) == 1 + len(recoveries) + len(resizes), gens
+    procs = [{(w["pid"], w["start"]) for w in g["workers"].values()} for g in gens]
+    formed_by = iter(recoveries)
+    for g, before, after in zip(gens[1:], procs[:-1], procs[1:], strict=True):
+        if g["step"] in resizes and before < after:
+            continue
+        rec = next(formed_by)
+        assert len(after - before) == rec["replaced"] and len(after) == rec["continued_on"], \
+            (rec, before, after)
+    return recoveries
+
+
+def assert_went_on_at_once(run_dir: Path | str, workers: int) -> list[dict]:
+    """No recovery of the run waited for a process to start (its record says so), the
+    survivors kept their processes (`assert_survivors_kept_their_processes`), the steps after
+    a recovery that went on with fewer workers ran at its size (the ledger's header and step
+    records), and the run ended at `workers`. The recovery records."""
+    recoveries = assert_survivors_kept_their_processes(run_dir)
+    assert recoveries and len(records(run_dir, "generation")[-1]["workers"]) == workers
+    for rec in recoveries:
+        assert rec["waited_for_replacement"] is None, rec
+        assert rec["phases"]["wait_replacement"] == 0.0, rec
+    ledger = [json.loads(x) for x in (Path(run_dir) / "ledger.jsonl").read_text().splitlines()]
+    after_header = {(ledger[i]["dp"], ledger[i + 1]["step"], ledger[i + 1]["dp"])
+                    for i in range(1, len(ledger) - 1)
+                    if ledger[i]["kind"] == "header" and ledger[i + 1]["kind"] == "step"}
+    for rec in recoveries:
+        if rec["replaced"] == 0:
+            assert (rec["dp"], rec["restored_step"] + 1, rec["dp"]) in after_header, \
+                (rec, after_header)
+    return recoveries
 
 
 def assert_bit_identical(run: Path | str, reference: Path | str,

@@ -63,8 +63,19 @@ class FakeEngine(Engine):
         self.capacity = capacity  # how many more workers can be placed
         self.settled: dict[int, BaseException | None] = {}  # what settle() reports next
         self.killed: list[int] = []
+        self.up_now = True  # whether a worker is up at once (else it is starting)
+        self.prestarted = 0  # how many workers the last prestart() asked to start
+        self.waited: list[float] = []  # each spawn() that waited for a start: its wait
+
+    def spawn_ready(self, worker_args: tuple) -> int | None:
+        return super().spawn_ready(worker_args) if self.up_now else None
+
+    def prestart(self, n: int = 1) -> None:
+        self.prestarted = n
 
     def spawn(self, worker_args: tuple, wait: float) -> int:
+        if wait:
+            self.waited.append(wait)
         if self.capacity <= 0:
             raise WorkerDied(-1, "no capacity")
         self.capacity -= 1
@@ -82,9 +93,6 @@ class FakeEngine(Engine):
     def settle(self, timeout: float) -> dict[int, BaseException | None]:
         out, self.settled = self.settled, {}
         return out
-
-    def has_capacity(self, wait: float) -> bool:
-        return self.capacity > 0
 
     def hold_capacity(self, seconds: float) -> None:
         self.capacity = 0

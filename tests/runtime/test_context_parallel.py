@@ -1,8 +1,10 @@
 """Context parallelism (parallel.cp) in real runs on Ray actors over gloo: each instance's
 sequence split over the cp workers of its DP rank. Across cp degrees the losses and weights
 agree with cp 1 within 1e-5 (the documented fallback: docs/DETERMINISM.md says why not to the
-bit); at a fixed cp, exact mode is bit-identical across dp and across a resume; a cp 2
-checkpoint resumes at cp 1; bad layouts are one line."""
+bit), on concatenated and on packed, document-masked instances; at a fixed cp, exact mode is
+bit-identical across dp (both kinds) and across a resume; a killed or hung cp worker is
+replaced alone to the same bits; a cp 2 checkpoint resumes at cp 1; bad layouts are one
+line."""
 
 from __future__ import annotations
 
@@ -73,6 +75,42 @@ def test_cp_2_and_4_train_as_cp_1_within_1e_5(tmp_path, corpus_data, ray_cluster
     assert sorted(manifest["files"]) == ["stage0.safetensors"]  # cp rank 0 writes it
 
 
+# Packed instances (documents of 1 to ~100 tokens, window 16), document-masked: the split
+# carries each row's document lengths and its padding's ignored labels.
+PACKED = ("data.instances=packed", "data.source_group_size=2",
+          "data.source_permutation_seed=123", "data.order=olmo-core")
+
+
+@pytest.fixture(scope="module")
+def packed_runs(tmp_path_factory, packed_mix):
+    """Runs on packed, masked instances by (cp, dp, mode), each run once per module (cp 1, the
+    reference, in this process)."""
+    root, done = tmp_path_factory.mktemp("packed"), {}
+
+    def run(cp: int, dp: int, mode: str):
+        if (cp, dp, mode) not in done:
+            done[cp, dp, mode] = root / f"cp{cp}-dp{dp}-{mode}"
+            run_cp(done[cp, dp, mode], packed_mix, cp, dp, f"determinism={mode}", *PACKED)
+        return done[cp, dp, mode]
+    return run
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_2_and_4_train_packed_masked_instances_as_cp_1_within_1e_5(ray_cluster, packed_runs,
+                                                                       cp, mode):
+    """Attention within documents across the split, positions from each document's start,
+    the loss the mean over each instance's scored tokens however the padding falls: losses and
+    final weights within 1e-5 of cp 1's."""
+    assert_close_runs(packed_runs(cp, 1, mode), packed_runs(1, 1, mode))
+
+
+def test_exact_mode_on_packed_instances_at_cp_2_is_bit_identical_across_dp(ray_cluster,
+                                                                           packed_runs):
+    """dp 2 x cp 2 trains dp 1 x cp 2's bits on packed, masked instances."""
+    assert_bit_identical(packed_runs(2, 2, "exact"), packed_runs(2, 1, "exact"))
+
+
 @pytest.fixture(scope="module")
 def cp2_exact(tmp_path_factory, corpus_data, ray_cluster):
     """dp 1 x cp 2 in exact mode, fault-free: what the other cp 2 layouts must reproduce."""
@@ -93,16 +131,18 @@ def test_exact_mode_at_cp_2_is_bit_identical_across_dp_and_a_resume(tmp_path, co
     assert_bit_identical(resumed, cp2_exact)
 
 
-def test_a_killed_cp_worker_is_replaced_alone_from_its_cp_peer_to_the_same_bits(
-        tmp_path, corpus_data, ray_cluster, cp2_exact):
-    """cp rank 1 killed at step 3: a new worker takes its rank with the state its cp peer's
-    in-memory snapshot holds (cp ranks hold the same weights); the survivor keeps its PID, and
-    the run ends on the fault-free run's bits, its audit passing."""
-    run = tmp_path / "killed"
-    run_cp(run, corpus_data, 2, 1, "determinism=exact", "faults.kill_at=[3]",
-           "faults.kill_rank=1", "runtime.call_timeout=120", "runtime.collective_timeout=120")
+@pytest.mark.parametrize(("fault", "cause"), [("kill", "died"), ("hang", "hung")])
+def test_a_killed_or_hung_cp_worker_is_replaced_alone_from_its_cp_peer_to_the_same_bits(
+        tmp_path, corpus_data, ray_cluster, cp2_exact, fault, cause):
+    """cp rank 1 killed (SIGKILL) or hung (SIGSTOP) at step 3: a new worker takes its rank with
+    the state its cp peer's in-memory snapshot holds (cp ranks hold the same weights); the
+    survivor keeps its PID, and the run ends on the fault-free run's bits, its audit passing."""
+    run = tmp_path / fault
+    run_cp(run, corpus_data, 2, 1, "determinism=exact", f"faults.{fault}_at=[3]",
+           f"faults.{fault}_rank=1", "runtime.call_timeout=120",
+           "runtime.collective_timeout=120")
     [rec] = records(run, "recovery")
-    assert (rec["cause"], rec["rank"], rec["source"]) == ("died", 1, "memory"), rec
+    assert (rec["cause"], rec["rank"], rec["source"]) == (cause, 1, "memory"), rec
     assert_only_failed_ranks_replaced(run)
     assert_bit_identical(run, cp2_exact)
 

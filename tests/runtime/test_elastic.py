@@ -17,8 +17,9 @@ from relaytrain.cli import main
 from relaytrain.runtime.controller import Controller
 from relaytrain.runtime.failures import RecoveryLimitExceeded
 from tests.runtime.conftest import (
-    assert_only_failed_ranks_replaced,
     assert_reported_as_the_os_sees_them,
+    assert_survivors_kept_their_processes,
+    assert_went_on_at_once,
     final_state,
     same_tensors,
     step_records,
@@ -58,8 +59,22 @@ def fault_free(tmp_path_factory, corpus_data):
     return run
 
 
+LONG = 60  # steps: time for the replacements to start and join (on 2 busy cores, 10-20 s)
+
+
+@pytest.fixture(scope="module")
+def long_fault_free(tmp_path_factory, corpus_data):
+    """`fault_free`, LONG steps."""
+    run = tmp_path_factory.mktemp("clean-long") / "run"
+    Controller(_cfg(run, corpus_data, f"train.max_steps={LONG}", "determinism=exact",
+                    "runtime.engine=inline", dp=1)).run()
+    return run
+
+
 # Three recoveries in one run, inside the 60 s each alone must meet: one that waited out the
-# 120 s collective timeout would end it past the deadline.
+# 120 s collective timeout would end it past the deadline. A failure that finds no standby
+# warm yet goes on at once on fewer workers (a fault's rank is taken modulo their number):
+# the ranks faulted exist at every size the run may be at then.
 @pytest.mark.alone
 @pytest.mark.timeout(60, func_only=True)
 def test_a_kill_a_hang_and_a_raise_each_recover_without_waiting_for_the_collective_timeout(
@@ -69,27 +84,28 @@ def test_a_kill_a_hang_and_a_raise_each_recover_without_waiting_for_the_collecti
         summary = Controller(_cfg(run, corpus_data, "train.max_steps=12", "determinism=exact",
                                   "faults.kill_at=[3]", "faults.kill_rank=1",
                                   "faults.hang_at=[6]", "faults.hang_rank=2",
-                                  "faults.raise_at=[9]", "faults.raise_rank=3")).run()
+                                  "faults.raise_at=[9]", "faults.raise_rank=1")).run()
     recoveries = _records(run, "recovery")
     assert [(r["cause"], r["rank"], r["failed_step"]) for r in recoveries] == [
-        ("died", 1, 3), ("hung", 2, 6), ("raised", 3, 9)], recoveries
+        ("died", 1, 3), ("hung", 2, 6), ("raised", 1, 9)], recoveries
     assert all(r["source"] == "memory" and r["lost_steps"] <= 1 for r in recoveries)
     assert _no_phase_waits_for_a_timeout(recoveries), recoveries
     # The raise is named by rank, type and message, in its record and in one log line.
     raised = recoveries[2]
     assert raised["message"].startswith("InjectedFault: injected by faults.raise_at at step 9")
     [line] = [x for x in capsys.readouterr().err.splitlines() if "InjectedFault" in x]
-    assert re.fullmatch(r"relaytrain: warning: step 9: worker rank 3 \(pid \d+\) raised: "
+    assert re.fullmatch(r"relaytrain: warning: step 9: worker rank 1 \(pid \d+\) raised: "
                         + re.escape(raised["message"]), line), line
     a, b = step_records(fault_free), step_records(run)
     assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
     assert same_tensors(final_state(run), final_state(fault_free))
     assert main(["data", "audit", str(run)]) == 0
-    # Only the failed worker was replaced, recovery by recovery: by the end ranks 1-3 all were,
-    # so comparing the first generation with the last would hide a replaced healthy worker.
-    gens = assert_only_failed_ranks_replaced(run)
-    assert summary.generation == len(gens) - 1 == 3, summary
-    assert_reported_as_the_os_sees_them(seen, len(gens))
+    # Only the failed worker left, recovery by recovery (replaced at once by the standby, or
+    # the run went on without it while the next standby warmed up): by the end ranks 1-3 all
+    # had, so comparing the first generation with the last would hide a replaced healthy one.
+    assert_survivors_kept_their_processes(run)
+    assert summary.generation == len(_records(run, "generation")) - 1, summary
+    assert_reported_as_the_os_sees_them(seen, summary.generation + 1)
 
 
 # Dispatch ahead: step 7 is started on both workers before step 6's results are in. Rank 1
@@ -125,29 +141,58 @@ def test_three_kills_a_hang_and_a_raise_recover_to_the_same_bits(tmp_path, corpu
     a, b = step_records(fault_free), step_records(run)
     assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
     assert same_tensors(final_state(run), final_state(fault_free))
-    gens = assert_only_failed_ranks_replaced(run)
-    assert summary.generation == len(gens) - 1 == 5, summary
+    assert_survivors_kept_their_processes(run)
+    assert summary.generation == len(_records(run, "generation")) - 1, summary
+
+
+# No standby (a GPU run's default): a replacement is a new process, seconds to start. The
+# survivors do not wait for one: they go on at once on fewer workers (12 micro-batches split
+# 3 ways, or 2), and the replacements join at a step boundary once up. The first failure finds
+# no worker up (none was started before it); the hang 5 steps later may find the first
+# replacement up, and takes it at once. Half a CPU per worker: a stopped worker's slot, which
+# Ray reclaims only seconds after the kill, does not hold up a replacement's placement.
+@pytest.mark.alone
+@pytest.mark.timeout(150, func_only=True)
+def test_without_a_standby_the_survivors_of_a_kill_and_a_hang_go_on_at_once_then_grow_back(
+        tmp_path, corpus_data, ray_cluster, long_fault_free):
+    run = tmp_path / "at-once"
+    summary = Controller(_cfg(run, corpus_data, f"train.max_steps={LONG}", "determinism=exact",
+                              "elastic.standby=false", "runtime.cpus_per_worker=0.5",
+                              "faults.kill_at=[3]", "faults.kill_rank=1", "faults.hang_at=[8]",
+                              "faults.hang_rank=2")).run()
+    recoveries = assert_went_on_at_once(run, workers=4)
+    assert [r["cause"] for r in recoveries] == ["died", "hung"], recoveries
+    assert (recoveries[0]["dp"], recoveries[0]["replaced"]) == (3, 0), recoveries[0]
+    assert all(r["source"] == "memory" and r["lost_steps"] <= 1 for r in recoveries)
+    assert _no_phase_waits_for_a_timeout(recoveries), recoveries
+    grows = _records(run, "resize")
+    assert grows[-1]["dp"] == 4 and summary.dp == 4, grows
+    assert grows[-1]["since_failure_s"] > 0, grows
+    a, b = step_records(long_fault_free), step_records(run)
+    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
+    assert same_tensors(final_state(run), final_state(long_fault_free))
+    assert main(["data", "audit", str(run)]) == 0
 
 
 @pytest.mark.alone
-@pytest.mark.timeout(60, func_only=True)
-def test_scale_down_without_a_replacement_then_grow_back(tmp_path, corpus_data, ray_cluster,
-                                                         fault_free):
+@pytest.mark.timeout(150, func_only=True)
+def test_a_kill_without_capacity_goes_on_at_once_on_fewer_workers_then_grows_back(
+        tmp_path, corpus_data, ray_cluster, long_fault_free):
     run = tmp_path / "elastic"
-    summary = Controller(_cfg(run, corpus_data, "train.max_steps=12", "determinism=exact",
-                              "faults.kill_at=[3]", "faults.hold_capacity_s=2",
-                              "elastic.replace_timeout=1")).run()
-    [rec] = _records(run, "recovery")
+    summary = Controller(_cfg(run, corpus_data, f"train.max_steps={LONG}", "determinism=exact",
+                              "elastic.standby=false", "faults.kill_at=[3]",
+                              "faults.hold_capacity_s=2")).run()
+    [rec] = assert_went_on_at_once(run, workers=4)
     assert rec["dp"] == 3  # 12 micro-batches over the 3 survivors
     assert _no_phase_waits_for_a_timeout([rec]), rec
     [grow] = _records(run, "resize")
     # The recovery record is written at the first step after the shrink; the growth comes at
     # that step's boundary or later, once the held capacity is released (timing-dependent).
-    assert grow["dp"] == 4 and grow["step"] >= rec["step"]
+    assert grow["dp"] == 4 and grow["step"] >= rec["step"] and grow["since_failure_s"] > 2
     assert summary.dp == 4
-    a, b = step_records(fault_free), step_records(run)
+    a, b = step_records(long_fault_free), step_records(run)
     assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
-    assert same_tensors(final_state(run), final_state(fault_free))
+    assert same_tensors(final_state(run), final_state(long_fault_free))
     assert main(["data", "audit", str(run)]) == 0
 
 
@@ -161,7 +206,8 @@ def test_a_kill_during_checkpoint_writes_leaves_nothing_broken_loadable(tmp_path
                         "faults.fail_checkpoint_at=[5]", dp=2)).run()
     [rec] = _records(run, "recovery")  # the kill did happen, and rank 0 alone was replaced
     assert (rec["rank"], rec["cause"]) == (0, "died"), rec
-    assert_reported_as_the_os_sees_them(seen, len(assert_only_failed_ranks_replaced(run)))
+    assert_survivors_kept_their_processes(run)
+    assert_reported_as_the_os_sees_them(seen, len(_records(run, "generation")))
     store = CheckpointStore(str(run / "checkpoints"))
     steps = store.committed_steps()
     assert 5 not in steps and steps[-1] == 7

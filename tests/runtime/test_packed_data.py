@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from relaytrain.cli import main
@@ -17,28 +16,9 @@ from tests.runtime.conftest import assert_bit_identical, step_records, tiny_conf
 
 pytestmark = pytest.mark.timeout(300)
 
-VOCAB, EOS, PAD = 320, 318, 319
 PACKED = ("data.instances=packed", "data.source_group_size=2",
           "data.source_permutation_seed=123", "data.order=olmo-core", "determinism=exact",
           "train.global_batch=8", "train.micro_batch=2", "eval.every=3", "checkpoint.every=2")
-
-
-@pytest.fixture(scope="module")
-def mix(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Four token files of documents from 1 to ~100 tokens (seq_len 32, window 16), indexed
-    with a PAD id."""
-    root = tmp_path_factory.mktemp("packed-mix")
-    for i, n in enumerate([3000, 1701, 2500, 900, 900]):
-        rng = np.random.default_rng(i)
-        toks = rng.integers(0, EOS, size=n)
-        toks[rng.choice(n, size=n // 25, replace=False)] = EOS
-        toks[-1] = EOS
-        toks.astype("<u2").tofile(root / f"part-{i}.npy")
-    out = root / "index"
-    assert main(["data", "index", "--files", *(str(root / f"part-{i}.npy") for i in range(4)),
-                 "--heldout", str(root / "part-4.npy"), "--vocab-size", str(VOCAB), "--eos-id",
-                 str(EOS), "--pad-id", str(PAD), "--out", str(out)]) == 0
-    return str(out)
 
 
 def _run(run_dir: Path, data: str, dp: int, *extra: str) -> RunSummary:
@@ -48,31 +28,32 @@ def _run(run_dir: Path, data: str, dp: int, *extra: str) -> RunSummary:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, mix: str) -> Path:
+def reference(tmp_path_factory: pytest.TempPathFactory, packed_mix: str) -> Path:
     run = tmp_path_factory.mktemp("packed-reference") / "dp1"
-    _run(run, mix, 1, "train.max_steps=6")
+    _run(run, packed_mix, 1, "train.max_steps=6")
     return run
 
 
 def test_two_workers_then_one_are_bit_identical_to_one_and_pass_the_audit(
-        tmp_path: Path, mix: str, reference: Path, ray_cluster: object) -> None:
+        tmp_path: Path, packed_mix: str, reference: Path, ray_cluster: object) -> None:
     run = tmp_path / "dp2"
-    _run(run, mix, 2, "train.max_steps=4")
-    _run(run, mix, 1, "train.max_steps=6")  # resized 2 -> 1
+    _run(run, packed_mix, 2, "train.max_steps=4")
+    _run(run, packed_mix, 1, "train.max_steps=6")  # resized 2 -> 1
     assert_bit_identical(run, reference, range(1, 7))
 
 
-def test_stopped_and_resumed_is_bit_identical(tmp_path: Path, mix: str, reference: Path) -> None:
+def test_stopped_and_resumed_is_bit_identical(tmp_path: Path, packed_mix: str,
+                                              reference: Path) -> None:
     run = tmp_path / "resumed"
-    _run(run, mix, 1, "train.max_steps=3")
-    _run(run, mix, 1, "train.max_steps=6")
+    _run(run, packed_mix, 1, "train.max_steps=3")
+    _run(run, packed_mix, 1, "train.max_steps=6")
     assert_bit_identical(run, reference, range(1, 7))
 
 
-def test_the_masking_changes_the_run(tmp_path: Path, mix: str, reference: Path) -> None:
+def test_the_masking_changes_the_run(tmp_path: Path, packed_mix: str, reference: Path) -> None:
     """Masked and unmasked runs of the same packed instances part at the first step."""
     run = tmp_path / "unmasked"
-    _run(run, mix, 1, "train.max_steps=1", "model.document_masking=false")
+    _run(run, packed_mix, 1, "train.max_steps=1", "model.document_masking=false")
     assert step_records(run)[1]["loss"] != step_records(reference)[1]["loss"]
 
 

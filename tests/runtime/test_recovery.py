@@ -45,6 +45,11 @@ def _recovery(tmp_path, snapshots, *extra, capacity=10, checkpoint_at=None):
     return rec, engine
 
 
+def _metrics(tmp_path, kind: str) -> list[dict]:
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
 def _ledger(tmp_path) -> list[dict]:
     return [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()]
 
@@ -109,6 +114,51 @@ def test_without_capacity_the_run_shrinks_to_the_largest_even_split_then_grows_b
     assert all(engine.workers[w].built == (4, {"from": 0, "step": 4})
                for w in rec.members[2:])
     assert [r["dp"] for r in _ledger(tmp_path) if r["kind"] == "header"] == [4, 2, 4]
+
+
+def test_with_no_worker_up_the_survivors_go_on_at_once_and_the_replacement_joins_once_up(
+        tmp_path):
+    """12 micro-batches: the 3 survivors are a valid DP size. No replacement is up (a new
+    process takes seconds to start): they go on without it, and it joins when it is."""
+    rec, engine = _recovery(tmp_path, [2, 2, 2, 2], "train.global_batch=12")
+    engine.up_now = False
+    rec.recover(WorkerDied(1, "SIGKILL"), done=2, in_flight=1)
+    assert rec.dp == 3 and rec.members == [0, 2, 3] and set(engine.killed) == {1}
+    assert engine.waited == [] and engine.prestarted == 1  # it starts in the background
+    rec.recovered(3)
+    [record] = rec.log
+    assert (record["continued_on"], record["waited_for_replacement"]) == (3, None)
+    assert record["phases"]["wait_replacement"] == 0.0
+    rec.maybe_grow(3)  # still starting
+    assert rec.dp == 3
+    engine.up_now = True
+    rec.maybe_grow(4)
+    assert rec.dp == 4 and rec.members[:3] == [0, 2, 3]
+    assert engine.workers[rec.members[3]].built == (4, {"from": 0, "step": 4})
+    [resize] = _metrics(tmp_path, "resize")
+    assert resize["dp"] == 4 and resize["since_failure_s"] >= 0
+    assert [r["dp"] for r in _ledger(tmp_path) if r["kind"] == "header"] == [4, 3, 4]
+
+
+def test_a_pipeline_with_a_stage_lost_waits_for_its_replacement_and_says_why(tmp_path):
+    rec, engine = _recovery(tmp_path, [1, 1, 1, 1], "parallel.dp=2", "parallel.pp=2")
+    engine.up_now = False
+    rec.recover(WorkerDied(3, "gone"), done=1, in_flight=1)
+    assert rec.dp == 2 and rec.members[3] == 4 and len(engine.waited) == 1
+    rec.recovered(2)
+    assert "a stage missing" in rec.log[0]["waited_for_replacement"]
+    assert rec.log[0]["continued_on"] == 4
+
+
+def test_past_replace_timeout_the_run_stops_trying_to_grow_back(tmp_path):
+    rec, engine = _recovery(tmp_path, [2, 2, 2, 2], "train.global_batch=12",
+                            "elastic.replace_timeout=0")
+    engine.up_now = False
+    rec.recover(WorkerDied(1, "SIGKILL"), done=2, in_flight=1)
+    rec.maybe_grow(3)
+    engine.up_now = True
+    rec.maybe_grow(4)  # given up: the run goes on at its size
+    assert rec.dp == rec.target_dp == 3 and rec.members == [0, 2, 3]
 
 
 def test_a_sharded_stages_replacement_pulls_its_rows_from_its_own_stages_replicas(tmp_path):

@@ -12,6 +12,8 @@ from tests.runtime.conftest import (
     DP,
     assert_bit_identical,
     assert_only_failed_ranks_replaced,
+    assert_survivors_kept_their_processes,
+    assert_went_on_at_once,
     final_state,
     records,
     run_layout,
@@ -111,8 +113,11 @@ def test_fast_mode_agrees_with_the_unsharded_run_within_float_noise(tmp_path, co
 
 def test_a_sharded_run_replaces_killed_and_hung_workers_alone_to_the_same_bits(
         tmp_path, corpus_data, ray_cluster, exact_reference):
-    """dp 2 x fsdp 2 (hybrid) with two kills and a hang at random steps (from the seed): each
-    failed worker's shards come back from a peer's in-memory snapshot."""
+    """dp 2 x fsdp 2 (hybrid) with two kills and a hang at random steps (from the seed): a
+    failed worker's shards come back from a peer's in-memory snapshot while another replica
+    holds them. A failure that finds no standby warm yet goes on at once with the other
+    replica alone, so a failure before the run is back at two replicas restores the
+    checkpoint: no copy of the lost shard is left."""
     run = tmp_path / "faulty"
     Controller(tiny_config(run, corpus_data, *DP, "runtime.engine=ray", "parallel.dp=2",
                            "parallel.fsdp=2", "determinism=exact", "train.max_steps=6",
@@ -121,30 +126,50 @@ def test_a_sharded_run_replaces_killed_and_hung_workers_alone_to_the_same_bits(
                            "elastic.replace_timeout=20")).run()
     recoveries = records(run, "recovery")
     assert sorted(r["cause"] for r in recoveries) == ["died", "died", "hung"], recoveries
-    assert all(r["source"] == "memory" and r["lost_steps"] <= 1 for r in recoveries), \
-        [(r["source"], r["lost_steps"]) for r in recoveries]
-    assert_only_failed_ranks_replaced(run)
+    one_replica = [False] + [r["continued_on"] == 2 for r in recoveries[:-1]]
+    assert all((r["source"] == "memory" and r["lost_steps"] <= 1) or (alone and
+                                                                     r["source"] == "checkpoint")
+               for r, alone in zip(recoveries, one_replica, strict=True)), \
+        [(r["source"], r["lost_steps"], r["continued_on"]) for r in recoveries]
+    # each failed worker replaced at once by the standby, or the run went on without it
+    assert_survivors_kept_their_processes(run)
     assert_bit_identical(run, exact_reference)  # and the audit passes
 
 
-def test_a_sharded_run_without_a_replacement_reshards_onto_fewer_workers_then_grows_back(
-        tmp_path, corpus_data, ray_cluster, exact_reference):
-    """dp 2 x fsdp 2 loses a worker with no capacity to replace it. Three survivors would cut
-    the tiny model's 64-value norm weights into 22-value chunks, whose bits differ (see
-    parallel/fsdp.py), so exact mode goes on with two, one replica sharded over both, and
-    grows back to 2 x 2 once the capacity returns: to the same bits."""
+LONG = 60  # steps: time for new workers to start and join (on 2 busy cores, 10-20 s)
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory, corpus_data):
+    """`exact_reference`, LONG steps."""
+    run = tmp_path_factory.mktemp("reference") / "long"
+    run_layout(run, corpus_data, 1, *DP, "determinism=exact", f"train.max_steps={LONG}")
+    return run
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(240, func_only=True)
+def test_a_sharded_run_without_a_replacement_goes_on_at_once_on_one_replica_then_grows_back(
+        tmp_path, corpus_data, ray_cluster, long_reference):
+    """dp 2 x fsdp 2 loses a worker with no capacity to replace it (and no standby). Three
+    survivors would cut the tiny model's 64-value norm weights into 22-value chunks, whose bits
+    differ (see parallel/fsdp.py), so exact mode goes on at once with two: the failed
+    worker's replica drops out, the other continues, and the run grows back to 2 x 2 once
+    capacity returns and two new workers are up: to the same bits."""
     run = tmp_path / "elastic"
     summary = Controller(tiny_config(run, corpus_data, *DP, "runtime.engine=ray",
                                      "parallel.dp=2", "parallel.fsdp=2", "determinism=exact",
-                                     "train.max_steps=6", "faults.kill_at=[3]",
-                                     "faults.hold_capacity_s=2", "elastic.replace_timeout=1",
-                                     "runtime.call_timeout=120",
+                                     f"train.max_steps={LONG}", "faults.kill_at=[3]",
+                                     "faults.kill_rank=3", "faults.hold_capacity_s=2",
+                                     "elastic.standby=false", "runtime.call_timeout=120",
                                      "runtime.collective_timeout=120")).run()
-    [rec] = records(run, "recovery")
-    assert rec["dp"] == 2 and rec["source"] == "memory"
-    [grow] = records(run, "resize")
-    assert grow["dp"] == 4 and summary.dp == 4
-    assert_bit_identical(run, exact_reference)
+    [rec] = assert_went_on_at_once(run, workers=4)
+    assert (rec["dp"], rec["continued_on"], rec["source"]) == (2, 2, "memory"), rec
+    # the survivors that went on: replica 0 (ranks 0 and 1), its shards unchanged
+    gens = records(run, "generation")
+    assert gens[1]["workers"] == {r: gens[0]["workers"][r] for r in ("0", "1")}, gens[:2]
+    assert [g["dp"] for g in records(run, "resize")][-1] == 4 and summary.dp == 4
+    assert_bit_identical(run, long_reference)
 
 
 # The tiny model at d_model 192: every row and norm is whole 16-value vectors over 3 and over 4
@@ -160,14 +185,15 @@ def test_a_sharded_run_reshards_onto_three_workers_then_grows_back_to_four(
     its rows; the vocabulary's rows split unevenly 3 ways), then grows back to 4, the rows
     pulled from the three snapshots into the 4-way layout: bit-identical to one worker."""
     reference = tmp_path / "one"
-    # 12 steps: the capacity held for 1 s comes back while steps remain, however fast the
-    # recovery (the growth happens at a step boundary once it has)
-    run_layout(reference, corpus_data, 1, *DP, *WIDE, "determinism=exact", "train.max_steps=12")
+    # 24 steps: the capacity held for 1 s comes back, and the standby (warm by then) takes it,
+    # while steps remain (the run goes on at once on three; the growth happens at a step
+    # boundary once the standby is placed)
+    run_layout(reference, corpus_data, 1, *DP, *WIDE, "determinism=exact", "train.max_steps=24")
     run = tmp_path / "elastic"
     summary = Controller(tiny_config(run, corpus_data, *DP, *WIDE, "runtime.engine=ray",
-                                     "parallel.fsdp=4", "determinism=exact", "train.max_steps=12",
+                                     "parallel.fsdp=4", "determinism=exact", "train.max_steps=24",
                                      "faults.kill_at=[5]", "faults.hold_capacity_s=1",
-                                     "elastic.replace_timeout=1", "runtime.call_timeout=120",
+                                     "runtime.call_timeout=120",
                                      "runtime.collective_timeout=120")).run()
     [rec] = records(run, "recovery")
     assert (rec["dp"], rec["source"], rec["restored_step"]) == (3, "checkpoint", 3), rec

@@ -172,7 +172,7 @@ def test_zb_h1_splits_the_backward_into_the_same_bits_as_1f1bs_whole_one(monkeyp
     gradients sent upstream and the update's gradient equal 1f1b's bit for bit. (Alone, the
     stage's norm is the pipeline's: the flush schedules' all-gather has no peers here.)"""
     monkeypatch.setattr(StageRunner, "_global_norm",
-                        lambda self, grads, ok: (torch.nn.utils.get_total_norm(grads), ok))
+                        lambda self, grads, order, ok: (torch.nn.utils.get_total_norm(grads), ok))
     *_, net, opt, stats = run_middle_stage("1f1b")
     *_, zb_net, zb_opt, zb_stats = run_middle_stage("zb-h1")
     assert net.sent.keys() == zb_net.sent.keys()
@@ -376,11 +376,17 @@ def test_every_flush_schedule_reruns_bit_identically(runs):
     (("parallel.pp=2", "parallel.dp=2"), ()),
     (("parallel.pp=2", "parallel.dp=2", "parallel.schedule=zb-h1"), ()),
     # every stage defers its W's differently (stage i by i backwards)
-    (("parallel.pp=4", "parallel.schedule=zb-h1"), ("model.n_layers=4",))])
+    (("parallel.pp=4", "parallel.schedule=zb-h1"), ("model.n_layers=4",)),
+    # two chunks per rank (virtual stages 0, 2 on rank 0 and 1, 3 on rank 1), with DP
+    (("parallel.pp=2", "parallel.dp=2", "parallel.schedule=interleaved-1f1b",
+      "parallel.virtual_stages=2"), ("model.n_layers=4",))])
 def test_dp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_model(runs, layout, model):
     ref = runs("determinism=exact", *model)
     res = runs("determinism=exact", *model, *layout)
     assert step_losses(res) == step_losses(ref)
+    # the global norm too (clipping scales by it), gathered from stages in any layer order
+    assert [s["grad_norm"] for s in last_stage(res)["steps"]] == [
+        s["grad_norm"] for s in ref[0]["steps"]]
     w, ref_w = final_weights([r for r in res if r["dp_rank"] == 0]), final_weights(ref)
     assert all(torch.equal(w[k], ref_w[k]) for k in ref_w)
     if "parallel.dp=2" in layout:

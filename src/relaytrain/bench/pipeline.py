@@ -1,4 +1,4 @@
-"""`relaytrain bench pipeline`: the five schedules on real multi-process pipelines, and the
+"""`relaytrain bench pipeline`: the schedules on real multi-process pipelines, and the
 schedule simulator calibrated on them for pipelines deeper than this machine can run.
 
 Two layers, kept apart so that neither hides the other:
@@ -28,6 +28,12 @@ Two layers, kept apart so that neither hides the other:
   is split, with its own run's B and W (the split's extra work included) and the pooled F and U.
   `sensitivity_at_8`
   shows what the transfer time, the span length and the stage size do to paci and 1f1b.
+- **interleaved-1f1b** runs with V = 2 chunks per stage (`VIRTUAL`), for real only where the
+  preset's 4 layers give every virtual stage one (S = 2); it is simulated with the pooled
+  per-stage costs, each chunk's F and B 1/V of them (its own run's costs are summed over its
+  chunks for the comparison with that run). Its steps to the target are 1f1b's: every flush
+  schedule makes the same updates (bit for bit in exact mode, tests/train/test_pipeline_stage.py),
+  only the time per step differs.
 
 Time to a target held-out loss at larger S = the real number of steps each schedule needed to reach
 it (in the deepest real pipeline: staleness grows with S, so the asynchronous schedules' counts are
@@ -72,6 +78,8 @@ if TYPE_CHECKING:
     from relaytrain.runtime.kvstore import StoreAccess
 
 SIM_STAGES = (4, 8, 16, 32)
+VIRTUAL = 2  # interleaved-1f1b's chunks per stage
+SMALL_LAYERS = 4  # the small preset's: at most that many (virtual) stages run for real
 TARGETS = {"paci_utilisation": 0.95, "paci_memory_vs_1f1b": 1.10, "paci_speedup_at_8": 1.70,
            "zb_h1_memory_vs_1f1b": 1.10, "simulated_bubble_error": 0.10}
 
@@ -100,8 +108,10 @@ def bench_pipeline(quick: bool, out_dir: str = "runs/bench-pipeline") -> dict[st
     the predictions and the targets met or missed; writes the runs' metrics under `out_dir/runs`,
     the plot to `out_dir/pipeline.png` and the result to `out_dir/result.json`."""
     setup = QUICK if quick else FULL
-    progress.start("pipeline", f"{len(SCHEDULES)} schedules x S = "
-                   f"{', '.join(map(str, setup.stages))}: one run of {setup.steps} steps each")
+    plan = [(S, name) for S in setup.stages for name in SCHEDULES if _runs_for_real(name, S)]
+    progress.start("pipeline", f"{len(plan)} runs (each schedule at S = "
+                   f"{', '.join(map(str, setup.stages))} where the model is deep enough) of "
+                   f"{setup.steps} steps each")
     t0, load0 = time.perf_counter(), os.getloadavg()
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
@@ -111,23 +121,19 @@ def bench_pipeline(quick: bool, out_dir: str = "runs/bench-pipeline") -> dict[st
         transfer = measure_transfer((setup.micro_batch, setup.seq_len, _d_model()))
         real: dict[int, dict[str, dict[str, Any]]] = {}
         with _private_ray():
-            n, i = len(setup.stages) * len(SCHEDULES), 0
-            for S in setup.stages:
-                real[S] = {}
-                for name in SCHEDULES:
-                    i += 1
-                    progress.report(f"S = {S}, {name}", i, n)
-                    real[S][name] = _real_run(setup, S, name, str(data), out / "runs",
-                                              Path(tmp) / "ckpt")
+            for i, (S, name) in enumerate(plan, start=1):
+                progress.report(f"S = {S}, {name}", i, len(plan))
+                real.setdefault(S, {})[name] = _real_run(setup, S, name, str(data),
+                                                         out / "runs", Path(tmp) / "ckpt")
     M = setup.global_batch // setup.micro_batch
     for S, runs in real.items():
         for name, r in runs.items():
             r["predicted"] = _predict_real(r, name, S, M, transfer)
     costs = pooled_costs(real[setup.stages[0]])
-    sim = {S: {name: _simulate_scaled(costs, name, S, M, transfer) for name in SCHEDULES}
-           for S in SIM_STAGES}
+    sim = {S: {name: _simulate_scaled(costs, name, S, M, transfer)
+               for name in SCHEDULES if _fits(name, S, M)} for S in SIM_STAGES}
     same_model = {S: {name: _simulate_scaled(costs, name, S, M, transfer, deeper=False)
-                      for name in SCHEDULES} for S in SIM_STAGES}
+                      for name in SCHEDULES if _fits(name, S, M)} for S in SIM_STAGES}
     ttt = _time_to_target(real[setup.stages[-1]], sim, setup.stages[-1])
     result = {
         "bench": "pipeline", "quick": quick, "setup": setup.__dict__, "micro_per_batch": M,
@@ -183,6 +189,11 @@ def _private_ray() -> Iterator[None]:
             ray.shutdown()
 
 
+def _runs_for_real(name: str, S: int) -> bool:
+    """Whether the preset has a layer for every virtual stage of `name` on S stages."""
+    return S * (VIRTUAL if name == "interleaved-1f1b" else 1) <= SMALL_LAYERS
+
+
 def _real_run(setup: Setup, S: int, name: str, data: str, runs: Path, ckpt: Path
               ) -> dict[str, Any]:
     """One training run of schedule `name` on S stages; its measurements from metrics.jsonl."""
@@ -193,6 +204,9 @@ def _real_run(setup: Setup, S: int, name: str, data: str, runs: Path, ckpt: Path
     shutil.rmtree(ckpt, ignore_errors=True)
     M = setup.global_batch // setup.micro_batch
     paci_a = [f"parallel.paci.a={M}"] if asynchronous(name) else []
+    chunks = VIRTUAL if name == "interleaved-1f1b" else 1
+    if chunks > 1:
+        paci_a.append(f"parallel.virtual_stages={chunks}")
     cfg = load_config(None, [
         f"run_dir={run_dir}", f"data.path={data}", "model.preset=small",
         f"data.seq_len={setup.seq_len}", f"train.max_steps={setup.steps}",
@@ -206,14 +220,15 @@ def _real_run(setup: Setup, S: int, name: str, data: str, runs: Path, ckpt: Path
     t0 = time.perf_counter()
     Controller(cfg, quiet=True).run()
     run_s = time.perf_counter() - t0
-    return {**summarise_run(run_dir, S, setup.eval_every if asynchronous(name) else 1),
+    return {**summarise_run(run_dir, S, setup.eval_every if asynchronous(name) else 1, chunks),
             "run_s": run_s}
 
 
-def summarise_run(run_dir: Path, S: int, span: int) -> dict[str, Any]:
+def summarise_run(run_dir: Path, S: int, span: int, chunks: int = 1) -> dict[str, Any]:
     """Time per step, throughput, per-stage bubble / memory / op costs (medians over the spans
-    after the first, which pays one-off warm-up), and the held-out curve against steps and
-    against cumulative training time (the controller's per-step time, evaluations excluded)."""
+    after the first, which pays one-off warm-up; per micro-batch at the whole stage, so summed
+    over its `chunks`), and the held-out curve against steps and against cumulative training
+    time (the controller's per-step time, evaluations excluded)."""
     steps, evals = {}, {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -246,8 +261,10 @@ def summarise_run(run_dir: Path, S: int, span: int) -> dict[str, Any]:
         "weight_versions": per_stage("weight_versions", max),
         "staleness_max": [max(max(steps[k]["pipeline"][s]["staleness"]) for k in order)
                           for s in stages],
-        "costs": {"forward": per_stage("forward_s"), "backward": per_stage("backward_s"),
-                  "update": per_stage("update_s"), "weight": per_stage("weight_s")},
+        "costs": {"forward": [chunks * c for c in per_stage("forward_s")],
+                  "backward": [chunks * c for c in per_stage("backward_s")],
+                  "update": per_stage("update_s"),
+                  "weight": [chunks * c for c in per_stage("weight_s")]},
         "heldout": curve, "span": span,
     }
 
@@ -314,9 +331,19 @@ def _stage_bubbles(actions: Schedule, cost: Costs) -> tuple[float, list[float]]:
     return res.makespan, [1 - b / e if e else 0.0 for b, e in zip(res.busy, end, strict=True)]
 
 
+def _fits(name: str, S: int, M: int) -> bool:
+    """Whether schedule `name` takes M micro-batches per step on S stages: interleaved-1f1b
+    sends them round in groups of S (so not at S = 16 and 32 with the bench's M = 8)."""
+    return name != "interleaved-1f1b" or M % S == 0
+
+
 def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
-    """The bench's lists: asynchronous schedules update once per global batch (a = M)."""
-    return build_schedule(name, S, M, n_batches, **({"a": M} if asynchronous(name) else {}))
+    """The bench's lists: asynchronous schedules update once per global batch (a = M),
+    interleaved-1f1b has `VIRTUAL` chunks per stage."""
+    options = {"a": M} if asynchronous(name) else {}
+    if name == "interleaved-1f1b":
+        options["virtual"] = VIRTUAL
+    return build_schedule(name, S, M, n_batches, **options)
 
 
 def _is_split(name: str) -> bool:
@@ -339,14 +366,15 @@ def _predict_real(run: dict[str, Any], name: str, S: int, M: int, transfer: floa
 
 
 def pooled_costs(runs: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
-    """Per op and stage, the median of the costs the runs measured: F and U over all runs, B over
-    the runs of whole backwards; over the runs of split lists (if any), their B (`split_backward`,
-    the input gradient) and W (`weight`)."""
+    """Per op and stage, the median of the costs the runs measured: F and U over all runs but
+    the interleaved one (its chunks' smaller products run at another speed), B over the runs of
+    whole backwards; over the runs of split lists (if any), their B (`split_backward`, the input
+    gradient) and W (`weight`)."""
     def median(op: str, of: list[dict[str, Any]]) -> list[float]:
         n = len(of[0]["costs"][op])
         return [statistics.median(r["costs"][op][i] for r in of) for i in range(n)]
 
-    every = list(runs.values())
+    every = [r for name, r in runs.items() if name != "interleaved-1f1b"]
     split_runs = [r for r in every if any(r["costs"].get("weight", ()))]
     whole = [r for r in every if r not in split_runs] or every
     out = {"forward": median("forward", every), "backward": median("backward", whole),
@@ -399,11 +427,14 @@ def steps_to_target(curve: list[list[float]], target: float) -> float | None:
 
 def _time_to_target(runs: dict[str, dict[str, Any]], sim: dict[int, dict[str, dict[str, Any]]],
                     real_S: int) -> dict[str, Any]:
+    """Steps each schedule's real run needed (a flush schedule not run at `real_S` takes
+    1f1b's: the same updates) x its simulated time per step."""
     target = max(min(loss for _, loss, _ in r["heldout"]) for r in runs.values())
-    steps = {name: steps_to_target(r["heldout"], target) for name, r in runs.items()}
+    steps = {name: steps_to_target(runs.get(name, runs["1f1b"])["heldout"], target)
+             for name in SCHEDULES}
     seconds = {str(S): {name: (None if steps[name] is None
                                else steps[name] * v[name]["time_per_step_s"])
-                        for name in runs} for S, v in sim.items()}
+                        for name in v} for S, v in sim.items()}
     return {"target_heldout_loss": target, "steps_from_real_S": real_S,
             "steps": steps, "seconds": seconds}
 
@@ -431,9 +462,10 @@ def _targets(real: dict[int, dict[str, dict[str, Any]]], sim: dict[int, dict[str
 
 def _baseline_targets(real: dict[int, dict[str, dict[str, Any]]],
                       sim: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """zb-h1 against 1f1b (simulated utilisation at S = 8, real peak memory), and the
-    simulator against the real runs: its mean bubble minus theirs, every schedule and depth."""
-    util = {name: sim[8][name]["utilisation"] for name in ("1f1b", "zb-h1")}
+    """zb-h1 and interleaved-1f1b against 1f1b (simulated utilisation at S = 8; zb-h1's real
+    peak memory), and the simulator against the real runs: its mean bubble minus theirs, every
+    schedule and depth."""
+    util = {name: sim[8][name]["utilisation"] for name in ("1f1b", "zb-h1", "interleaved-1f1b")}
     memory = {str(S): max(r["zb-h1"]["peak_memory"]) / max(r["1f1b"]["peak_memory"])
               for S, r in real.items()}
     errors = {str(S): {name: r[name]["predicted"]["bubble_error"] for name in r}
@@ -441,6 +473,8 @@ def _baseline_targets(real: dict[int, dict[str, dict[str, Any]]],
     worst = max(abs(e) for per_s in errors.values() for e in per_s.values())
     return {
         "zb_h1_utilisation_vs_1f1b_at_8": {"value": util, "met": util["zb-h1"] > util["1f1b"]},
+        "interleaved_utilisation_vs_1f1b_at_8": {
+            "value": util, "met": util["interleaved-1f1b"] > util["1f1b"]},
         "zb_h1_memory_vs_1f1b": {"value": memory, "target": TARGETS["zb_h1_memory_vs_1f1b"],
                                  "met": max(memory.values()) <= TARGETS["zb_h1_memory_vs_1f1b"]},
         "simulated_bubble_error": {"value": errors, "target": TARGETS["simulated_bubble_error"],
@@ -463,11 +497,12 @@ def _plot(result: dict[str, Any], path: str) -> str:
     sim8 = result["simulated"]["8"]
     stages = result["setup"]["stages"]
     for name in SCHEDULES:
-        curve = result["real"][str(stages[-1])][name]["heldout"]
+        deepest = result["real"][str(stages[-1])]
+        curve = deepest.get(name, deepest["1f1b"])["heldout"]  # see `_time_to_target`
         per_step = sim8[name]["time_per_step_s"]
         ax_sim.plot([s * per_step for s, _, _ in curve], [v for _, v, _ in curve], "o-", ms=3,
                     label=name)
-        curve2 = result["real"][str(stages[0])][name]["heldout"]
+        curve2 = result["real"][str(stages[0])][name]["heldout"]  # every schedule runs at S=2
         ax_real.plot([t for _, _, t in curve2], [v for _, v, _ in curve2], "o-", ms=3,
                      label=name)
     target = result["time_to_target"]["target_heldout_loss"]

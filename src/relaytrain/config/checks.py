@@ -78,6 +78,7 @@ def validate(cfg: RunConfig) -> None:
          f"{cfg.micro_batches} micro-batches of a global batch (train.global_batch / "
          "train.micro_batch) must split evenly over the dp x fsdp data-parallel ranks")
     check_layout(m.n_layers, p.pp, p.stage_layers)
+    _validate_virtual_stages(cfg, m.n_layers, need)
     need(p.paci.a >= 1, f"config key 'parallel.paci.a': got {p.paci.a}, expected >= 1")
     need(cfg.world_size == 1 or cfg.runtime.engine == "ray",
          f"config key 'runtime.engine': got 'inline', but parallel.dp x fsdp x cp x pp = "
@@ -117,6 +118,31 @@ def _validate_packing(cfg: RunConfig, need: Callable[[bool, str], None]) -> None
          "padding's label mask yet; expected parallel.pp=1 (or data.instances=concatenated)")
 
 
+def _validate_virtual_stages(cfg: RunConfig, n_layers: int,
+                             need: Callable[[bool, str], None]) -> None:
+    """parallel.virtual_stages > 1 is interleaved-1f1b's alone, on a pipeline whose pp x V
+    virtual stages each get a layer; the schedule sends micro-batches round in groups of pp."""
+    p, V = cfg.parallel, cfg.parallel.virtual_stages
+    interleaved = p.schedule == "interleaved-1f1b" and p.pp > 1
+    need(V >= 1, f"config key 'parallel.virtual_stages': got {V}, expected >= 1")
+    need(V == 1 or interleaved, f"config key 'parallel.virtual_stages': got {V} with "
+         f"parallel.schedule={p.schedule} and parallel.pp={p.pp}; expected 1, or "
+         "parallel.schedule=interleaved-1f1b with parallel.pp >= 2")
+    if not interleaved:
+        return
+    per_rank = cfg.micro_batches // cfg.data_parallel
+    need(per_rank % p.pp == 0, f"config key 'parallel.schedule': got interleaved-1f1b with "
+         f"{per_rank} micro-batches per data-parallel rank, expected a multiple of "
+         f"parallel.pp={p.pp} (train.global_batch / train.micro_batch / (dp x fsdp))")
+    need(p.pp * V <= n_layers, f"config key 'parallel.virtual_stages': got {V}"
+         f", but parallel.pp x virtual_stages = {p.pp * V} virtual stages need as many layers "
+         f"(model n_layers={n_layers})")
+    need(p.stage_layers is None, "config key 'parallel.stage_layers': set with "
+         "interleaved-1f1b, whose virtual stages are balanced by cost; expected it unset")
+    need(p.fsdp == 1, f"config key 'parallel.fsdp': got {p.fsdp} with interleaved-1f1b, whose "
+         "sharded stages are not wired yet; expected parallel.fsdp=1")
+
+
 def _validate_context(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
     p = cfg.parallel
     need(p.cp >= 1, f"config key 'parallel.cp': got {p.cp}, expected >= 1")
@@ -128,12 +154,11 @@ def _validate_context(cfg: RunConfig, need: Callable[[bool, str], None]) -> None
          f"({', '.join(FLUSH_SCHEDULES)}) or parallel.cp=1")
     need(p.pp == 1 and p.fsdp == 1, f"config key 'parallel.cp': got {p.cp} with parallel.pp="
          f"{p.pp} and parallel.fsdp={p.fsdp}; context parallelism runs unpipelined and "
-         "unsharded for now (pp=1, fsdp=1), or use parallel.cp=1")
+         "unsharded for now (pp=1, fsdp=1: its workers hold whole weights, and neither the "
+         "stages' transport nor the shard groups carry a split sequence), or use "
+         "parallel.cp=1")
     problem = split_problem(cfg.seq_len, p.cp)
     need(problem is None, f"config key 'data.seq_len': {problem}")
-    need(cfg.data.instances != "packed", f"config key 'parallel.cp': got {p.cp} with "
-         "data.instances=packed, but the split does not carry document lengths and padding "
-         "yet; expected data.instances=concatenated or parallel.cp=1")
 
 
 def _validate_seeds(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

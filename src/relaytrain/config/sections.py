@@ -146,6 +146,9 @@ class ParallelSection:
     cp: int = 1
     schedule: ScheduleName = "1f1b"
     stage_layers: list[int] | None = None  # layers per stage; None: balanced by cost
+    # Model chunks per pipeline rank (interleaved-1f1b only): the model is cut into pp x V
+    # virtual stages, balanced by cost; rank i holds virtual stages i, i + pp, ...
+    virtual_stages: int = 1
     # Steps per dispatch for asynchronous schedules. The pipeline drains at each end (a consistent
     # cut), which costs about (S-1)/(span x micro-batches) of the time, and a failure loses the
     # span in flight: 32 keeps the drain under 3% at S = 8 with 8 micro-batches per step.
@@ -172,6 +175,9 @@ class RuntimeSection:
 
 @dataclass
 class ElasticSection:
+    # how long after a failure the run keeps trying to grow back (replacements starting in the
+    # background) while it goes on with fewer workers; where no smaller layout exists (a
+    # pipeline's stage, context parallelism, elastic.min_workers), how long it waits for them
     replace_timeout: float = 30.0
     min_workers: int = 1
     max_recoveries: int = 10

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from relaytrain.data.dataset import TokenDataset, TokenSplit
 from relaytrain.data.token_arrays import ArraySplit
@@ -180,20 +181,25 @@ def micro_batch_documents(split: PackedSplit, ids: np.ndarray, tokens: np.ndarra
     return out, torch.from_numpy(split.real_tokens(ids))
 
 
-def model_inputs(tokens: torch.Tensor, documents: Docs | None,
+def model_inputs(tokens: torch.Tensor, documents: Docs | None, whole: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(inputs, next-token labels, document lengths of the inputs or None) of a micro-batch's
     tokens [rows, T]: inputs are T - 1 tokens, so each row's last span is one shorter; a label
-    that is padding is ignored (-100), as OLMo-core's label mask ignores it."""
+    that is padding is ignored (-100), as OLMo-core's label mask ignores it. With `whole`,
+    packed instances' inputs are all T tokens, the last one's label ignored (OLMo-core's
+    `get_labels`): what a context-parallel split of the instance's `seq_len` tokens takes."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     if documents is None:
         return inputs, labels, None
     doc_lens, real = documents
-    pad = torch.arange(1, tokens.shape[1], device=tokens.device)[None, :] >= \
-        real.to(tokens.device)[:, None]
     lens = doc_lens.clone()
-    last = (lens > 0).sum(1) - 1
-    lens[torch.arange(lens.shape[0]), last] -= 1
+    if whole:
+        inputs, labels = tokens, F.pad(labels, (0, 1), value=-100)
+    else:
+        last = (lens > 0).sum(1) - 1
+        lens[torch.arange(lens.shape[0]), last] -= 1
+    pad = torch.arange(1, labels.shape[1] + 1, device=tokens.device)[None, :] >= \
+        real.to(tokens.device)[:, None]
     return inputs, labels.masked_fill(pad, -100), lens
 
 

@@ -16,13 +16,16 @@ agree with HF's to float rounding only.
 
 One class serves both the whole model and a pipeline stage: a stage holds a contiguous range of
 layers (keyed by their *global* index, so parameter names are the same in every layout), the
-embedding only if it is the first stage and the final norm + head only if it is the last.
+embedding only if it is the first stage and the final norm + head only if it is the last. A
+rank of an interleaved pipeline holds several such chunks in one module (the same names again)
+and runs one at a time (`forward`'s `chunk`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -266,7 +269,12 @@ class SequenceShard(Protocol):
     `ContextGroup`): the global positions of its tokens, and attention across the split."""
 
     def positions(self) -> Tensor:
-        """Global positions of this rank's tokens, in its local order."""
+        """Positions of this rank's tokens, in its local order: [T/N] in the sequence, or
+        [B, T/N] within their documents."""
+
+    def within(self, doc_lens: Tensor) -> SequenceShard:
+        """The same part of sequences of these documents (`doc_lens` [B, D]): attention and
+        positions within documents."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float
                ) -> Tensor:
@@ -445,13 +453,14 @@ class Olmo3(nn.Module):
     math.
     """
 
-    def __init__(self, cfg: Olmo3Config, layers: range | None = None, first: bool = True,
+    def __init__(self, cfg: Olmo3Config, layers: Sequence[int] | None = None, first: bool = True,
                  last: bool = True) -> None:
         super().__init__()
         check_config(cfg)
         layers = range(cfg.n_layers) if layers is None else layers
-        if len(layers) == 0 or layers.step != 1 or layers[0] < 0 or layers[-1] >= cfg.n_layers:
-            raise ValueError(f"layers={layers} must be a non-empty contiguous part of "
+        if (len(layers) == 0 or list(layers) != sorted(set(layers)) or layers[0] < 0
+                or layers[-1] >= cfg.n_layers):
+            raise ValueError(f"layers={layers} must be non-empty ascending indices in "
                              f"range({cfg.n_layers})")
         self.cfg = cfg
         self.first, self.last = first, last
@@ -549,6 +558,8 @@ class Olmo3(nn.Module):
         if context is not None:
             pos = context.positions().to(device)
             tables = {y: rope_cos_sin(self.cfg, y, int(pos.max()) + 1, device) for y in yarns}
+            if pos.dim() == 2:  # within documents: per-row tables [B, 1, T/N, hd]
+                pos = pos[:, None]
             return ({y: (cos[pos], sin[pos]) for y, (cos, sin) in tables.items()},
                     Window(window), None)
         rope = {yarn: rope_cos_sin(self.cfg, yarn, t, device) for yarn in yarns}
@@ -568,21 +579,36 @@ class Olmo3(nn.Module):
 
     def forward(self, x: Tensor, labels: Tensor | None = None, z_loss: float = 0.0,
                 doc_lens: Tensor | None = None, context: SequenceShard | None = None,
-                ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+                chunk: range | None = None) -> Tensor | tuple[Tensor, Tensor, Tensor]:
         """See the class; `doc_lens` [B, D] (OLMo-core's: each row's document lengths,
         zero-padded, summing to T) keeps attention and positions within documents. With a
         `context`, x (and labels) are this rank's part of each sequence (context parallelism):
-        positions are the context's, and it attends across the split."""
-        if labels is not None and not self.last:
+        positions are the context's, and it attends across the split (both within documents
+        given `doc_lens`, `SequenceShard.within`). `chunk` (global layer
+        indices, contiguous, all held): run only those layers, with the embedding if the chunk
+        starts the model and the head if it ends it; required when the held layers are not
+        contiguous (an interleaved pipeline's rank)."""
+        held = [int(i) for i in self.layers]
+        if chunk is None:
+            if held != list(range(held[0], held[-1] + 1)):
+                raise ValueError(f"this module holds layers {held} in several chunks: "
+                                 "forward runs one (`chunk`)")
+            chunk = range(held[0], held[-1] + 1)
+        elif not set(chunk) <= set(held) or len(chunk) == 0:
+            raise ValueError(f"chunk {chunk} is not among the layers held ({held})")
+        first = self.first and chunk.start == held[0]
+        last = self.last and chunk.stop == held[-1] + 1
+        if labels is not None and not last:
             raise ValueError("labels given to a stage without the LM head (last=False)")
         if doc_lens is not None and context is not None:
-            raise ValueError("document masks across a context-parallel split are not wired")
-        h = self.embed(x) if self.first else x
+            context, doc_lens = context.within(doc_lens), None
+        h = self.embed(x) if first else x
         rope, sliding, full = self._layout(h.shape[1], h.device, doc_lens, context)
-        for block in self.layers.values():
+        for i in chunk:
+            block = self.layers[str(i)]
             cos, sin = rope[block.yarn]
             h = block(h, cos, sin, sliding if block.sliding else full, context)
-        if not self.last:
+        if not last:
             return h
         h = self.norm(h)
         if labels is None:

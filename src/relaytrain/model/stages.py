@@ -74,8 +74,18 @@ def _balanced_counts(cfg: Olmo3Config, n_stages: int, seq_len: int) -> list[int]
     return counts[::-1]
 
 
+def rank_chunks(ranges: Sequence[range], rank: int, n_ranks: int) -> list[range]:
+    """The layer ranges pipeline rank `rank` of `n_ranks` holds when the model is cut into
+    `len(ranges)` = n_ranks x V virtual stages: virtual stages rank, rank + n_ranks, ... (the
+    interleaved schedule's placement; one range when V = 1)."""
+    if len(ranges) % n_ranks or not 0 <= rank < n_ranks:
+        raise ValueError(f"rank {rank} of {n_ranks} with {len(ranges)} ranges")
+    return list(ranges[rank::n_ranks])
+
+
 def build_stage(cfg: Olmo3Config, stage: int, n_stages: int, ranges: Sequence[range]) -> Olmo3:
-    """The module of stage `stage`: its layers, plus the embedding (first) or head (last)."""
-    if len(ranges) != n_stages or not 0 <= stage < n_stages:
-        raise ValueError(f"stage {stage} of {n_stages} with {len(ranges)} ranges")
-    return Olmo3(cfg, layers=ranges[stage], first=stage == 0, last=stage == n_stages - 1)
+    """The module of pipeline rank `stage`: the layers of its chunks (`rank_chunks`; one with
+    a plain schedule), plus the embedding (first) or head (last)."""
+    chunks = rank_chunks(ranges, stage, n_stages)
+    return Olmo3(cfg, layers=[i for r in chunks for i in r], first=stage == 0,
+                 last=stage == n_stages - 1)

@@ -37,6 +37,7 @@ which run on gloo (CPU) and NCCL alike.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from relaytrain.model.documents import document_ids
 from relaytrain.model.olmo3 import repeat_kv
 from relaytrain.parallel.reduce import from_limbs, to_limbs
 
@@ -155,8 +157,19 @@ class AttentionPlan:
             seen &= k[None, :] > q[:, None] - self.window
         if self.docs is None:
             return seen[None, None]
-        docs = self.docs.to(device)
+        docs = self._docs_on(device)
         return (seen[None] & (docs[:, q, None] == docs[:, None, k]))[:, None]
+
+    @functools.cached_property
+    def _device_docs(self) -> dict[torch.device, Tensor]:
+        return {}
+
+    def _docs_on(self, device: torch.device) -> Tensor:
+        """The document ids on `device`, copied there once per plan (not per query block)."""
+        assert self.docs is not None
+        if device not in self._device_docs:
+            self._device_docs[device] = self.docs.to(device)
+        return self._device_docs[device]
 
 
 def plan_attention(split: ContextSplit, window: int | None = None,
@@ -190,7 +203,7 @@ def _visible_blocks(seq_len: int, block: int, window: int | None, docs: Tensor |
     return [torch.nonzero(row).flatten().tolist() for row in seen]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ContextGroup:
     """A rank's place in its cp group: the split, the group (None at degree 1), whether dK/dV
     are summed exactly, and the current sequences' documents ([B, T] ids, `doc_ids`; None: no
@@ -201,39 +214,59 @@ class ContextGroup:
     exact: bool = False
     docs: Tensor | None = None
 
+    def within(self, doc_lens: Tensor) -> ContextGroup:
+        """The same place for sequences of these documents (OLMo-core's `doc_lens` [B, D],
+        zero-padded, each row summing to the sequence): attention stays within documents and
+        positions count from each document's start, as the unsplit model's
+        (`model.documents`)."""
+        docs = document_ids(doc_lens.cpu(), self.split.seq_len).long()
+        return dataclasses.replace(self, docs=docs)
+
     def positions(self) -> Tensor:
-        return self.split.positions()
+        """Positions of this rank's tokens in its local order: in the sequence ([T/N]), or
+        within their documents ([B, T/N]) when there are documents."""
+        if self.docs is None:
+            return self.split.positions()
+        starts = torch.searchsorted(self.docs, self.docs)  # each document's first token
+        within = torch.arange(self.split.seq_len)[None, :] - starts
+        return within[:, self.split.positions()]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float
                ) -> Tensor:
-        return context_attention(q, k, v, self.plan(window, self.docs), self, scale)
+        return context_attention(q, k, v, self.plan(window), self, scale)
 
     @functools.cached_property
     def _plans(self) -> dict[int | None, AttentionPlan]:
         return {}
 
-    def plan(self, window: int | None, docs: Tensor | None) -> AttentionPlan:
-        """The plan for this window; cached by window when there are no documents (the plan
-        then depends on nothing else)."""
-        if docs is not None:
-            return plan_attention(self.split, window, docs)
+    def plan(self, window: int | None) -> AttentionPlan:
+        """The plan for this window and the group's documents, cached by window (one forward
+        of a document-masked sequence computes it once per layer kind, not per layer)."""
         if window not in self._plans:
-            self._plans[window] = plan_attention(self.split, window)
+            self._plans[window] = plan_attention(self.split, window, self.docs)
         return self._plans[window]
 
 
-def sequence_mean(values: list[float], context: ContextGroup | None,
+def label_share(labels: Tensor, context: ContextGroup, ignore_index: int = -100) -> float:
+    """This rank's share of the tokens the whole sequences `labels` [B, T] score (labels not
+    `ignore_index`): its loss, a mean over its own, weighs that much in the sequences' mean.
+    1/N where every token is scored; packed instances' padding (at their ends) is not."""
+    scored = labels != ignore_index
+    total = int(scored.sum())
+    return int(context.split.local(scored).sum()) / total if total else 0.0
+
+
+def sequence_mean(values: list[float], share: float, context: ContextGroup | None,
                   device: torch.device | None = None) -> tuple[float, ...]:
-    """Means over whole sequences from each cp rank's means over its (equal) share of their
-    tokens: gathered, summed exactly in rank order (`math.fsum`) and divided by the degree,
-    the same numbers on every rank (a collective over the cp group)."""
+    """Means over whole sequences from each cp rank's means over its part of their scored
+    tokens, weighted by its `share` of them (`label_share`): gathered, summed exactly in rank
+    order (`math.fsum`), the same numbers on every rank (a collective over the cp group)."""
     if context is None or context.group is None:
         return tuple(values)
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    mine = torch.tensor([v * share for v in values], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(context.split.degree)]
     dist.all_gather(every, mine, group=context.group)
-    return tuple(math.fsum(float(t[i]) for t in every) / context.split.degree
-                 for i in range(len(values)))
+    return tuple(math.fsum(float(t[i]) for t in every) for i in range(len(values)))
 
 
 def context_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,

@@ -75,6 +75,9 @@ class PipelineGroups:
     pipe: dist.ProcessGroup | None  # this DP replica's stages
     prev: int | None  # global rank of the previous stage (same DP rank), None on the first
     next: int | None  # global rank of the next stage, None on the last
+    # global rank across the pipeline's ends (the last stage's on the first, the first's on the
+    # last, None in between): interleaved chunks pass activations round through it
+    wrap: int | None = None
 
 
 def stage_ranks(stage: int, dp: int) -> list[int]:
@@ -104,7 +107,9 @@ def form_groups(stage: int, dp_rank: int, dp: int, pp: int,
     rank = stage * dp + dp_rank
     return PipelineGroups(dp=mine_dp, pipe=mine_pipe,
                           prev=rank - dp if stage > 0 else None,
-                          next=rank + dp if stage < pp - 1 else None)
+                          next=rank + dp if stage < pp - 1 else None,
+                          wrap=None if 0 < stage < pp - 1 else
+                          (pp - 1 - stage) * dp + dp_rank if pp > 1 else None)
 
 
 def form_shard_groups(dp_rank: int, dp: int, fsdp: int, stage: int = 0, pp: int = 1,

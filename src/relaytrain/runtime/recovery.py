@@ -3,10 +3,12 @@ fails (docs/RECOVERY.md).
 
 The workers of a run form a *generation*: one process-group layout, joined through a fresh
 rendezvous. A failure ends the generation; `recover` is the one entry point. It names what
-failed, replaces it (or, without capacity, shrinks the data-parallel size), forms the next
-generation and restores the newest consistent state: every survivor's in-memory snapshot if
-each stage still has one, else the newest committed checkpoint. `maybe_grow` adds workers back
-at a step boundary once capacity returns.
+failed, replaces it with a worker that is up already (a warm spare, the standby) or else goes
+on at once on the largest valid layout the survivors form, forms the next generation and
+restores the newest consistent state: every survivor's in-memory snapshot if each stage still
+has one, else the newest committed checkpoint. No survivor waits for a process to start unless
+no smaller layout exists. Replacements start in the background meanwhile; `maybe_grow` adds them
+at a step boundary once they are up, for up to `elastic.replace_timeout` after the failure.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class Recovery:
         self._pending: dict[str, Any] | None = None  # completed by the next step
         self._store: Server | None = None  # this generation's rendezvous store
         self._layout: tuple[tuple, dict[int, Placement]] | None = None  # see placements()
+        self._joining: list[int] = []  # workers up, not yet members (`maybe_grow`)
+        self._grow_until = 0.0  # when the run stops trying to grow back (replace_timeout)
+        self._shrunk_at: float | None = None  # the fault that took the run below its size
 
     # ---- layout ----------------------------------------------------------------------------
     def placements(self) -> dict[int, Placement]:
@@ -150,8 +155,9 @@ class Recovery:
         survivors = [w for w in self.members if w not in failed]
         old = self.placements()
         restore = self._restore_point(survivors, old)
-        replaced, shrunk = self._replace(failed, survivors,
-                                         t_detect + self.cfg.elastic.replace_timeout)
+        t_replace0 = time.time()
+        replaced, shrunk, waited = self._replace(failed, survivors, t_detect)
+        t_replaced = time.time()
         tensors = self._donations(replaced, survivors, old, restore)
         for wid in survivors:  # those a shrink left out, once they gave what they held
             if wid not in self.members:
@@ -163,17 +169,25 @@ class Recovery:
         self.reporter.rollback(lost, restore.step)
         if shrunk:
             self.reporter.header(restore.step, self.dp)
+            self._shrunk_at = self._shrunk_at or fired or t_detect
+            self._grow_until = t_detect + self.cfg.elastic.replace_timeout
         self.catalogue.forget_after(restore.step)
         self._pending = {
             "failed_step": done + 1, "rank": rank, "cause": failure.kind,
             "message": failure.message, "source": restore.source, "dp": self.dp,
             "lost_steps": len(lost) + in_flight, "restored_step": restore.step,
-            "discarded_ahead": ahead,
-            # detect: fault -> exception; replace: settle, kill, start replacements, pull
-            # the snapshot; reform: new process groups; restore: rebuild from the state.
+            "discarded_ahead": ahead, "continued_on": len(self.members),
+            # failed workers replaced: by workers up already, by ones waited for (`waited`)
+            "replaced": len(replaced),
+            # why the survivors waited for a process to start (None: they did not)
+            "waited_for_replacement": waited,
+            # detect: fault -> exception; replace: settle, kill, take replacements that are
+            # up (or shrink), pull the snapshot; wait_replacement: of it, waiting for a process
+            # to start; reform: new process groups; restore: rebuild from the state.
             "phases": {"detect": t_detect - fired if fired else None,
-                       "replace": t_reform0 - t_detect, "reform": t_restore0 - t_reform0,
-                       "restore": t_done - t_restore0},
+                       "replace": t_reform0 - t_detect,
+                       "wait_replacement": t_replaced - t_replace0 if waited else 0.0,
+                       "reform": t_restore0 - t_reform0, "restore": t_done - t_restore0},
             "t_fault": fired or t_detect, "t_ready": t_done}
         return restore.step
 
@@ -234,26 +248,54 @@ class Recovery:
              f"{self.catalogue.store.url}")
         return Restore(step, "checkpoint")
 
-    def _replace(self, failed: set[int], survivors: list[int], deadline: float
-                 ) -> tuple[dict[int, int], bool]:
-        """A new worker in each failed worker's rank ({new: old}) by `deadline` (the failure's
-        detection + elastic.replace_timeout: the timeout bounds the recovery, however long
-        settling took); without capacity for all of them, none, and the run shrinks to the
-        survivors (True)."""
+    def _replace(self, failed: set[int], survivors: list[int], t_detect: float
+                 ) -> tuple[dict[int, int], bool, str | None]:
+        """A worker that is up already in each failed worker's rank ({new: old}); short of
+        that, the survivors (with the replacements that were up) go on at once on the largest
+        valid layout they form (True), the others starting in the background for `maybe_grow`;
+        where none exists, the replacements waited for until the failure's detection +
+        elastic.replace_timeout, and why (the third value)."""
         members = list(self.members)
         replaced: dict[int, int] = {}
         for wid in [w for w in self.members if w in failed]:
+            new = self._take_ready()
+            if new is None:
+                break
+            members[members.index(wid)] = new
+            replaced[new] = wid
+        missing = [w for w in members if w in failed]
+        if not missing:
+            self.members = members
+            return replaced, False, None
+        why = self._why_not_shrink(len(members) - len(missing))
+        if why is None:
+            self.members = self._shrink([w for w in members if w not in failed])
+            self._joining += [w for w in replaced if w not in self.members]
+            self.engine.prestart(self.target_dp * self.cfg.parallel.pp - len(self.members)
+                                 - len(self._joining))
+            return {n: o for n, o in replaced.items() if n in self.members}, True, None
+        warn(f"waiting for a replacement: {why}")
+        deadline = t_detect + self.cfg.elastic.replace_timeout
+        for wid in missing:
             try:
                 new = self.engine.spawn(self.worker_args, max(deadline - time.time(), 0.0))
-            except WorkerFailure:
+            except WorkerFailure as e:
                 for w in replaced:
                     self.engine.kill(w)
-                self.members = self._shrink(survivors)
-                return {}, True
+                raise RecoveryLimitExceeded(
+                    f"no replacement could be placed within elastic.replace_timeout="
+                    f"{self.cfg.elastic.replace_timeout}s ({e}), and {why}") from e
             members[members.index(wid)] = new
             replaced[new] = wid
         self.members = members
-        return replaced, False
+        return replaced, False, why
+
+    def _take_ready(self) -> int | None:
+        """A worker up now: one that came up for a growth still to be made, else the
+        engine's (`Engine.spawn_ready`)."""
+        if self._joining:
+            return self._joining.pop(0)
+        return self.engine.spawn_ready(self.worker_args)
 
     def _donations(self, replaced: dict[int, int], survivors: list[int],
                    old: dict[int, Placement], restore: Restore) -> dict[int, Any]:
@@ -301,27 +343,29 @@ class Recovery:
         self.engine.refill()
 
     # ---- elasticity ------------------------------------------------------------------------
+    def _why_not_shrink(self, n: int) -> str | None:
+        """Why `n` survivors form no smaller valid layout (None: they do)."""
+        cfg = self.cfg
+        if cfg.parallel.pp > 1:
+            return "a pipeline cannot run with a stage missing"
+        if cfg.parallel.cp > 1:
+            return "a context-parallel run cannot run with part of its sequences"
+        if not any(d >= cfg.elastic.min_workers for d in self._sizes(n)):
+            return (f"{n} worker(s) left form no data-parallel size that splits the "
+                    f"{cfg.micro_batches} micro-batches evenly with elastic.min_workers="
+                    f"{cfg.elastic.min_workers}")
+        return None
+
     def _shrink(self, survivors: list[int]) -> list[int]:
         """Continue on fewer workers with the same global batch: the largest DP size the
         survivors allow that splits the micro-batches evenly (a sharded run reshards onto
-        them: `shard_size`)."""
-        cfg = self.cfg
-        if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
-            raise RecoveryLimitExceeded("no replacement could be placed within "
-                                        f"elastic.replace_timeout={cfg.elastic.replace_timeout}s"
-                                        " and a pipeline cannot run with a stage missing, nor a "
-                                        "context-parallel run with part of its sequences")
-        fits = [d for d in self._sizes(len(survivors)) if d >= cfg.elastic.min_workers]
-        if not fits:
-            raise RecoveryLimitExceeded(
-                f"only {len(survivors)} worker(s) left and no replacement within "
-                f"elastic.replace_timeout={cfg.elastic.replace_timeout}s; elastic.min_workers="
-                f"{cfg.elastic.min_workers}")
-        keep = survivors[: fits[0]]  # the others are let go once the state is restored
-        warn(f"no replacement within {cfg.elastic.replace_timeout:.0f}s: continuing on "
-             f"{fits[0]} worker(s) with the same global batch")
-        self.dp = fits[0]
-        return keep
+        them: `shard_size`); `_why_not_shrink` said there is one."""
+        d = next(d for d in self._sizes(len(survivors)) if d >= self.cfg.elastic.min_workers)
+        warn(f"continuing at once on {d} worker(s) with the same global batch; replacements "
+             f"start in the background (for up to elastic.replace_timeout="
+             f"{self.cfg.elastic.replace_timeout:g}s)")
+        self.dp = d
+        return survivors[:d]  # the others are let go once the state is restored
 
     def _sizes(self, n: int) -> list[int]:
         """Data-parallel sizes up to `n`, largest first, that split the micro-batches evenly
@@ -335,35 +379,54 @@ class Recovery:
         return sizes
 
     def maybe_grow(self, step: int) -> None:
-        """Grow back to the configured DP size at a step boundary once capacity returns."""
+        """Below the configured size, at a step boundary: the replacements that are up join,
+        once they make a larger valid DP size, their state taken from the members' snapshots
+        of `step`; more are started in the background. Past elastic.replace_timeout after the
+        failure, the run stops trying and goes on at its size."""
         cfg = self.cfg
         if self.dp >= self.target_dp or step >= cfg.train.max_steps:
             return
-        if not self.engine.has_capacity(0.2):
+        want = self.target_dp * cfg.parallel.pp - len(self.members)
+        while len(self._joining) < want and \
+                (new := self.engine.spawn_ready(self.worker_args)) is not None:
+            self._joining.append(new)
+        d = self._sizes(len(self.members) + len(self._joining))[0]
+        if d == len(self.members):
+            if time.time() > self._grow_until:
+                self._give_up(step)
+            else:
+                self.engine.prestart(want - len(self._joining))
             return
         t0 = time.time()
         timeout = cfg.runtime.call_timeout
         self.engine.call_all(self.members, lambda w: w.take_snapshot(step), timeout)
         holders, old = list(self.members), self.placements()
-        sharded = cfg.parallel.fsdp > 1
-        if not sharded:
+        if cfg.parallel.fsdp == 1:
             donor = self.members[0]
             state = self.engine.call({donor: lambda w: w.snapshot_tensors(step)}, timeout)[donor]
-        added = []
-        while len(self.members) + len(added) < self.target_dp * cfg.parallel.pp:
-            try:
-                added.append(self.engine.spawn(self.worker_args, 0.2))
-            except WorkerFailure:
-                break
-        d = self._sizes(len(self.members) + len(added))[0]
-        for wid in added[d - len(self.members):]:
-            self.engine.kill(wid)
-        added = added[: d - len(self.members)]
-        if not added:
-            return
+        added, self._joining = self._joining[: d - len(self.members)], \
+            self._joining[d - len(self.members):]
         self.members += added
         self.dp = d
-        self.form_generation(step, self._pull_rows(step, holders, old) if sharded
+        self.form_generation(step, self._pull_rows(step, holders, old) if cfg.parallel.fsdp > 1
                              else {w: state for w in added})
         self.reporter.header(step, self.dp)
-        self.reporter.write("resize", step=step, dp=self.dp, seconds=time.time() - t0)
+        back = self.dp == self.target_dp and self._shrunk_at is not None
+        # since_failure_s: from the fault that shrank the run until it is back at full size
+        self.reporter.write("resize", step=step, dp=self.dp, seconds=time.time() - t0,
+                            since_failure_s=time.time() - self._shrunk_at if back else None)
+        if back:
+            self._shrunk_at = None
+
+    def _give_up(self, step: int) -> None:
+        """elastic.replace_timeout passed without the run back at its size: the workers
+        starting are let go, and the run goes on at its size."""
+        for wid in self._joining:
+            self.engine.kill(wid)
+        self._joining = []
+        self.engine.cancel_starts()
+        warn(f"step {step}: no replacement came up within elastic.replace_timeout="
+             f"{self.cfg.elastic.replace_timeout:g}s of the failure; continuing on "
+             f"{len(self.members)} worker(s) for the rest of the run")
+        self.target_dp = self.dp
+        self._shrunk_at = None

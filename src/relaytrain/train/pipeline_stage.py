@@ -25,7 +25,12 @@ What B then computes depends on the schedule:
   gradients from those (torch.distributed.pipelining's `stage_backward_input` and
   `stage_backward_weight`) and folds them into ``p.grad`` (and exact mode's integer accumulator)
   like a whole backward would: the same ops on the same values, so the same bits. The first
-  stage's B goes down to its embedding's output (what its W starts from). A sharded stage runs
+  stage's B goes down to its embedding's output (what its W starts from); the last stage's B
+  gets the LM head's weight gradient whole from the fused loss and folds it then. A micro-batch
+  awaiting W holds its whole graph (the F-time activations) plus those gradients, more than one
+  awaiting B, and stage i holds up to i of them: the reason zb-h1's peak activation memory
+  exceeds 1f1b's (bench pipeline), where the paper counts one awaiting W as at most one
+  awaiting B. A sharded stage runs
   the whole backward at B (FSDP2's reduce-scatter hooks fire at the end of a backward) and W is
   empty there: correct, with 1f1b's timing.
 - paci, ``mode=perf`` (one weight copy): the backward of the F-time graph in which every *saved
@@ -132,6 +137,7 @@ class StageSpec:
     flush: bool = False
     recompute: bool = False
     skip: SkipRule | None = None  # optim.skip_spikes (flush schedules only: config.py)
+    virtual: int = 1  # model chunks on this rank (interleaved-1f1b's V)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, stage: int, d_model: int) -> StageSpec:
@@ -148,7 +154,8 @@ class StageSpec:
                    in_flight=p.paci.in_flight if is_async else None,
                    flush=p.paci.flush and p.schedule == "paci",
                    recompute=p.paci.mode == "mem" and p.schedule == "paci",
-                   skip=SkipRule.from_config(cfg))
+                   skip=SkipRule.from_config(cfg),
+                   virtual=p.virtual_stages if p.schedule == "interleaved-1f1b" else 1)
 
     @property
     def first(self) -> bool:
@@ -168,6 +175,8 @@ class StageSpec:
             options = {"a": self.a, "in_flight": self.in_flight}
         if self.schedule == "paci":
             options["flush"] = self.flush
+        if self.schedule == "interleaved-1f1b":
+            options["virtual"] = self.virtual
         return build_schedule(self.schedule, self.n_stages, self.micro_per_batch, n_batches,
                               **options)
 
@@ -234,14 +243,71 @@ class Transport:
         self._pending.clear()
 
 
-def _tag(mb: int, gradient: bool) -> int:
-    return 2 * mb + int(gradient)
+def _tag(mb: int, gradient: bool, chunk: int = 0, chunks: int = 1) -> int:
+    """The tag of `mb`'s activation or gradient across the link above chunk `chunk` (of
+    `chunks` per rank) of the sending or receiving rank, whichever holds the lower side: unique
+    per pair of ranks and direction."""
+    return 2 * (mb * chunks + chunk) + int(gradient)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where one of this rank's model chunks sits in the pipeline: virtual stage chunk x S +
+    stage (one chunk, the whole module, except under interleaved-1f1b)."""
+
+    chunk: int
+    first: bool  # reads the tokens (virtual stage 0)
+    last: bool  # computes the loss (the last virtual stage)
+    src: int | None  # rank its F's input comes from and its B's input gradient goes to
+    dst: int | None  # rank its F's output goes to and its B's output gradient comes from
+    below: int  # the chunk the link from `src` is tagged with (see `_tag`)
+    layers: range | None  # the chunk's global layers; None: all the module's (one chunk)
+    names: tuple[str, ...]  # its parameters, in the module's order
+
+
+def _places(module: Any, spec: StageSpec, prev: int | None, next: int | None,
+            wrap: int | None) -> list[_Place]:
+    """This rank's chunks: for V > 1, the contiguous runs of the layers its module holds
+    (stages.rank_chunks: never adjacent, since the ranks between hold the runs between);
+    `wrap` is the rank across the pipeline's ends (the last stage's for the first and the
+    first's for the last), which links chunk c of the last stage to chunk c + 1 of the first."""
+    S, V, i = spec.n_stages, spec.virtual, spec.stage
+    names = [n for n, _ in module.named_parameters()]
+    if V == 1:
+        return [_Place(0, spec.first, spec.last, prev, next, 0, None, tuple(names))]
+    held = sorted(int(k) for k in module.layers)
+    runs = [range(a, b + 1) for a, b in zip(
+        [h for j, h in enumerate(held) if j == 0 or held[j - 1] != h - 1],
+        [h for j, h in enumerate(held) if j == len(held) - 1 or held[j + 1] != h + 1],
+        strict=True)]
+    if len(runs) != V:
+        raise ValueError(f"stage {i}: its layers {held} form {len(runs)} chunks, expected {V}")
+    out = []
+    for c, layers in enumerate(runs):
+        first, last = c * S + i == 0, c * S + i == S * V - 1
+        owned = tuple(n for n in names if (n.split(".")[1] in map(str, layers)
+                                           if n.startswith("layers.") else
+                                           first if n.startswith("embed.") else last))
+        out.append(_Place(c, first, last, prev if i > 0 else (wrap if c > 0 else None),
+                          next if i < S - 1 else (wrap if c < V - 1 else None),
+                          c if i > 0 else c - 1, layers, owned))
+    return out
+
+
+def _global_order(name: str) -> int:
+    """Where parameter `name` sorts in the whole model's order: embedding, layers by index,
+    then the final norm and head (their order among themselves is the module's)."""
+    if name.startswith("layers."):
+        return int(name.split(".")[1])
+    return -1 if name.startswith("embed.") else 1 << 30
 
 
 # Where a split list cuts a stage's graph: the first stage's B stops at the embedding's output
 # (the embedding's weight gradient is W's), and the last stage's B runs the fused LM head and
 # loss whole, its weight gradient included (the loss scales both precomputed gradients in place
-# at its one backward), and splits what lies below the final norm's output.
+# at its one backward) and folded at once, not held until W (a vocab x d_model tensor per
+# micro-batch, on the stage that defers the most W's), and splits what lies below the final
+# norm's output.
 _CUTS = {"first": "embed", "last": "norm"}
 
 
@@ -281,8 +347,7 @@ def _backward_input(out: Tensor, grad_out: Tensor | None, start: Tensor,
 
 
 def _kept_bytes(held: _InFlight) -> int:
-    """Bytes of the gradients a split B keeps for W (distinct storages; not the LM head's, which
-    is the storage its loss saved at F, counted then)."""
+    """Bytes of the gradients a split B keeps for W (distinct storages)."""
     kept = [g for group in held.param_groups or () for grads in group["grads"]
             for g in grads or () if g is not None]
     kept += [held.cuts["embed"][1]] if "embed" in held.cuts else []
@@ -309,11 +374,9 @@ class _InFlight:
     weights: int | None  # data pointer of the weight storage the graph holds
     # split lists: module name -> (its output, the leaf standing for it downstream; after B on
     # the first stage, the gradient at that leaf), see `_CUTS`; the gradients at the
-    # weight-reading nodes that B leaves for W; the LM head's weight gradient (B computes it:
-    # the fused loss gives it with the input gradient)
+    # weight-reading nodes that B leaves for W
     cuts: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     param_groups: list[dict[str, Any]] | None = None
-    head_grad: Tensor | None = None
 
 
 @dataclass
@@ -358,9 +421,9 @@ class StageRunner:
     def __init__(self, module: Olmo3, optimizer: AdamW, reducer: GradReducer | Any,
                  spec: StageSpec, transport: Transport, prev: int | None, next: int | None,
                  pipe_group: dist.ProcessGroup | None, lr_of: Callable[[int], float],
-                 device: torch.device, sharded: bool = False):
+                 device: torch.device, sharded: bool = False, wrap: int | None = None):
         self.module, self.optimizer, self.reducer, self.spec = module, optimizer, reducer, spec
-        self.transport, self.prev, self.next, self.pipe_group = transport, prev, next, pipe_group
+        self.transport, self.pipe_group = transport, pipe_group
         self.lr_of, self.device = lr_of, device
         if sharded and not spec.global_clip:
             raise ValueError(f"schedule {spec.schedule}: a sharded stage runs flush schedules "
@@ -371,6 +434,7 @@ class StageRunner:
                              "to update once per global batch (a flush schedule)")
         self.sharded = sharded  # see "Sharded stages" above
         self.params = dict(module.named_parameters())
+        self.places = _places(module, spec, prev, next, wrap)
         # the weights next to the cuts of a split list, by name (`next` is the neighbour here)
         self._cut_weights = {
             name: "".join(n for n, p in self.params.items()
@@ -379,6 +443,7 @@ class StageRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.last_norm = 0.0  # grad norm of the latest update, carried across spans
         self._norm_sizes: list[int] | None = None  # per stage: gradient tensors + 1 flag
+        self._norm_order: list[int] | None = None  # gathered norms -> whole-model order
 
     # ---- training ----------------------------------------------------------------------------
     def run_span(self, first_step: int, batches: list[Batch],
@@ -397,7 +462,7 @@ class StageRunner:
         groups = update_groups(every)[spec.stage]
         divisor = {m: len(g) * spec.dp for g in groups for m in g}
         bound = spec.bound()
-        inflight: dict[int, _InFlight] = {}
+        inflight: dict[tuple[int, int], _InFlight] = {}  # by (chunk, micro-batch)
         losses: dict[int, tuple[float, float, float]] = {}
         stale: dict[int, int] = {}
         updates: list[_Update] = []
@@ -411,20 +476,21 @@ class StageRunner:
         for act in actions:
             t0, w0 = time.perf_counter(), self.transport.waited
             transient = 0
+            key, place = (act.chunk, act.mb), self.places[act.chunk]
             if act.kind == "F":
                 if act.version not in (None, len(updates)):
                     raise RuntimeError(f"{act}: version {act.version}, live is {len(updates)}")
-                inflight[act.mb] = self._forward(act.mb, batches, divisor, losses,
-                                                 len(updates), is_split)
+                inflight[key] = self._forward(act.mb, place, batches, divisor, losses,
+                                              len(updates), is_split)
             elif act.kind == "B":
-                held = inflight[act.mb] if is_split else inflight.pop(act.mb)
+                held = inflight[key] if is_split else inflight.pop(key)
                 stale[act.mb] = len(updates) - held.updates_at_f
                 if stale[act.mb] > bound:
                     raise RuntimeError(f"stage {spec.stage}: micro-batch {act.mb} crossed "
                                        f"{stale[act.mb]} updates, above the bound {bound}")
-                transient = self._backward(act.mb, held, is_split)
+                transient = self._backward(act.mb, place, held, is_split)
             elif act.kind == "W":
-                transient = self._backward_weight(inflight.pop(act.mb))
+                transient = self._backward_weight(inflight.pop(key))
             else:
                 group = groups[act.k - 1]  # a global batch under optim.skip_spikes
                 own = {batches[m // M].micro_batches[m % M][0]: losses[m]
@@ -464,12 +530,14 @@ class StageRunner:
 
     def _receives(self, actions: list[Action]) -> Iterator[tuple[int, int]]:
         """(source, tag) of every receive of the list, in list order: activations for F on all
-        stages but the first, output gradients for B on all but the last."""
+        virtual stages but the first, output gradients for B on all but the last."""
+        V = self.spec.virtual
         for act in actions:
-            if act.kind == "F" and not self.spec.first:
-                yield self.prev, _tag(act.mb, False)
-            elif act.kind == "B" and not self.spec.last:
-                yield self.next, _tag(act.mb, True)
+            place = self.places[act.chunk]
+            if act.kind == "F" and place.src is not None:
+                yield place.src, _tag(act.mb, False, place.below, V)
+            elif act.kind == "B" and place.dst is not None:
+                yield place.dst, _tag(act.mb, True, place.chunk, V)
 
     def _live_weights(self) -> int:
         return 0 if self.sharded else next(iter(self.params.values())).data_ptr()
@@ -485,100 +553,108 @@ class StageRunner:
         return {n: p.data.requires_grad_() for n, p in self.params.items()}
 
     def _run(self, x: Tensor, leaves: dict[str, Tensor] | None, meter: SavedBytes,
-             labels: Tensor | None = None) -> Any:
-        """The stage's output, or on the last stage given `labels` its (total, ce, z) loss;
-        through the weight aliases `leaves`, or (sharded) the module itself."""
-        kwargs = {} if labels is None else {"labels": labels, "z_loss": self.spec.z_loss}
+             place: _Place, labels: Tensor | None = None) -> Any:
+        """The chunk's output, or on the last virtual stage given `labels` its (total, ce, z)
+        loss; through the weight aliases `leaves`, or (sharded) the module itself."""
+        kwargs: dict[str, Any] = {} if labels is None else {"labels": labels,
+                                                            "z_loss": self.spec.z_loss}
+        if place.layers is not None:
+            kwargs["chunk"] = place.layers
         with meter.counting(), autocast_for(self.device):
             if leaves is None:
                 return self.module(x, **kwargs)
             return functional_call(self.module, leaves, (x,), kwargs, strict=True)
 
-    def _input(self, mb: int, batches: list[Batch]) -> Tensor:
+    def _input(self, mb: int, place: _Place, batches: list[Batch]) -> Tensor:
         b, j = divmod(mb, self.spec.micro_per_batch)
-        if self.spec.first:
+        if place.first:
             return batches[b].micro_batches[j][1][:, :-1].to(self.device)
         s = self.spec
-        return self.transport.recv((s.micro_batch, s.seq_len, s.d_model), self.prev,
-                                   _tag(mb, False))
+        return self.transport.recv((s.micro_batch, s.seq_len, s.d_model), place.src,
+                                   _tag(mb, False, place.below, s.virtual))
 
-    def _forward(self, mb: int, batches: list[Batch], divisor: dict[int, int],
+    def _forward(self, mb: int, place: _Place, batches: list[Batch], divisor: dict[int, int],
                  losses: dict[int, tuple[float, float, float]], updates: int,
                  is_split: bool = False) -> _InFlight:
         spec = self.spec
-        x = self._input(mb, batches)
-        if spec.recompute and not spec.last:
+        x = self._input(mb, place, batches)
+        out_tag = _tag(mb, False, place.chunk, spec.virtual)
+        if spec.recompute and not place.last:
             with torch.no_grad(), autocast_for(self.device):
                 out = self.module(x)
-            self.transport.send(out, self.next, _tag(mb, False))
+            self.transport.send(out, place.dst, out_tag)
             return _InFlight(x, None, None, updates, x.untyped_storage().nbytes(), None)
-        if not spec.first:
+        if not place.first:
             x.requires_grad_()
         leaves = self._aliases()
         labels = None
-        if spec.last:
+        if place.last:
             b, j = divmod(mb, spec.micro_per_batch)
             labels = batches[b].micro_batches[j][1][:, 1:].to(self.device)
         cuts: dict[str, tuple[Tensor, Tensor]] = {}
         hooks = [getattr(self.module, name).register_forward_hook(partial(_cut, cuts, name))
                  for name in self._cut_weights if is_split and leaves is not None]
         try:
-            out = self._run(x, leaves, meter := self._meter(), labels)
+            out = self._run(x, leaves, meter := self._meter(), place, labels)
         finally:
             for hook in hooks:
                 hook.remove()
-        if spec.last:
+        if place.last:
             total, ce, z = out
             losses[mb] = (float(total.detach()), float(ce), float(z))
             out = total / divisor[mb]
         else:
-            self.transport.send(out, self.next, _tag(mb, False))
+            self.transport.send(out, place.dst, out_tag)
         meter.add(out)
         return _InFlight(x, out, leaves, updates, meter.nbytes, self._live_weights(), cuts)
 
-    def _backward(self, mb: int, held: _InFlight, is_split: bool = False) -> int:
-        """Backward of `mb`: input gradient upstream, weight gradients into .grad (in a split
-        list, only the input gradient: `_backward_weight` does the rest). Returns the bytes `mb`
-        holds while its B runs (with a recompute graph, if any)."""
+    def _backward(self, mb: int, place: _Place, held: _InFlight, is_split: bool = False) -> int:
+        """Backward of `mb` at chunk `place`: input gradient upstream, weight gradients into
+        .grad (in a split list, only the input gradient: `_backward_weight` does the rest).
+        Returns the bytes `mb` holds while its B runs (with a recompute graph, if any)."""
         spec = self.spec
         grad_out = None
-        if not spec.last:
+        if not place.last:
             grad_out = self.transport.recv((spec.micro_batch, spec.seq_len, spec.d_model),
-                                           self.next, _tag(mb, True))
+                                           place.dst, _tag(mb, True, place.chunk, spec.virtual))
+        up = _tag(mb, True, place.below, spec.virtual)
         extra = 0
         out, leaves, x = held.out, held.leaves, held.x
         if out is None:  # recompute with the live weights, right before the backward
             leaves = self._aliases()
-            if not spec.first:
+            if not place.first:
                 x.requires_grad_()
-            out = self._run(x, leaves, meter := self._meter())
+            out = self._run(x, leaves, meter := self._meter(), place)
             extra = meter.nbytes
         if leaves is None:  # sharded: FSDP2's hooks take the weight gradients
             torch.autograd.backward(out, grad_out)
-            if not spec.first:
-                self.transport.send(x.grad, self.prev, _tag(mb, True))
+            if not place.first:
+                self.transport.send(x.grad, place.src, up)
         elif is_split:
             if "norm" in held.cuts:  # the LM head and loss whole, then split below them
                 below, leaf = held.cuts["norm"]
-                head = leaves[self._cut_weights["norm"]]
-                grad_out, held.head_grad = torch.autograd.grad(out, [leaf, head])
+                name = self._cut_weights["norm"]
+                grad_out, head_grad = torch.autograd.grad(out, [leaf, leaves[name]])
+                self._fold([head_grad], [name])  # in B's order, which is W's: the same bits
+                self.reducer.after_backward()
+                held.nbytes -= head_grad.untyped_storage().nbytes()  # its loss saved it at F
                 out = below
             start = held.cuts["embed"][1] if "embed" in held.cuts else x
             grad, held.param_groups = _backward_input(out, grad_out, start, leaves.values())
-            if spec.first:  # W's start below the cut: the gradient at it
+            if place.first:  # W's start below the cut: the gradient at it
                 held.cuts["embed"] = (held.cuts["embed"][0], grad)
             else:
-                self.transport.send(grad, self.prev, _tag(mb, True))
+                self.transport.send(grad, place.src, up)
             held.out = None
             held.nbytes += _kept_bytes(held)  # held from here until W (in `inflight`)
             return extra
         else:
-            inputs = ([] if spec.first else [x]) + list(leaves.values())
+            inputs = ([] if place.first else [x]) + [leaves[n] for n in place.names]
             grads = torch.autograd.grad(out, inputs, grad_out)
-            if not spec.first:
-                self.transport.send(grads[0], self.prev, _tag(mb, True))
+            if not place.first:
+                self.transport.send(grads[0], place.src, up)
                 grads = grads[1:]
-            self._fold(grads)
+            self._fold(grads, place.names)
         self.reducer.after_backward()
         return held.nbytes + extra
 
@@ -596,19 +672,20 @@ class StageRunner:
             below, grad = held.cuts["embed"]
             table = held.leaves[self._cut_weights["embed"]]
             (table.grad,) = torch.autograd.grad(below, [table], grad)
-        if held.head_grad is not None:
-            held.leaves[self._cut_weights["norm"]].grad = held.head_grad
-        held.param_groups = held.head_grad = None
+        held.param_groups = None
         held.cuts.clear()
-        self._fold([leaf.grad for leaf in leaves])
+        names = [n for n in held.leaves if n != self._cut_weights.get("norm")]  # head: at B
+        self._fold([held.leaves[n].grad for n in names], names)
         self.reducer.after_backward()
         return held.nbytes
 
-    def _fold(self, grads: Sequence[Tensor | None]) -> None:
-        """Add one micro-batch's weight gradients to .grad as AccumulateGrad would (the first
-        taken as is, later ones added)."""
+    def _fold(self, grads: Sequence[Tensor | None], names: Sequence[str] | None = None) -> None:
+        """Add one micro-batch's weight gradients (of parameters `names`, by default all) to
+        .grad as AccumulateGrad would (the first taken as is, later ones added)."""
+        names = list(self.params) if names is None else names
         with torch.no_grad():
-            for (name, p), g in zip(self.params.items(), grads, strict=True):
+            for name, g in zip(names, grads, strict=True):
+                p = self.params[name]
                 if g is None:
                     raise RuntimeError(f"no gradient reached {name}")
                 if p.grad is None:
@@ -632,7 +709,8 @@ class StageRunner:
         ce = 0.0
         if spec.global_clip:
             t0 = time.perf_counter()
-            norm, ok = self._global_norm(grads, ok)
+            order = [_global_order(n) for n, p in self.params.items() if p.grad is not None]
+            norm, ok = self._global_norm(grads, order, ok)
             if check is not None:  # every rank joins, whatever its own losses hold
                 pipe = dist.group.WORLD if self.pipe_group is None else self.pipe_group  # dp 1
                 ce = global_ce(own or {}, spec.micro_per_batch * spec.dp,
@@ -656,10 +734,13 @@ class StageRunner:
         self.reducer.start()
         return _Update(step, value, finite, skipped)
 
-    def _global_norm(self, grads: list[Tensor], ok: bool) -> tuple[Tensor, bool]:
+    def _global_norm(self, grads: list[Tensor], order: list[int], ok: bool
+                     ) -> tuple[Tensor, bool]:
         """The norm of the whole model's gradient, bit for bit `get_total_norm` of the
         unpipelined model: every stage's per-tensor norms (and finite flag) are gathered in stage
-        order, which is global parameter order, and reduced alike on every stage."""
+        order, put in global parameter order (`order`: each tensor's `_global_order`; stage
+        order already is, unless a rank holds several chunks) and reduced alike on every
+        stage."""
         if self.sharded:  # each whole tensor's norm, as on one worker
             norms = [torch._foreach_norm([whole_tensor(g)], 2.0)[0] for g in grads]
         else:
@@ -670,6 +751,14 @@ class StageRunner:
             sizes = [torch.zeros_like(size) for _ in range(self.spec.n_stages)]
             dist.all_gather(sizes, size, group=self.pipe_group)
             self._norm_sizes = [int(x) for x in sizes]
+            keys = torch.full((max(self._norm_sizes),), -2, dtype=torch.int64,
+                              device=self.device)
+            keys[: len(order)] = torch.tensor(order, dtype=torch.int64)
+            every = [torch.empty_like(keys) for _ in self._norm_sizes]
+            dist.all_gather(every, keys, group=self.pipe_group)
+            flat = [int(k) for x, n in zip(every, self._norm_sizes, strict=True)
+                    for k in x[: n - 1]]
+            self._norm_order = sorted(range(len(flat)), key=flat.__getitem__)  # stable
         width = max(self._norm_sizes)
         padded = torch.zeros(width, device=self.device)
         padded[: local.numel()] = local
@@ -677,7 +766,7 @@ class StageRunner:
         dist.all_gather(parts, padded, group=self.pipe_group)
         norms = [x[: n - 1] for x, n in zip(parts, self._norm_sizes, strict=True)]
         flags = torch.stack([x[n - 1] for x, n in zip(parts, self._norm_sizes, strict=True)])
-        total = torch.linalg.vector_norm(torch.cat(norms), 2.0)
+        total = torch.linalg.vector_norm(torch.cat(norms)[self._norm_order], 2.0)
         return total, bool((flags == 0).all())
 
     # ---- evaluation --------------------------------------------------------------------------
@@ -693,17 +782,19 @@ class StageRunner:
             tokens = None
             if spec.first or spec.last:
                 tokens = torch.from_numpy(split.instances(chunk, spec.seq_len)).to(self.device)
-            if spec.first:
-                x = tokens[:, :-1]
-            else:
-                x = self.transport.recv((len(chunk), spec.seq_len, spec.d_model), self.prev,
-                                        _tag(c, False))
-            with autocast_for(self.device):
-                y = self.module(x)
-            if spec.last:
-                out.update(instance_losses(y, tokens, chunk))
-            else:
-                self.transport.send(y, self.next, _tag(c, False))
+            for place in self.places:  # a rank's model chunks, in pipeline order
+                if place.first:
+                    x = tokens[:, :-1]
+                else:
+                    x = self.transport.recv((len(chunk), spec.seq_len, spec.d_model), place.src,
+                                            _tag(c, False, place.below, spec.virtual))
+                with autocast_for(self.device):
+                    y = self.module(x) if place.layers is None else \
+                        self.module(x, chunk=place.layers)
+                if place.last:
+                    out.update(instance_losses(y, tokens, chunk))
+                else:
+                    self.transport.send(y, place.dst, _tag(c, False, place.chunk, spec.virtual))
         self.transport.drain()
         self.module.train()
         return out

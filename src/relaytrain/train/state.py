@@ -130,12 +130,15 @@ class TrainState:
         self.sharded = False
 
     def _new_module(self, layout: Layout) -> Olmo3:
-        """The whole model, or this rank's stage of it (global parameter names either way)."""
+        """The whole model, or this rank's stage of it (global parameter names either way, so
+        checkpoints and snapshots are the same tensors whatever the layout: a rank of
+        interleaved-1f1b holds its V chunks' layers in one module)."""
         stage, pp, _ = layout
         if pp == 1:
             return Olmo3(self.model_cfg)
-        ranges = partition_layers(self.model_cfg, pp, self.cfg.parallel.stage_layers,
-                                  self.cfg.seq_len)
+        p = self.cfg.parallel
+        virtual = p.virtual_stages if p.schedule == "interleaved-1f1b" else 1
+        ranges = partition_layers(self.model_cfg, pp * virtual, p.stage_layers, self.cfg.seq_len)
         return build_stage(self.model_cfg, stage, pp, ranges)
 
     # ---- snapshots -------------------------------------------------------------------------
@@ -174,13 +177,15 @@ class TrainState:
             self.load_tensors(self._assembled(given), local=True)
         elif given is not None:
             self.load_tensors(given)
-        elif self._snapshot is not None and self._snapshot[0] == step:
+        elif self._snapshot is not None and self._snapshot[0] == step and (
+                not self._snapshot[2] or self._own_rows() ==
+                {k: tuple(w["rows"]) for k, w in self._snapshot[2].items()}):
             _, tensors, where = self._snapshot
-            if where and {k: tuple(w["rows"]) for k, w in where.items()} != self._own_rows():
-                raise RuntimeError(f"this worker's snapshot of step {step} holds rows of "
-                                   "another layout (they must be pulled from the peers)")
             self.load_tensors(tensors, local=bool(where))
         elif step > self.cfg.start_step:
+            # (also past a snapshot of `step` that holds rows of another layout: a restore from
+            # the checkpoint of the step it was taken at, onto fewer workers; from memory, the
+            # controller gives a worker whose rows changed their pieces instead)
             self.load_tensors(self._read_checkpoint(step), local=True, owned=True)
         elif self.cfg.init.origin is not None:
             self.load_tensors(self._read_checkpoint(None), local=True, owned=True)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from relaytrain.data.packing import Docs, model_inputs
-from relaytrain.parallel.context import ContextGroup, sequence_mean
+from relaytrain.parallel.context import ContextGroup, label_share, sequence_mean
 from relaytrain.parallel.reduce import GradReducer, ReduceStats
 from relaytrain.train.optim import AdamW
 from relaytrain.train.skip_step import global_ce
@@ -80,11 +80,11 @@ def train_step(model: nn.Module, optimizer: AdamW,
     with reducer.overlapping():  # exact mode folds each gradient as the backward makes it
         for index, tokens in micro_batches:
             docs = (documents or {}).get(index)
-            losses = _forward_backward(model, tokens, z_loss, total_micro_batches, device,
-                                       docs, mask_documents, context)
+            losses, share = _forward_backward(model, tokens, z_loss, total_micro_batches,
+                                              device, docs, mask_documents, context)
             reducer.after_backward()
-            out.losses[index] = sequence_mean([float(x.detach()) for x in losses], context,
-                                              device)
+            out.losses[index] = sequence_mean([float(x.detach()) for x in losses], share,
+                                              context, device)
     ok = reducer.finish()
     out.reduction = reducer.stats
     out.grad_norm = float(reducer.clip(clip if clip > 0 else math.inf))
@@ -104,21 +104,24 @@ def train_step(model: nn.Module, optimizer: AdamW,
 def _forward_backward(model: nn.Module, tokens: torch.Tensor, z_loss: float, scale: int,
                       device: torch.device, docs: Docs | None = None,
                       mask_documents: bool = False, context: ContextGroup | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One micro-batch's losses, its gradients (divided by `scale`) accumulated. With a
-    `context`, of this rank's part of the sequences: its loss is the mean over its share of
-    the tokens (all equal), so the gradient of the whole sequences' mean is its own divided by
-    the degree, summed over the cp ranks by the reducer."""
-    inputs, labels, doc_lens = model_inputs(tokens.to(device, non_blocking=True), docs)
+                      ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], float]:
+    """One micro-batch's losses and this rank's share of its scored tokens, its gradients
+    (divided by `scale`) accumulated. With a `context`, of this rank's part of the sequences
+    (packed instances whole, as OLMo-core feeds them, so that they split): its loss is the
+    mean over its part's scored tokens, so the gradient of the whole sequences' mean is its
+    own times its share of them (`label_share`), summed over the cp ranks by the reducer."""
+    inputs, labels, doc_lens = model_inputs(tokens.to(device, non_blocking=True), docs,
+                                            whole=context is not None)
     kwargs: dict = {"doc_lens": doc_lens} if mask_documents and doc_lens is not None else {}
+    share = 1.0
     if context is not None:
+        share = label_share(labels, context)
         inputs, labels = context.split.local(inputs), context.split.local(labels)
-        scale *= context.split.degree
         kwargs["context"] = context
     with autocast_for(device):  # the fused head + loss: no [tokens, vocab] logits held
         total, ce, z = model(inputs, labels=labels, z_loss=z_loss, **kwargs)
-    (total / scale).backward()
-    return total, ce, z
+    (total * share / scale).backward()
+    return (total, ce, z), share
 
 
 def warm_kernels(model: nn.Module, micro_batch: int, seq_len: int, z_loss: float,

@@ -213,5 +213,5 @@ def make_stepper(cfg: RunConfig, state: TrainState, reducer: GradReducer | Shard
     runner = StageRunner(state.model, state.optimizer, reducer, spec, Transport(state.device),
                          groups.prev, groups.next, groups.pipe,
                          lambda step: lr_at(step, cfg.optim, cfg.train.max_steps),
-                         state.device, sharded=state.sharded)
+                         state.device, sharded=state.sharded, wrap=groups.wrap)
     return PipelineStepper(runner, loader, state.device, cfg.batch_offset)

@@ -29,9 +29,14 @@ COMMON = ("runtime.engine=ray", "parallel.pp=2", f"parallel.span={CUT}", "train.
           "runtime.collective_timeout=120", "elastic.replace_timeout=30")
 
 
+# interleaved-1f1b: two chunks per stage, so four layers (virtual stages 0, 2 | 1, 3)
+OPTIONS = {"interleaved-1f1b": ("parallel.virtual_stages=2", "model.n_layers=4")}
+
+
 def _run(run_dir, data, schedule: str, dp: int, *extra: str) -> RunSummary:
     return Controller(tiny_config(run_dir, data, *COMMON, f"parallel.schedule={schedule}",
-                                  f"parallel.dp={dp}", *extra)).run()
+                                  *OPTIONS.get(schedule, ()), f"parallel.dp={dp}",
+                                  *extra)).run()
 
 
 @pytest.fixture
@@ -47,6 +52,7 @@ def clean(request, tmp_path, corpus_data, ray_cluster):
 @pytest.mark.parametrize(("schedule", "dp", "source"), [
     ("1f1b", 1, "checkpoint"),
     ("zb-h1", 1, "checkpoint"),
+    ("interleaved-1f1b", 1, "checkpoint"),
     # an asynchronous schedule restored from a DP peer's snapshot, and the same paths again for
     # the other two schedules: on demand (pytest -m soak)
     pytest.param("paci", 2, "memory", marks=pytest.mark.soak),

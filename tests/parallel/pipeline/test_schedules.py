@@ -1,7 +1,8 @@
 """Specification of the pipeline schedules, checked exhaustively over small sizes.
 
 Sizes: S stages in 1..6, M micro-batches per global batch in 1..8, 1..3 global batches per span,
-local accumulation a in 1..4 for the asynchronous schedules.
+local accumulation a in 1..4 for the asynchronous schedules, V in 1..3 model chunks per stage for
+interleaved-1f1b (M a multiple of S).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def max_in_flight(actions: Schedule) -> list[int]:
     return peaks
 
 
-FLUSH = ("gpipe", "1f1b", "zb-h1")
+FLUSH = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
 
 
 SIZES = list(product(range(1, 7), range(1, 9), range(1, 4)))  # (S, M, n_batches)
@@ -54,7 +55,11 @@ A = range(1, 5)
 def cases(name: str):
     """Every (S, M, n_batches, options) the exhaustive checks cover for schedule ``name``."""
     for S, M, N in SIZES:
-        if name in FLUSH:
+        if name == "interleaved-1f1b":
+            if M % S == 0:
+                for V in range(1, 4):
+                    yield S, M, N, {"virtual": V}
+        elif name in FLUSH:
             yield S, M, N, {}
         elif name == "pipedream":
             for a in A:
@@ -72,19 +77,22 @@ def batch(b: int, M: int) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_every_micro_batch_gets_one_forward_then_one_backward_at_every_stage(name):
+    """... at every virtual stage: each of a stage's model chunks (one but for interleaved)."""
     for S, M, N, opts in cases(name):
         actions = build_schedule(name, S, M, N, **opts)
         assert len(actions) == S
         validate(actions)
         for acts in actions:
             assert split(acts) == (name == "zb-h1")
-            forwards = [x.mb for x in acts if x.kind == "F"]
-            backwards = [x.mb for x in acts if x.kind == "B"]
-            weights = [x.mb for x in acts if x.kind == "W"]
-            assert sorted(forwards) == sorted(backwards) == list(range(M * N))
-            assert weights == (backwards if name == "zb-h1" else [])
-            # data order: forwards and backwards both ascend, so gradients accumulate FIFO
-            assert forwards == sorted(forwards) and backwards == sorted(backwards)
+            assert {x.chunk for x in acts if x.kind != "U"} == set(range(opts.get("virtual", 1)))
+            for chunk in range(opts.get("virtual", 1)):
+                forwards = [x.mb for x in acts if x.kind == "F" and x.chunk == chunk]
+                backwards = [x.mb for x in acts if x.kind == "B" and x.chunk == chunk]
+                weights = [x.mb for x in acts if x.kind == "W" and x.chunk == chunk]
+                assert sorted(forwards) == sorted(backwards) == list(range(M * N))
+                assert weights == (backwards if name == "zb-h1" else [])
+                # data order: forwards and backwards both ascend, so gradients accumulate FIFO
+                assert forwards == sorted(forwards) and backwards == sorted(backwards)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -95,16 +103,18 @@ def test_executes_without_deadlock_under_blocking_receives(name):
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_schedules_are_pure_functions_of_their_arguments(name):
-    assert build_schedule(name, 4, 6, 3) == build_schedule(name, 4, 6, 3)
+    opts = {"virtual": 2} if name == "interleaved-1f1b" else {}
+    assert build_schedule(name, 4, 8, 3, **opts) == build_schedule(name, 4, 8, 3, **opts)
 
 
 @pytest.mark.parametrize("name", FLUSH)
 def test_flush_schedules_update_once_per_global_batch_with_zero_staleness(name):
-    for S, M, N, _ in cases(name):
-        actions = build_schedule(name, S, M, N)
+    for S, M, N, opts in cases(name):
+        actions = build_schedule(name, S, M, N, **opts)
         assert set(staleness(actions).values()) == {0}
         assert update_groups(actions) == [[batch(b, M) for b in range(N)]] * S
-        per_batch = (3 if name == "zb-h1" else 2) * M + 1  # F, B (and W) of each, one U
+        # F, B (and W) of each at each chunk, one U
+        per_batch = (3 if name == "zb-h1" else 2) * M * opts.get("virtual", 1) + 1
         for acts in actions:  # flush: nothing of batch b+1 starts before batch b's update
             kinds = [x.kind for x in acts]
             assert [i for i, k in enumerate(kinds) if k == "U"] == [
@@ -202,7 +212,7 @@ def test_paci_bound_is_papers_ceil_s_minus_i_minus_1_over_a():
         assert [staleness_bound("paci", i, S, a) for i in range(S)] == [
             math.ceil((S - i - 1) / a) for i in range(S)
         ]
-        assert [staleness_bound(n, i, S) for n in FLUSH for i in range(S)] == [0] * (3 * S)
+        assert [staleness_bound(n, i, S) for n in FLUSH for i in range(S)] == [0] * (4 * S)
 
 
 def test_paci_updates_every_a_backwards_with_the_same_micro_batches_at_every_stage():
@@ -222,7 +232,7 @@ def test_paci_with_flush_and_a_equal_m_is_exactly_1f1b():
         assert build_schedule("paci", S, M, N, a=M, flush=True) == build_schedule("1f1b", S, M, N)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "paci"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "paci"])
 def test_schedules_without_stashing_hold_one_weight_version(name):
     for S, M, N, opts in cases(name):
         actions = build_schedule(name, S, M, N, **opts)
@@ -258,6 +268,32 @@ def test_pipedream_holds_s_minus_i_versions_per_stage_with_one_update_per_micro_
                     assert versions[i] == S - i
 
 
+def test_interleaved_sends_each_chunk_s_micro_batches_in_turn_after_its_warm_up():
+    """Megatron's order: forwards go chunk by chunk in groups of S micro-batches; backwards
+    likewise from the last chunk; stage i warms up with 2(S-i-1) + (V-1)S forwards."""
+    acts = build_schedule("interleaved-1f1b", 2, 4, 1, virtual=2)
+    assert " ".join(map(str, acts[0])) == (
+        "F0 F1 F0.c1 F1.c1 F2 B0.c1 F3 B1.c1 F2.c1 B0 F3.c1 B1 B2.c1 B3.c1 B2 B3 U1")
+    assert " ".join(map(str, acts[1])) == (
+        "F0 F1 F0.c1 B0.c1 F1.c1 B1.c1 F2 B0 F3 B1 F2.c1 B2.c1 F3.c1 B3.c1 B2 B3 U1")
+
+
+def test_interleaved_bubble_is_the_papers_s_minus_1_over_v_m_plus_s_minus_1():
+    """Narayanan et al. 2021: V chunks cut 1f1b's bubble (S-1)/(M+S-1) to (S-1)/(VM+S-1) (F and
+    B of a chunk cost 1/V of the stage's), and chunk-micro-batches held at most
+    2(S-i-1) + (V-1)S + 1 at stage i (each 1/V of a whole micro-batch)."""
+    for S, V in product(range(2, 7), range(1, 5)):
+        for M in range(S, 4 * S + 1, S):
+            actions = build_schedule("interleaved-1f1b", S, M, 1, virtual=V)
+            res = simulate(actions, Costs.uniform(S))
+            assert math.isclose(res.bubble_fraction, (S - 1) / (V * M + S - 1))
+            assert in_flight_peaks(actions) == [min(2 * (S - i - 1) + (V - 1) * S + 1, M * V)
+                                                for i in range(S)]
+            if V > 1:
+                f1b = simulate(build_schedule("1f1b", S, M, 1), Costs.uniform(S))
+                assert res.makespan < f1b.makespan
+
+
 def test_update_numbers_count_from_one_at_every_stage():
     actions = build_schedule("paci", 3, 4, 2, a=3)
     assert [[x.k for x in acts if x.kind == "U"] for acts in actions] == [[1, 2, 3]] * 3
@@ -265,17 +301,19 @@ def test_update_numbers_count_from_one_at_every_stage():
 
 
 def test_action_prints_compactly():
-    assert [str(x) for x in (Action("F", 3), Action("B", 3, version=2), Action("U", k=1))] == [
-        "F3",
-        "B3@v2",
-        "U1",
-    ]
+    assert [str(x) for x in (Action("F", 3), Action("B", 3, version=2), Action("U", k=1),
+                             Action("F", 3, chunk=1))] == ["F3", "B3@v2", "U1", "F3.c1"]
 
 
 @pytest.mark.parametrize(
     ("name", "sizes", "kwargs", "message"),
     [
-        ("zigzag", (2, 2, 1), {}, "expected one of gpipe, 1f1b, zb-h1, pipedream, paci"),
+        ("zigzag", (2, 2, 1), {},
+         "expected one of gpipe, 1f1b, zb-h1, interleaved-1f1b, pipedream, paci"),
+        ("1f1b", (2, 2, 1), {"virtual": 2}, "takes no option ['virtual']"),
+        ("interleaved-1f1b", (2, 2, 1), {"virtual": 0}, "virtual: got 0"),
+        ("interleaved-1f1b", (2, 3, 1), {"virtual": 2},
+         "micro_per_batch 3 must be a multiple of n_stages 2"),
         ("zb-h1", (2, 2, 1), {"a": 2}, "takes no option ['a']"),
         ("1f1b", (2, 2, 1), {"a": 2}, "takes no option ['a']"),
         ("gpipe", (2, 2, 1), {"in_flight": 2}, "takes no option ['in_flight']"),
@@ -305,6 +343,10 @@ def test_bad_arguments_are_rejected_with_what_would_be_accepted(name, sizes, kwa
         ([[Action("F", 0), Action("B", 0), Action("U", k=2)]], "expected U1"),
         ([[Action("F", 0, version=1)]], r"version must be in 0\.\.0"),
         ([[Action("F", 0, version=0), Action("B", 0), Action("U", k=1)]], "version differs"),
+        ([[Action("F", 0, chunk=1), Action("F", 0), Action("B", 0), Action("B", 0, chunk=1),
+           Action("U", k=1)]], "before the micro-batch's forward at chunk 0"),
+        ([[Action("F", 0), Action("F", 0, chunk=1), Action("B", 0), Action("B", 0, chunk=1),
+           Action("U", k=1)]], "before the micro-batch's backward at chunk 1"),
         (
             [
                 [Action("F", 0), Action("B", 0), Action("U", k=1)],
@@ -327,5 +369,6 @@ def test_which_schedules_flush_is_declared_once():
         assert (staleness_bound(name, 0, 4) == 0) == (not asynchronous(name))
     assert load_config(None, ["parallel.schedule=paci"]).parallel.schedule == "paci"
     with pytest.raises(ConfigError,
-                       match=re.escape("'gpipe' | '1f1b' | 'zb-h1' | 'pipedream' | 'paci'")):
+                       match=re.escape("'gpipe' | '1f1b' | 'zb-h1' | 'interleaved-1f1b' | "
+                                         "'pipedream' | 'paci'")):
         load_config(None, ["parallel.schedule=zb"])

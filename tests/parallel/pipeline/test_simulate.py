@@ -80,29 +80,36 @@ def test_recompute_is_paid_at_every_backward():
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_timeline_obeys_stage_order_and_point_to_point_dependencies(name):
+    """... between virtual stages: chunk c of stage i is virtual stage cS + i (one chunk but for
+    interleaved-1f1b, whose micro-batches come in groups of S)."""
     rng = random.Random(0)
     for S, M, N in product(range(1, 6), (1, 3, 5), (1, 2)):
+        V, opts = (2, {"virtual": 2}) if name == "interleaved-1f1b" else (1, {})
+        M = M * S if V > 1 else M
         cost = Costs(
             *(tuple(rng.uniform(0.5, 2) for _ in range(S)) for _ in range(3)),
             transfer=rng.uniform(0, 0.5),
             weight=tuple(rng.uniform(0, 0.5) for _ in range(S)),
         )
-        actions = build_schedule(name, S, M, N)
+        actions = build_schedule(name, S, M, N, **opts)
         result = simulate(actions, cost, timeline=True)
         assert len(result.timeline) == sum(map(len, actions))
-        end = {(s.stage, s.action.kind, s.action.mb): s.end for s in result.timeline}
+        end = {(s.stage, s.action.chunk, s.action.kind, s.action.mb): s.end
+               for s in result.timeline}
         for stage in range(S):
             spans = [s for s in result.timeline if s.stage == stage]
             assert [s.action for s in spans] == actions[stage]  # in list order, never overlapping
             assert all(x.end <= y.start + 1e-12 for x, y in zip(spans, spans[1:], strict=False))
             for s in spans:
-                kind, mb = s.action.kind, s.action.mb
-                if kind == "F" and stage > 0:
-                    assert s.start >= end[(stage - 1, "F", mb)] + cost.transfer - 1e-12
-                if kind == "B" and stage < S - 1:
-                    assert s.start >= end[(stage + 1, "B", mb)] + cost.transfer - 1e-12
+                kind, mb, v = s.action.kind, s.action.mb, s.action.chunk * S + stage
+                if kind == "F" and v > 0:
+                    before = end[((v - 1) % S, (v - 1) // S, "F", mb)]
+                    assert s.start >= before + cost.transfer - 1e-12
+                if kind == "B" and v < S * V - 1:
+                    after = end[((v + 1) % S, (v + 1) // S, "B", mb)]
+                    assert s.start >= after + cost.transfer - 1e-12
                 if kind == "W":
-                    assert s.start >= end[(stage, "B", mb)] - 1e-12
+                    assert s.start >= end[(stage, 0, "B", mb)] - 1e-12
         assert result.makespan == pytest.approx(max(s.end for s in result.timeline))
 
 

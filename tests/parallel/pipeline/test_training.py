@@ -66,3 +66,27 @@ def test_four_stage_paci_checkpoint_resumes_at_two_stages_and_unpipelined(tmp_pa
     assert a.keys() == b.keys()
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
     assert main(["data", "audit", str(run)]) == 0
+
+
+@pytest.mark.timeout(180)
+def test_unpipelined_checkpoint_resumes_interleaved_and_back_bit_identically(tmp_path,
+                                                                            corpus_data):
+    """Checkpoints hold tensors under global names whatever the layout: an unpipelined run's
+    resumes on 2 ranks of 2 chunks each (evaluating through the interleaved pipeline), whose
+    checkpoint resumes unpipelined, all on the bits of the run that never left pp = 1."""
+    common = ("model.n_layers=4", "eval.every=2", "checkpoint.every=2", "determinism=exact")
+    interleaved = ("runtime.engine=ray", "parallel.pp=2", "parallel.schedule=interleaved-1f1b",
+                   "parallel.virtual_stages=2")
+    run, flat = tmp_path / "moved", tmp_path / "flat"
+    Controller(tiny_config(run, corpus_data, *common, "train.max_steps=2")).run()
+    shutil.copytree(run, flat)
+    Controller(tiny_config(run, corpus_data, *common, *interleaved, "train.max_steps=4")).run()
+    Controller(tiny_config(run, corpus_data, *common, "train.max_steps=6")).run()
+    Controller(tiny_config(flat, corpus_data, *common, "train.max_steps=6")).run()
+    moved, one = step_records(run), step_records(flat)
+    assert sorted(moved[4]["pipeline"]) == ["0", "1"] and "pipeline" not in moved[6]
+    assert [moved[s]["loss"] for s in range(3, 7)] == [one[s]["loss"] for s in range(3, 7)]
+    assert evals(run) == evals(flat)
+    _, a = open_checkpoint(str(run / "checkpoints"))
+    _, b = open_checkpoint(str(flat / "checkpoints"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -195,6 +195,27 @@ def test_a_prestarted_worker_is_the_next_one_spawned(tmp_path, corpus_data, ray_
         engine.shutdown()
 
 
+def test_a_worker_ready_now_is_only_one_up_already_and_taking_it_starts_nothing(
+        tmp_path, corpus_data, ray_cluster):
+    """`spawn_ready` never waits for a process to start: None while the prestarted worker is
+    starting, that worker once it is up."""
+    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "elastic.standby=false")
+    engine = RayEngine(cfg)
+    args = (cfg, TokenDataset.open(corpus_data).vocab_size)
+    [first] = engine.spawn_many(1, args, wait=60)
+    try:
+        assert engine.spawn_ready(args) is None and set(engine.actors) == {first}
+        engine.prestart()
+        [starting] = set(engine.actors) - {first}
+        assert engine.spawn_ready(args) is None  # a process takes seconds to start
+        deadline = time.monotonic() + 60
+        while (ready := engine.spawn_ready(args)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready == starting and set(engine.actors) == {first, starting}
+    finally:
+        engine.shutdown()
+
+
 def test_a_replacement_is_the_standby_process_started_ahead_which_reserved_nothing(
         tmp_path, corpus_data, ray_cluster):
     import ray

@@ -15,13 +15,13 @@ from tests.runtime.conftest import tiny_config
 
 
 def _run(tmp_path: Path, data: str, ahead: bool, fail_at: int | None = None,
-         workers: int = 8) -> tuple[Path, SimulatedEngine, object]:
-    run = tmp_path / f"run-{ahead}"
+         workers: int = 8, start_s: float = 0.0) -> tuple[Path, SimulatedEngine, object]:
+    run = tmp_path / f"run-{ahead}-{start_s}"
     cfg = tiny_config(run, data, "runtime.engine=ray", "data.seq_len=8", f"parallel.dp={workers}",
                       f"train.global_batch={workers}", "train.micro_batch=1",
                       "train.max_steps=24", "eval.every=0", "checkpoint.every=10",
                       f"runtime.dispatch_ahead={str(ahead).lower()}")
-    engine = SimulatedEngine(step_s=0.02)
+    engine = SimulatedEngine(step_s=0.02, start_s=start_s)
     if fail_at is not None:
         engine.fail(fail_at, rank=3)
     summary = Controller(cfg, quiet=True, engine=engine).run()
@@ -66,3 +66,19 @@ def test_dispatch_ahead_leaves_no_gap_between_steps_and_changes_no_record(tmp_pa
     losses = [[r["loss"] for r in _records(run, "step")] for run in (ahead, lockstep)]
     assert losses[0] == losses[1]
     assert audit(ahead).ok and audit(lockstep).ok
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_with_no_worker_up_goes_on_at_once_and_grows_back_once_one_is(tmp_path,
+                                                                              corpus_data):
+    """A new worker takes 0.3 s to come up (15 steps' time): the 7 survivors go on at once on
+    the largest of them that splits the 8 micro-batches (4), and the run is back at 8 once the
+    replacements are up, through the same recovery code as on Ray."""
+    run, _, summary = _run(tmp_path, corpus_data, ahead=True, fail_at=5, start_s=0.3)
+    [rec] = _records(run, "recovery")
+    assert (rec["continued_on"], rec["dp"], rec["replaced"]) == (4, 4, 0), rec
+    assert rec["waited_for_replacement"] is None and rec["phases"]["wait_replacement"] == 0.0
+    [grow] = _records(run, "resize")
+    assert (grow["dp"], summary.dp) == (8, 8) and grow["since_failure_s"] >= 0.3, grow
+    assert sorted({r["step"] for r in _records(run, "step")}) == list(range(1, 25))
+    assert audit(run).ok

@@ -20,6 +20,11 @@ batches; the pipeline is empty at the start and at the end of every span):
 - ``U(k)``: this stage's optimizer step with the gradient accumulated since its previous ``U``
   (its *update group*, see :func:`update_groups`), then the buffer is cleared. ``k`` counts the
   updates of this stage in the span from 1. Every ``B`` of a list is followed by some ``U``.
+- ``chunk`` (``interleaved-1f1b`` only, else 0): the rank holds V model chunks, the model is cut
+  into S*V *virtual stages* and rank i holds virtual stages i, i+S, ..., i+(V-1)S; an action runs
+  chunk ``chunk`` (virtual stage ``chunk*S + i``). Its F receives from virtual stage s-1 (rank
+  S-1's previous chunk for the first rank) and sends to s+1; B the reverse. Only virtual stage 0
+  reads the input and only virtual stage S*V-1 computes the loss.
 - ``version`` (``pipedream`` only, else ``None``): ``F(m)`` and ``B(m)`` run with this stage's
   weights as they were after ``version`` updates in the span (0: the weights at span start), so
   the executor stashes that version at ``F(m)`` and may drop it after ``B(m)``. ``None``: use the
@@ -38,11 +43,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-ScheduleName = Literal["gpipe", "1f1b", "zb-h1", "pipedream", "paci"]  # `parallel.schedule`
+# `parallel.schedule`
+ScheduleName = Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "pipedream", "paci"]
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 # Flush schedules drain the pipeline at every global batch: no update with a micro-batch in
 # flight, so exact gradients. The others are asynchronous and run in spans of steps.
-FLUSH_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+FLUSH_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
 
 
 def asynchronous(name: str) -> bool:
@@ -56,6 +62,7 @@ _OPTIONS = {
     "gpipe": frozenset(),
     "1f1b": frozenset(),
     "zb-h1": frozenset(),
+    "interleaved-1f1b": frozenset({"virtual"}),
     "pipedream": frozenset({"a", "in_flight"}),
     "paci": frozenset({"a", "in_flight", "flush"}),
 }
@@ -63,8 +70,8 @@ _OPTIONS = {
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One step of a stage's list: ``F``/``B``/``W`` of micro-batch ``mb``, or update ``U`` number
-    ``k``.
+    """One step of a stage's list: ``F``/``B``/``W`` of micro-batch ``mb`` (through model chunk
+    ``chunk``), or update ``U`` number ``k``.
 
     ``mb`` is -1 for ``U``; ``k`` is 0 for the others; ``version`` is the stashed weight version
     for weight-stashing schedules and ``None`` otherwise (see the module docstring).
@@ -74,11 +81,13 @@ class Action:
     mb: int = -1
     k: int = 0
     version: int | None = None
+    chunk: int = 0
 
     def __str__(self) -> str:
         if self.kind == "U":
             return f"U{self.k}"
-        return f"{self.kind}{self.mb}" + ("" if self.version is None else f"@v{self.version}")
+        return (f"{self.kind}{self.mb}" + (f".c{self.chunk}" if self.chunk else "")
+                + ("" if self.version is None else f"@v{self.version}"))
 
 
 Schedule = list[list[Action]]
@@ -102,6 +111,7 @@ def build_schedule(
     a: int = 1,
     in_flight: int | None = None,
     flush: bool = False,
+    virtual: int = 1,
 ) -> Schedule:
     """Per-stage action lists of schedule ``name`` over one span of ``n_batches`` global batches.
 
@@ -114,6 +124,9 @@ def build_schedule(
       its (j+i)-th B (the rest before the U), so the later stages, whose B's the earlier ones
       wait for, push their W's into the cool-down, where 1f1b idles. A stage holds at most
       S-i micro-batches awaiting B and i awaiting W: 1f1b's peak (S, at stage 0); flush.
+    - ``interleaved-1f1b`` (Narayanan et al. 2021; Megatron's and torch's
+      ``ScheduleInterleaved1F1B``): ``virtual`` = V chunks per rank, see `_interleaved`; M must be
+      a multiple of S (micro-batches go round the ranks in groups of S); flush.
     - ``pipedream``: asynchronous 1F1B over the whole span (no flush), a U after every ``a``
       local backwards, weight stashing (``version``); at most ``in_flight`` micro-batches held.
     - ``paci``: the same order without stashing: a micro-batch crosses at most
@@ -133,11 +146,13 @@ def build_schedule(
         "n_batches": n_batches,
         "a": a,
         "in_flight": 1 if in_flight is None else in_flight,
+        "virtual": virtual,
     }
     for what, value in sizes.items():
         if value < 1:
             raise ValueError(f"{what}: got {value}, expected >= 1")
-    given = {"a": a != 1, "in_flight": in_flight is not None, "flush": flush}
+    given = {"a": a != 1, "in_flight": in_flight is not None, "flush": flush,
+             "virtual": virtual != 1}
     unknown = sorted(opt for opt, is_set in given.items() if is_set and opt not in _OPTIONS[name])
     if unknown:
         raise ValueError(
@@ -150,6 +165,11 @@ def build_schedule(
     span = [range(n_batches * M)]
     if name == "gpipe":
         return [_stage_actions(batches, M, M, stash=False) for _ in range(S)]
+    if name == "interleaved-1f1b":
+        if M % S:
+            raise ValueError(f"interleaved-1f1b: micro_per_batch {M} must be a multiple of "
+                             f"n_stages {S}")
+        return [_interleaved(batches, i, S, virtual) for i in range(S)]
     if name in ("1f1b", "zb-h1"):
         return [
             _stage_actions(batches, S - i, M, stash=False, w_delay=i if name == "zb-h1" else None)
@@ -170,6 +190,34 @@ def _one_f_one_b(mbs: Sequence[int], limit: int) -> list[tuple[str, int]]:
     for j in range(n - warm):
         order += [("F", mbs[warm + j]), ("B", mbs[j])]
     return order + [("B", m) for m in mbs[n - warm :]]
+
+
+def _interleaved(segments: Sequence[Sequence[int]], rank: int, S: int, V: int) -> list[Action]:
+    """Rank ``rank``'s interleaved-1F1B list, per segment (global batch) of M micro-batches.
+
+    The segment's k-th forward is chunk (k mod SV) div S of micro-batch (k div SV) S + k mod S:
+    each chunk takes S micro-batches in turn. The k-th backward is that micro-batch's at chunk
+    V-1 minus that. Warm-up: 2(S-rank-1) + (V-1)S forwards (all, if fewer), then one forward one
+    backward, then the cool-down backwards, then one U. Every chunk thus sees its micro-batches
+    in ascending order for F and for B (FIFO accumulation, like 1f1b), and the rank's B's run in
+    the reverse order of the chunks' F's, which is what the dependencies across ranks need."""
+    out: list[Action] = []
+    for u, segment in enumerate(segments, start=1):
+        n = len(segment) * V
+        warm = min(2 * (S - rank - 1) + (V - 1) * S, n)
+        out += [_virtual(segment, k, S, V, False) for k in range(warm)]
+        for k in range(n - warm):
+            out += [_virtual(segment, warm + k, S, V, False), _virtual(segment, k, S, V, True)]
+        out += [_virtual(segment, k, S, V, True) for k in range(n - warm, n)]
+        out.append(Action("U", k=u))
+    return out
+
+
+def _virtual(segment: Sequence[int], k: int, S: int, V: int, backward: bool) -> Action:
+    """The k-th forward (or backward) of a segment in interleaved order (see `_interleaved`)."""
+    chunk = k % (S * V) // S
+    mb = segment[k // (S * V) * S + k % S]
+    return Action("B" if backward else "F", mb, chunk=V - 1 - chunk if backward else chunk)
 
 
 def _with_weight_passes(order: list[tuple[str, int]], delay: int) -> list[tuple[str, int]]:
@@ -237,16 +285,21 @@ def validate(actions: Schedule) -> None:
     """Raise ValueError unless the lists are well formed for the executor.
 
     Every stage handles the same micro-batches, each with exactly one F, later one B and, in a
-    split list, after that one W; U's are numbered 1, 2, ... and no gradient is left after the
-    last U; a stashed version is one the stage already has and is the same for F, B and W.
-    (Deadlock-freedom is checked by simulation, the memory bound by `in_flight_peaks`.)
+    split list, after that one W, at every chunk (virtual stage) it holds; U's are numbered 1,
+    2, ... and no gradient is left after the last U; a stashed version is one the stage already
+    has and is the same for F, B and W. A micro-batch's F at chunk c follows its F at chunk c-1
+    and its B at chunk c follows its B at chunk c+1 (the order the virtual stages in between
+    impose). (Deadlock-freedom across stages is checked by simulation, the memory bound by
+    `in_flight_peaks`.)
     """
     expected: set[int] | None = None
     for i, acts in enumerate(actions):
         where = f"stage {i}"
-        # micro-batch -> (version, the action it waits for next)
-        open_: dict[int, tuple[int | None, str]] = {}
-        done: set[int] = set()
+        # (chunk, micro-batch) -> (version, the action it waits for next)
+        open_: dict[tuple[int, int], tuple[int | None, str]] = {}
+        done: set[tuple[int, int]] = set()
+        backed: set[tuple[int, int]] = set()
+        chunks = 1 + max((act.chunk for act in acts), default=0)
         updates = pending = 0
         last = "W" if split(acts) else "B"
         for n, act in enumerate(acts):
@@ -256,32 +309,42 @@ def validate(actions: Schedule) -> None:
                     raise ValueError(f"{at}: expected U{updates + 1} with mb -1")
                 updates, pending = updates + 1, 0
                 continue
-            if act.kind not in ("F", "B", "W") or act.mb < 0 or act.k != 0:
+            if act.kind not in ("F", "B", "W") or act.mb < 0 or act.k != 0 or act.chunk < 0:
                 raise ValueError(f"{at}: expected F, B or W of a micro-batch >= 0 with k 0")
+            key = (act.chunk, act.mb)
             if act.version is not None and not 0 <= act.version <= updates:
                 raise ValueError(f"{at}: version must be in 0..{updates}, the versions so far")
             if act.kind == "F":
-                if act.mb in open_ or act.mb in done:
+                if key in open_ or key in done:
                     raise ValueError(f"{at}: second forward of micro-batch {act.mb}")
-                open_[act.mb] = (act.version, "B")
+                if act.chunk and (act.chunk - 1, act.mb) not in open_.keys() | done:
+                    raise ValueError(f"{at}: before the micro-batch's forward at chunk "
+                                     f"{act.chunk - 1}")
+                open_[key] = (act.version, "B")
                 continue
-            if act.mb not in open_:
+            if key not in open_:
                 raise ValueError(f"{at}: {'backward' if act.kind == 'B' else 'weight pass'} "
                                  "without a pending forward")
-            version, waits_for = open_[act.mb]
+            if act.kind == "B" and act.chunk < chunks - 1 and (act.chunk + 1, act.mb) not in backed:
+                raise ValueError(f"{at}: before the micro-batch's backward at chunk "
+                                 f"{act.chunk + 1}")
+            version, waits_for = open_[key]
             if waits_for != act.kind:
                 raise ValueError(f"{at}: expected {waits_for}{act.mb} first")
             if version != act.version:
                 raise ValueError(f"{at}: version differs from its forward's")
+            if act.kind == "B":
+                backed.add(key)
             if act.kind == last:
-                del open_[act.mb]
-                done.add(act.mb)
+                del open_[key]
+                done.add(key)
                 pending += 1
             else:
-                open_[act.mb] = (version, "W")
+                open_[key] = (version, "W")
         if open_ or pending:
             raise ValueError(
-                f"{where}: micro-batches {sorted(open_)} never finish their backward or "
+                f"{where}: micro-batches {sorted({m for _, m in open_})} never finish their "
+                f"backward or "
                 f"{pending} gradients never applied"
             )
         if expected is None:
@@ -294,7 +357,8 @@ def validate(actions: Schedule) -> None:
 
 def in_flight_peaks(actions: Schedule) -> list[int]:
     """Per stage, the peak number of micro-batches held between their F and the end of their
-    backward (B, or W in a split list): the activation memory in units of one micro-batch's."""
+    backward (B, or W in a split list): the activation memory in units of one micro-batch's
+    (with chunks, of one micro-batch's at one chunk: 1/V of the stage's)."""
     peaks = []
     for acts in actions:
         last = "W" if split(acts) else "B"
@@ -363,14 +427,15 @@ def weight_versions(actions: Schedule) -> list[int]:
 
 def update_groups(actions: Schedule) -> list[list[tuple[int, ...]]]:
     """Per stage, the micro-batches of each update in accumulation order (FIFO property: the
-    k-th group is the same at every stage, so all stages step on the same data)."""
+    k-th group is the same at every stage, so all stages step on the same data); with chunks,
+    in chunk 0's order (every chunk accumulates the same micro-batches)."""
     out = []
     for acts in actions:
         groups: list[tuple[int, ...]] = []
         current: list[int] = []
         accumulate = "W" if split(acts) else "B"
         for act in acts:
-            if act.kind == accumulate:
+            if act.kind == accumulate and act.chunk == 0:
                 current.append(act.mb)
             elif act.kind == "U":
                 groups.append(tuple(current))

@@ -6,7 +6,9 @@ The executor posts each receive ahead (`Transport`, train/pipeline_stage.py), so
 travels on the link while both stages compute: an action's input is there at the producer's end
 plus the transfer time, and no stage is charged for the transfer itself.
 That proves a schedule deadlock-free and gives its time per step, which the benchmark multiplies
-by the measured number of steps to a target loss.
+by the measured number of steps to a target loss. Lists with V model chunks per stage
+(interleaved-1f1b) follow the virtual stages' links, and an F, B or W of one chunk costs 1/V of
+the stage's (a chunk is 1/V of its layers).
 """
 
 from __future__ import annotations
@@ -73,16 +75,18 @@ class Costs:
             (weight,) * n_stages if weight else None,
         )
 
-    def duration(self, stage: int, action: Action, is_split: bool = False) -> float:
-        """Seconds `action` takes at `stage`, in a split list (B and W apart) or not."""
+    def duration(self, stage: int, action: Action, is_split: bool = False,
+                 chunks: int = 1) -> float:
+        """Seconds `action` takes at `stage`, in a split list (B and W apart) or not, the stage
+        cut into `chunks` equal model chunks."""
         w = self.weight[stage] if self.weight else 0.0
         if action.kind == "F":
-            return self.forward[stage]
+            return self.forward[stage] / chunks
         if action.kind == "B":
             recompute = self.recompute[stage] if self.recompute else 0.0
-            return self.backward[stage] - (w if is_split else 0.0) + recompute
+            return (self.backward[stage] - (w if is_split else 0.0) + recompute) / chunks
         if action.kind == "W":
-            return w
+            return w / chunks
         return self.update[stage]
 
 
@@ -118,20 +122,23 @@ class DeadlockError(RuntimeError):
     """The lists cannot complete under blocking receives; the message says who waits on what."""
 
 
-_Key = tuple[int, str, int]  # (stage, kind, mb) of a finished F, B or W
+_Key = tuple[int, int, str, int]  # (stage, chunk, kind, mb) of a finished F, B or W
 
 
-def _dependencies(stage: int, action: Action, n_stages: int) -> list[tuple[_Key, bool]]:
-    """What an action waits for, and whether that crosses a link (pays the transfer)."""
+def _dependencies(stage: int, action: Action, n_stages: int, chunks: int = 1
+                  ) -> list[tuple[_Key, bool]]:
+    """What an action waits for, and whether that crosses a link (pays the transfer): the
+    neighbouring virtual stage (virtual stage c*S + i is chunk c of stage i)."""
+    v = action.chunk * n_stages + stage
     if action.kind == "F":
-        return [((stage - 1, "F", action.mb), True)] if stage > 0 else []
+        return [(((v - 1) % n_stages, (v - 1) // n_stages, "F", action.mb), True)] if v else []
     if action.kind == "B":
-        deps = [((stage, "F", action.mb), False)]
-        if stage < n_stages - 1:
-            deps.append(((stage + 1, "B", action.mb), True))
+        deps = [((stage, action.chunk, "F", action.mb), False)]
+        if v < n_stages * chunks - 1:
+            deps.append((((v + 1) % n_stages, (v + 1) // n_stages, "B", action.mb), True))
         return deps
     if action.kind == "W":
-        return [((stage, "B", action.mb), False)]
+        return [((stage, action.chunk, "B", action.mb), False)]
     return []
 
 
@@ -149,11 +156,12 @@ def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False) -> SimRe
     spans: list[Span] = []
     ready = list(range(n_stages))
     is_split = [split(acts) for acts in actions]
+    chunks = 1 + max((a.chunk for acts in actions for a in acts), default=0)
     while ready:
         i = ready.pop()
         while position[i] < len(actions[i]):
             action = actions[i][position[i]]
-            deps = _dependencies(i, action, n_stages)
+            deps = _dependencies(i, action, n_stages, chunks)
             missing = next((key for key, _ in deps if key not in finished), None)
             if missing is not None:
                 waiting.setdefault(missing, []).append(i)
@@ -161,14 +169,14 @@ def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False) -> SimRe
             start = max(
                 [free[i]] + [finished[key] + (cost.transfer if link else 0.0) for key, link in deps]
             )
-            end = start + cost.duration(i, action, is_split[i])
+            end = start + cost.duration(i, action, is_split[i], chunks)
             free[i] = end
             busy[i] += end - start
             position[i] += 1
             if timeline:
                 spans.append(Span(i, action, start, end))
             if action.kind != "U":
-                key = (i, action.kind, action.mb)
+                key = (i, action.chunk, action.kind, action.mb)
                 finished[key] = end
                 ready.extend(waiting.pop(key, ()))
     blocked = [i for i in range(n_stages) if position[i] < len(actions[i])]
@@ -176,9 +184,10 @@ def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False) -> SimRe
         detail = "; ".join(
             f"stage {i} at action #{position[i]} ({actions[i][position[i]]}) waits for "
             + ", ".join(
-                f"{kind}{mb} of stage {s}"
-                for (s, kind, mb), _ in _dependencies(i, actions[i][position[i]], n_stages)
-                if (s, kind, mb) not in finished
+                f"{kind}{mb}{f'.c{c}' if c else ''} of stage {s}"
+                for (s, c, kind, mb), _ in _dependencies(i, actions[i][position[i]], n_stages,
+                                                          chunks)
+                if (s, c, kind, mb) not in finished
             )
             for i in blocked
         )

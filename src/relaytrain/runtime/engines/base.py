@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from relaytrain.runtime.failures import WorkerFailure
+
 if TYPE_CHECKING:
     import torch
 
@@ -174,19 +176,31 @@ class Engine(ABC):
         to wait for."""
         return None
 
-    def prestart(self) -> None:
-        """Start a worker for the next `spawn` to take, so that a replacement's start-up
-        overlaps the rest of a recovery. Engines without spares start it in `spawn`."""
+    def spawn_ready(self, worker_args: tuple) -> int | None:
+        """A worker that is up now, taken without waiting for a process to start (a warm spare,
+        a standby with a slot placed for it, one `prestart` started that is warm by now);
+        None if there is none: the run then goes on without it (runtime/recovery.py). Engines
+        that cannot start workers in the background place one here, at once or not at all."""
+        try:
+            return self.spawn(worker_args, 0.0)
+        except WorkerFailure:
+            return None
+
+    def prestart(self, n: int = 1) -> None:
+        """Have `n` workers starting in the background (placed whenever capacity allows) for
+        the next `spawn` or `spawn_ready` to take, so that no one waits for their start-up.
+        Engines without spares start them in `spawn`."""
+        return None
+
+    def cancel_starts(self) -> None:
+        """Give up the workers `prestart` started beyond the configured spares (a run that
+        stopped trying to grow back). Engines without spares have none."""
         return None
 
     def refill(self) -> None:
         """Start standby spares again after some were promoted (off the recovery path).
         Engines without spares have nothing to do."""
         return None
-
-    def has_capacity(self, wait: float) -> bool:
-        """Whether one more worker could be placed now (for growing back after a shrink)."""
-        return False
 
     def hold_capacity(self, seconds: float) -> None:
         """Occupy one worker's worth of resources for `seconds` (fault injection: a lost node

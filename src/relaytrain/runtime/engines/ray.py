@@ -240,7 +240,9 @@ class RayEngine(Engine):
         self.groups: dict[int, Any] = {}
         self._ids: dict[int, ProcessIdentity] = {}  # worker -> its process (ping's answer)
         self._next_id = 0
-        self._reserved: Any = None  # a placement group proven placeable by has_capacity()
+        # a placement group for the next worker: a failed worker's slot kept (`retire`), or one
+        # asked for by `spawn_ready` for the standby, placed whenever capacity allows
+        self._reserved: Any = None
         self._outstanding: dict[Any, int] = {}
         self._started: list[_Started] = []  # calls started and not yet finished (in order)
         self._spares: list[int] = []
@@ -316,6 +318,27 @@ class RayEngine(Engine):
         self._refill()
         return wid
 
+    def spawn_ready(self, worker_args: tuple) -> int | None:
+        """A spare whose warm-up is done, else the warm standby once a slot is placed for it
+        (asked for here, placed whenever capacity allows); None at once otherwise: nothing
+        here waits for a process to start or for capacity."""
+        self._worker_args = worker_args
+        for wid in [w for w in self._spares if self._warm(w)]:
+            self._spares.remove(wid)
+            if self._ready(wid, time.monotonic()):
+                return wid
+            self.kill(wid)
+        wid = self._standby
+        if wid is None or not self._warm(wid):
+            return None
+        if self._reserved is None:
+            self._reserved = self._placement(None)
+        return self._promote_standby(time.monotonic()) if _placed(self._reserved) else None
+
+    def _warm(self, wid: int) -> bool:
+        """Whether a spare's or the standby's warm-up has ended (well or not), without waiting."""
+        return bool(ray.wait([self._warming[wid]], timeout=0)[0])
+
     def _ready(self, wid: int, deadline: float) -> bool:
         """Whether a spare or the standby is up (answers a ping, warmed up) by `deadline` (or
         within a second)."""
@@ -353,8 +376,7 @@ class RayEngine(Engine):
         wid = self._standby
         if wid is None:
             return None
-        pg = self._reserved or self._placement(max(deadline - time.monotonic(), 0.0))
-        self._reserved = None
+        pg = self._slot(max(deadline - time.monotonic(), 0.0))
         if pg is None:
             return None
         self._standby = None
@@ -385,16 +407,27 @@ class RayEngine(Engine):
         self._refill()
         self._start_standby()
 
-    def prestart(self) -> None:
-        """Start a worker now for the next `spawn` to take, unless a spare is ready or
-        starting: after a failure (or a late ping) its start-up overlaps the detection, the
-        abort and the restore. It is placed whenever capacity allows (a failed worker's slot
-        may still be in use); one not needed stays a spare."""
-        if self._spares or self._standby is not None or self._worker_args is None:
+    def prestart(self, n: int = 1) -> None:
+        """Start workers now for the next `spawn` or `spawn_ready` to take, up to `n` with the
+        spares ready or starting and the standby: after a failure (or a late ping) their
+        start-up overlaps the detection, the abort and the restore, or the survivors' steps.
+        Each is placed whenever capacity allows (a failed worker's slot may still be in use);
+        one not needed stays a spare."""
+        if self._worker_args is None:
             return
-        wid = self._create(self._worker_args, None)
-        self._warming[wid] = self.actors[wid].warm_up.remote()
-        self._spares.append(wid)
+        for _ in range(n - len(self._spares) - (self._standby is not None)):
+            wid = self._create(self._worker_args, None)
+            self._warming[wid] = self.actors[wid].warm_up.remote()
+            self._spares.append(wid)
+
+    def cancel_starts(self) -> None:
+        """The spares beyond `elastic.spares` killed, a slot asked for and not placed given
+        up."""
+        for wid in self._spares[self.cfg.elastic.spares:]:
+            self.kill(wid)
+        if self._reserved is not None and not _placed(self._reserved):
+            remove_placement_group(self._reserved)
+            self._reserved = None
 
     def _refill(self) -> None:
         while len(self._spares) < self.cfg.elastic.spares and self._worker_args is not None:
@@ -407,7 +440,7 @@ class RayEngine(Engine):
     def _create(self, worker_args: tuple, wait: float | None) -> int | None:
         """Start an actor in its own placement group without waiting for it to come up
         (`wait`: as for `_placement`)."""
-        pg, self._reserved = self._reserved or self._placement(wait), None
+        pg = self._slot(wait)
         if pg is None:
             return None
         wid = self._new_actor(worker_args, num_cpus=self.cfg.runtime.cpus_per_worker,
@@ -428,10 +461,16 @@ class RayEngine(Engine):
         self.actors[wid] = actor_cls.remote(wid, *worker_args)
         return wid
 
-    def has_capacity(self, wait: float) -> bool:
-        if self._reserved is None:
-            self._reserved = self._placement(wait)
-        return self._reserved is not None
+    def _slot(self, wait: float | None) -> Any:
+        """The reserved placement group (taken), else a new one: as for `_placement`, a
+        reserved one not placed within `wait` given up."""
+        pg, self._reserved = self._reserved, None
+        if pg is None:
+            return self._placement(wait)
+        if wait is None or _placed(pg) or ray.wait([pg.ready()], timeout=wait)[0]:
+            return pg
+        remove_placement_group(pg)
+        return None
 
     def hold_capacity(self, seconds: float) -> None:
         """Placed before returning (within 5 s), so that no replacement started after it can
@@ -440,7 +479,9 @@ class RayEngine(Engine):
             remove_placement_group(self._reserved)
             self._reserved = None
         pg = placement_group([self._bundle()], strategy="PACK")
-        ray.wait([pg.ready()], timeout=5.0)
+        deadline = time.monotonic() + 5.0
+        while not _placed(pg) and time.monotonic() < deadline:  # not pg.ready(): a task, slower
+            time.sleep(0.01)
         timer = threading.Timer(seconds, remove_placement_group, (pg,))
         timer.daemon = True
         timer.start()

@@ -13,6 +13,8 @@ A worker runs its calls in the order they were started, one at a time; the host 
 long its workers sat idle between consecutive steps (the controller's gap) and whether building
 the results ever outran the step time. `fail` plans a failure (a death or a raise) for a
 rank at a step; the other workers of that step fail as a collective aborted by a lost peer does.
+A new worker is up `start_s` after it was asked for (`prestart`, or `spawn`), as a process's
+start-up would be, so that a recovery that need not wait for one goes on without it, as on Ray.
 """
 
 from __future__ import annotations
@@ -257,7 +259,8 @@ def _failure(wid: int, kind: str, message: str) -> WorkerFailure:
 class SimulatedEngine(Engine):
     """N simulated workers in one host process (see the module docstring)."""
 
-    def __init__(self, step_s: float = 0.0, capacity: int | None = None):
+    def __init__(self, step_s: float = 0.0, capacity: int | None = None,
+                 start_s: float = 0.0):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._host = ctx.Process(target=_serve, args=(child, step_s), daemon=True,
@@ -265,6 +268,10 @@ class SimulatedEngine(Engine):
         self._host.start()
         child.close()
         self.capacity = capacity  # workers that can still be placed (None: no limit)
+        self.start_s = start_s  # how long a new worker takes to come up
+        self._starting: list[tuple[float, int]] = []  # (up at, worker) started ahead
+        self._wanted = 0  # how many `prestart` asked for, placed once capacity allows
+        self._worker_args: tuple | None = None
         self._ids = itertools.count()
         self._seqs = itertools.count()
         self._replies: dict[int, Any] = {}
@@ -309,13 +316,47 @@ class SimulatedEngine(Engine):
 
     # ---- the engine ------------------------------------------------------------------------
     def spawn(self, worker_args: tuple, wait: float) -> int:
-        if self.capacity is not None:
-            if self.capacity <= 0:
-                raise WorkerDied(-1, "no capacity (simulated)")
-            self.capacity -= 1
-        return self.spawn_many(1, worker_args, wait)[0]
+        """One started ahead (waited for until it is up), else a new one, up after
+        `start_s`."""
+        self._worker_args = worker_args
+        self._place()
+        if not self._starting:
+            self.prestart(1)
+        if not self._starting or self._starting[0][0] > time.monotonic() + wait:
+            raise WorkerDied(-1, f"no capacity (simulated) within {wait:g}s")
+        up, wid = self._starting.pop(0)
+        self._wanted = max(self._wanted - 1, 0)
+        time.sleep(max(0.0, up - time.monotonic()))
+        return wid
+
+    def spawn_ready(self, worker_args: tuple) -> int | None:
+        self._worker_args = worker_args
+        self._place()
+        if not self._starting or self._starting[0][0] > time.monotonic():
+            return None
+        self._wanted = max(self._wanted - 1, 0)
+        return self._starting.pop(0)[1]
+
+    def prestart(self, n: int = 1) -> None:
+        self._wanted = max(self._wanted, n)
+        self._place()
+
+    def _place(self) -> None:
+        """Start the workers `prestart` asked for, as capacity allows."""
+        while len(self._starting) < self._wanted and self._worker_args is not None \
+                and (self.capacity is None or self.capacity > 0):
+            if self.capacity is not None:
+                self.capacity -= 1
+            [wid] = self.spawn_many(1, self._worker_args, 0.0)
+            self._starting.append((time.monotonic() + self.start_s, wid))
+
+    def cancel_starts(self) -> None:
+        for _, wid in self._starting:
+            self.kill(wid)
+        self._starting, self._wanted = [], 0
 
     def spawn_many(self, n: int, worker_args: tuple, wait: float) -> list[int]:
+        self._worker_args = worker_args
         wids = [next(self._ids) for _ in range(n)]
         self._control("spawn", (wids, worker_args))
         return wids
@@ -355,9 +396,6 @@ class SimulatedEngine(Engine):
                 out[w] = out.get(w) or (None if a[0] == "ok" else _failure(w, *a))
         self._outstanding = []
         return out
-
-    def has_capacity(self, wait: float) -> bool:
-        return self.capacity is None or self.capacity > 0
 
     def pid(self, wid: int) -> int:
         return PID_BASE + wid
