@@ -100,7 +100,7 @@ def test_a_dp2_run_on_other_data_starts_from_an_fsdp4_checkpoint_and_resumes_its
     # A worker killed in step 1, with no snapshot in memory: the recovery restores step 0 from
     # the source again (the seed's weights would not be the source's below).
     run_layout(run, other_data, *start, "train.max_steps=1", "faults.kill_at=[1]",
-               "elastic.snapshot_every=0")
+               "elastic.snapshot_every=0", "elastic.min_workers=2")  # replaced, not shrunk
     [rec] = records(run, "recovery")
     assert (rec["source"], rec["restored_step"]) == ("checkpoint", 0), rec
     assert same_tensors(model_tensors(final_state(run)), model_tensors(final_state(src)))
@@ -245,7 +245,8 @@ def test_a_continued_run_of_another_batch_on_other_data_starts_at_the_sources_po
     run_layout(a, corpus_data, 1, *CONTINUE, "train.max_steps=2")
     run_layout(b, other_data, 2, *CONTINUE, "train.max_steps=4", "train.global_batch=4",
                f"init.from={a}", "init.optimizer=true", "init.trainer_state=true",
-               "faults.kill_at=[3]", "elastic.snapshot_every=0")
+               "faults.kill_at=[3]", "elastic.snapshot_every=0",
+               "elastic.min_workers=2")  # replaced, not shrunk: it ends on its 2 workers
     [rec] = records(b, "recovery")
     assert (rec["source"], rec["restored_step"]) == ("checkpoint", 2), rec
     steps = {r["step"]: r for r in ledger_records(b, "step")}  # the last record of each
