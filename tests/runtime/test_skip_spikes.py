@@ -74,7 +74,9 @@ def test_exact_mode_skips_the_same_steps_to_the_bit_at_dp_2_and_fsdp_2(
     assert same_tensors(final_state(run), final_state(one_worker))
 
 
-@pytest.mark.parametrize(("schedule", "dp"), [("gpipe", 1), ("1f1b", 1), ("1f1b", 2)])
+@pytest.mark.parametrize(("schedule", "dp"), [pytest.param("gpipe", 1, marks=pytest.mark.soak),
+                                             pytest.param("1f1b", 1, marks=pytest.mark.soak),
+                                             ("1f1b", 2)])
 def test_exact_mode_skips_the_same_steps_to_the_bit_on_a_two_stage_pipeline(
         tmp_path, corpus_data, ray_cluster, one_worker, schedule, dp):
     """The losses live on the last stage: they reach the first through the pipeline group (and
