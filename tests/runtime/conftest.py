@@ -47,23 +47,29 @@ def corpus_data(tmp_path_factory) -> str:
     return make_corpus(tmp_path_factory.mktemp("data"))
 
 
+def index_token_mix(root: Path, sizes: list[int], docs_per: int, vocab: int, eos: int,
+                    pad: int | None = None) -> str:
+    """Token files of `sizes` tokens (random ids, an EOS about every `docs_per`; the last file
+    held out) indexed in `root`: a small multi-source mix for OLMo-core's loaders."""
+    for i, n in enumerate(sizes):
+        rng = np.random.default_rng(i)
+        toks = rng.integers(0, eos, size=n)
+        toks[rng.choice(n, size=n // docs_per, replace=False)] = eos
+        toks[-1] = eos
+        toks.astype("<u2").tofile(root / f"part-{i}.npy")
+    out, parts = root / "index", [str(root / f"part-{i}.npy") for i in range(len(sizes))]
+    assert main(["data", "index", "--files", *parts[:-1], "--heldout", parts[-1],
+                 "--vocab-size", str(vocab), "--eos-id", str(eos), "--out", str(out),
+                 *(["--pad-id", str(pad)] if pad is not None else [])]) == 0
+    return str(out)
+
+
 @pytest.fixture(scope="session")
 def packed_mix(tmp_path_factory) -> str:
     """Four token files of documents from 1 to ~100 tokens (seq_len 32, window 16), indexed
     with a PAD id: what packed instances are packed from."""
-    vocab, eos, pad = 320, 318, 319
-    root = tmp_path_factory.mktemp("packed-mix")
-    for i, n in enumerate([3000, 1701, 2500, 900, 900]):
-        rng = np.random.default_rng(i)
-        toks = rng.integers(0, eos, size=n)
-        toks[rng.choice(n, size=n // 25, replace=False)] = eos
-        toks[-1] = eos
-        toks.astype("<u2").tofile(root / f"part-{i}.npy")
-    out = root / "index"
-    assert main(["data", "index", "--files", *(str(root / f"part-{i}.npy") for i in range(4)),
-                 "--heldout", str(root / "part-4.npy"), "--vocab-size", str(vocab), "--eos-id",
-                 str(eos), "--pad-id", str(pad), "--out", str(out)]) == 0
-    return str(out)
+    return index_token_mix(tmp_path_factory.mktemp("packed-mix"), [3000, 1701, 2500, 900, 900],
+                           25, vocab=320, eos=318, pad=319)
 
 
 def tiny_config(run_dir: Path | str, data: str, *overrides: str) -> RunConfig:

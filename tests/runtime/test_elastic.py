@@ -13,16 +13,13 @@ import re
 import pytest
 
 from relaytrain.checkpoint.store import CheckpointStore
-from relaytrain.cli import main
 from relaytrain.runtime.controller import Controller
 from relaytrain.runtime.failures import RecoveryLimitExceeded
 from tests.runtime.conftest import (
+    assert_bit_identical,
     assert_reported_as_the_os_sees_them,
     assert_survivors_kept_their_processes,
     assert_went_on_at_once,
-    final_state,
-    same_tensors,
-    step_records,
     tiny_config,
     watch_processes,
 )
@@ -96,10 +93,7 @@ def test_a_kill_a_hang_and_a_raise_each_recover_without_waiting_for_the_collecti
     [line] = [x for x in capsys.readouterr().err.splitlines() if "InjectedFault" in x]
     assert re.fullmatch(r"relaytrain: warning: step 9: worker rank 1 \(pid \d+\) raised: "
                         + re.escape(raised["message"]), line), line
-    a, b = step_records(fault_free), step_records(run)
-    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
-    assert same_tensors(final_state(run), final_state(fault_free))
-    assert main(["data", "audit", str(run)]) == 0
+    assert_bit_identical(run, fault_free)  # and the audit passes
     # Only the failed worker left, recovery by recovery (replaced at once by the standby, or
     # the run went on without it while the next standby warmed up): by the end ranks 1-3 all
     # had, so comparing the first generation with the last would hide a replaced healthy one.
@@ -122,10 +116,7 @@ def test_a_raise_while_the_next_step_is_dispatched_ahead_loses_only_the_steps_in
     assert (rec["failed_step"], rec["cause"], rec["source"], rec["restored_step"]) == \
         (6, "raised", "memory", 5), rec
     assert rec["lost_steps"] == 1 and rec["discarded_ahead"] == 1, rec
-    a, b = step_records(fault_free), step_records(run)
-    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
-    assert same_tensors(final_state(run), final_state(fault_free))
-    assert main(["data", "audit", str(run)]) == 0
+    assert_bit_identical(run, fault_free)  # and the audit passes
 
 
 @pytest.mark.soak  # random fault plans on top of the deterministic faults above (~90 s)
@@ -138,9 +129,7 @@ def test_three_kills_a_hang_and_a_raise_recover_to_the_same_bits(tmp_path, corpu
     recoveries = _records(run, "recovery")
     assert sorted(r["cause"] for r in recoveries) == ["died", "died", "died", "hung", "raised"]
     assert all(r["source"] == "memory" and r["lost_steps"] <= 1 for r in recoveries)
-    a, b = step_records(fault_free), step_records(run)
-    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
-    assert same_tensors(final_state(run), final_state(fault_free))
+    assert_bit_identical(run, fault_free)  # and the audit passes
     assert_survivors_kept_their_processes(run)
     assert summary.generation == len(_records(run, "generation")) - 1, summary
 
@@ -168,10 +157,7 @@ def test_without_a_standby_the_survivors_of_a_kill_and_a_hang_go_on_at_once_then
     grows = _records(run, "resize")
     assert grows[-1]["dp"] == 4 and summary.dp == 4, grows
     assert grows[-1]["since_failure_s"] > 0, grows
-    a, b = step_records(long_fault_free), step_records(run)
-    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
-    assert same_tensors(final_state(run), final_state(long_fault_free))
-    assert main(["data", "audit", str(run)]) == 0
+    assert_bit_identical(run, long_fault_free)  # and the audit passes
 
 
 # A worker stopped for 1 s (SIGSTOP, SIGCONT: under the ping deadline) every 4 steps after the
@@ -195,10 +181,7 @@ def test_a_kill_without_capacity_goes_on_at_once_on_fewer_workers_then_grows_bac
     # that step's boundary or later, once the held capacity is released (timing-dependent).
     assert grow["dp"] == 4 and grow["step"] >= rec["step"] and grow["since_failure_s"] > 2
     assert summary.dp == 4
-    a, b = step_records(long_fault_free), step_records(run)
-    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
-    assert same_tensors(final_state(run), final_state(long_fault_free))
-    assert main(["data", "audit", str(run)]) == 0
+    assert_bit_identical(run, long_fault_free)  # and the audit passes
 
 
 @pytest.mark.soak  # crash safety of a write: tests/checkpoint/test_checkpoint_crash.py
@@ -233,10 +216,7 @@ def test_a_recovery_during_a_storage_outage_waits_for_it_and_restores_the_newest
     # Commits follow the async writes, so checkpoint 8 is the newest if its write was reported
     # before the kill (then committed after the outage), else 4. Never 0: nothing was lost.
     assert rec["restored_step"] in (4, 8)
-    a, b = step_records(fault_free), step_records(run)
-    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
-    assert same_tensors(final_state(run), final_state(fault_free))
-    assert main(["data", "audit", str(run)]) == 0
+    assert_bit_identical(run, fault_free)  # and the audit passes
 
 
 @pytest.mark.soak  # the limit itself is decided in tests/runtime/test_recovery.py

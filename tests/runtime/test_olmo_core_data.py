@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from relaytrain.cli import main
@@ -14,6 +13,7 @@ from relaytrain.runtime.controller import Controller
 from relaytrain.runtime.summary import RunSummary
 from tests.runtime.conftest import (
     assert_bit_identical,
+    index_token_mix,
     tiny_config,
 )
 
@@ -28,18 +28,8 @@ OLMO = ("data.order=olmo-core", "determinism=exact", "train.global_batch=8",
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Four uint16 token files of uneven length and a held-out file, indexed."""
-    root = tmp_path_factory.mktemp("olmo-mix")
-    for i, n in enumerate([5000, 3001, 4500, 700, 900]):
-        rng = np.random.default_rng(i)
-        toks = rng.integers(0, EOS, size=n)
-        toks[rng.choice(n, size=n // 50, replace=False)] = EOS
-        toks[-1] = EOS
-        toks.astype("<u2").tofile(root / f"part-{i}.npy")
-    out = root / "index"
-    assert main(["data", "index", "--files", *(str(root / f"part-{i}.npy") for i in range(4)),
-                 "--heldout", str(root / "part-4.npy"), "--vocab-size", str(VOCAB), "--eos-id",
-                 str(EOS), "--out", str(out)]) == 0
-    return str(out)
+    return index_token_mix(tmp_path_factory.mktemp("olmo-mix"), [5000, 3001, 4500, 700, 900],
+                           50, vocab=VOCAB, eos=EOS)
 
 
 def _run(run_dir: Path, data: str, dp: int, *extra: str) -> RunSummary:
