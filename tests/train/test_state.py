@@ -77,6 +77,21 @@ def test_a_state_assembled_from_several_peers_pieces_is_theirs(tmp_path):
     assert_same(replacement.state_tensors(), donor.state_tensors())
 
 
+def test_a_shard_takes_its_rows_of_a_whole_tensor_an_unsharded_peer_sent(tmp_path, monkeypatch):
+    """A sharded run grown back from one (unsharded) worker: that peer's pieces are whole
+    tensors, of which each new shard keeps only its rows."""
+    cfg = config(tmp_path)
+    donor = trained(cfg, 1)
+    donor.take_snapshot(1)
+    whole = donor.snapshot_tensors(1)
+    pieces = cut(whole, {}, {})
+    key = next(k for k, t in whole.items() if t.dim() == 2)
+    monkeypatch.setattr(TrainState, "_own_rows", lambda self: {key: (2, 5)})
+    got = state_of(cfg)._assembled([pieces])
+    assert torch.equal(got[key], whole[key][2:5])
+    assert all(torch.equal(got[k], t) for k, t in whole.items() if k != key)
+
+
 def test_a_worker_restores_its_own_snapshot_before_looking_in_storage(tmp_path):
     cfg = config(tmp_path)
     state = trained(cfg, 1)

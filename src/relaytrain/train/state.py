@@ -202,12 +202,13 @@ class TrainState:
         return rows
 
     def _assembled(self, given: list[dict[str, Piece]]) -> dict[str, torch.Tensor]:
-        """This worker's rows of every tensor, from the pieces its peers sent."""
+        """This worker's rows of every tensor, from the pieces its peers sent (a whole tensor
+        from an unsharded peer, e.g. a run grown back from one worker, holds them all)."""
         rows, parts, out = self._own_rows(), {}, {}
         for pieces in given:
             for key, (first, t) in pieces.items():
                 if first is None:
-                    out[key] = t
+                    out[key] = t[rows[key][0]:rows[key][1]] if key in rows else t
                 else:
                     parts.setdefault(key, []).append((first, t))
         out.update({key: assemble(key, ps, rows[key]) for key, ps in parts.items()})
