@@ -156,7 +156,7 @@ class Recovery:
         old = self.placements()
         restore = self._restore_point(survivors, old)
         t_replace0 = time.time()
-        replaced, shrunk, waited = self._replace(failed, survivors, t_detect)
+        replaced, shrunk, waited = self._replace(failed, t_detect)
         t_replaced = time.time()
         tensors = self._donations(replaced, survivors, old, restore)
         for wid in survivors:  # those a shrink left out, once they gave what they held
@@ -248,7 +248,7 @@ class Recovery:
              f"{self.catalogue.store.url}")
         return Restore(step, "checkpoint")
 
-    def _replace(self, failed: set[int], survivors: list[int], t_detect: float
+    def _replace(self, failed: set[int], t_detect: float
                  ) -> tuple[dict[int, int], bool, str | None]:
         """A worker that is up already in each failed worker's rank ({new: old}); short of
         that, the survivors (with the replacements that were up) go on at once on the largest
