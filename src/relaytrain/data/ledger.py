@@ -47,11 +47,12 @@ def step_record(step: int, parts: Sequence[Sequence[int] | np.ndarray],
     continues another's data position: `init.trainer_state`); parts[r] are the ids DP rank r
     actually trained on."""
     batch = int(step) - 1 if batch is None else int(batch)
-    # A list (a worker's StepResult.ids) is taken as is: at 1,024 ranks of a few ids each,
-    # a numpy array per rank cost the controller 10x more per step.
+    # A list (a worker's StepResult.ids, Python ints) is taken as is: at 1,024 ranks of a few
+    # ids each, a numpy array per rank cost the controller 10x more per step, an int() per id
+    # 2x more.
     return {"kind": "step", "step": int(step), "batch": batch, "dp": len(parts),
-            "parts": [p.astype(np.int64).tolist() if isinstance(p, np.ndarray)
-                      else [*map(int, p)] for p in parts]}
+            "parts": [p.astype(np.int64).tolist() if isinstance(p, np.ndarray) else list(p)
+                      for p in parts]}
 
 
 def rollback_record(steps: Sequence[int], to_step: int) -> dict[str, Any]:

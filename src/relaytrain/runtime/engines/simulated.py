@@ -3,7 +3,8 @@
 Not a `runtime.engine` choice: the control-plane benchmark (bench/control_plane.py) and tests
 give it to `Controller(engine=...)`. Every worker of the run lives in one host process beside
 the controller and answers the real calls (setup, build, run_steps, snapshots, save, ...) with
-the real wire types (runtime/wire.py), pickled each way per worker as Ray would: the
+the real wire types (runtime/wire.py), pickled as Ray would (a call once for all the workers
+it goes to, each worker's answer on its own): the
 controller's own code runs unchanged, its step loop, reporter, ledger, catalogue and recovery
 included. What a worker does not do is train: a step takes a fixed `step_s` (the host builds the
 workers' results within it), its ids are the loader's (so the ledger audits), its losses a
@@ -369,7 +370,9 @@ class SimulatedEngine(Engine):
         return self._start({w: inv for w in wids})
 
     def _start(self, invocations: dict[int, Invocation]) -> int:
-        seq = self._send("call", {w: pickle.dumps(i) for w, i in invocations.items()})
+        # one pickling per distinct call (start_all's one call to every worker: a broadcast)
+        blobs = {id(i): pickle.dumps(i) for i in {id(i): i for i in invocations.values()}.values()}
+        seq = self._send("call", {w: blobs[id(i)] for w, i in invocations.items()})
         self._started.append(seq)
         if any(i.method == "run_steps" for i in invocations.values()):
             self._steps.add(seq)
