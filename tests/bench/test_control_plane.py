@@ -17,6 +17,7 @@ def test_one_size_is_measured_from_a_run_with_a_kill_that_audits(tmp_path):
     assert ahead["controller_ms_per_step"] > 0 and ahead["controller_cpu_ms_per_step"] > 0
     assert ahead["ledger_bytes_per_step"] > 0
     assert ahead["recovery_decision_s"] > 0 and ahead["recovery_reform_s"] > 0
+    assert ahead["recovery_controller_cpu_s"] > 0
     assert (ahead["lost_steps"], ahead["discarded_ahead"]) == (1, 1)
     assert ahead["idle_ms_median"] == 0.0 < lockstep["idle_ms_median"]
     report = format_report({"steps": 20, "step_s": 0.25,

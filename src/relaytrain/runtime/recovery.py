@@ -36,6 +36,9 @@ from relaytrain.runtime.faults import FaultInjector
 from relaytrain.runtime.kvstore import Server
 from relaytrain.runtime.reporter import StepReporter
 
+# The failures that take a worker's process (its survivors' collective errors do not)
+_GONE = (WorkerDied, WorkerHung, NodeLost)
+
 
 @dataclass
 class Restore:
@@ -126,8 +129,9 @@ class Recovery:
         self.reporter.write("generation", generation=self.generation, step=step, workers={
             str(p.rank): {"pid": joined[w].process.pid, "start": joined[w].process.start}
             for w, p in placements.items()})
-        given = tensors or {}
-        self.engine.call({wid: build(given.get(wid)) for wid in self.members}, timeout)
+        given, own = tensors or {}, build(None)  # one call for those restoring their own
+        self.engine.call({wid: build(given[wid]) if wid in given else own
+                          for wid in self.members}, timeout)
         return formed
 
     def close(self) -> None:
@@ -142,7 +146,7 @@ class Recovery:
         continue from. `done`: the last step recorded; `in_flight`: the steps of the failed
         dispatch (a whole span for an asynchronous pipeline), lost with it; `ahead`: the
         steps dispatched after it (runtime/controller.py, dispatch ahead), discarded too."""
-        t_detect = time.time()
+        t_detect, cpu0 = time.time(), time.process_time()
         self._check_limit(failure, t_detect)
         pids = {w: self.engine.pid(w) for w in self.members}
         failed, failure = self._settle(failure)
@@ -188,6 +192,8 @@ class Recovery:
                        "replace": t_reform0 - t_detect,
                        "wait_replacement": t_replaced - t_replace0 if waited else 0.0,
                        "reform": t_restore0 - t_reform0, "restore": t_done - t_restore0},
+            # the controller process's own CPU time in the recovery (detect to ready)
+            "controller_cpu_s": time.process_time() - cpu0,
             "t_fault": fired or t_detect, "t_ready": t_done}
         return restore.step
 
@@ -216,8 +222,7 @@ class Recovery:
         self.engine.abort([w for w in self.members if w not in failed], self.generation)
         self.engine.prestart()
         settled = self.engine.settle(self.cfg.runtime.collective_timeout + 5)
-        failed |= {w for w, e in settled.items()
-                   if isinstance(e, WorkerDied | WorkerHung | NodeLost)}
+        failed |= {w for w, e in settled.items() if isinstance(e, _GONE)}
         if not failed:  # only exceptions: the worker that raised first is the failure
             failed.add(failure.wid)
         elif isinstance(failure, WorkerRaised):
@@ -231,10 +236,13 @@ class Recovery:
         snaps = self.engine.call_all(survivors, lambda w: w.snapshot_step(),
                                      self.cfg.runtime.call_timeout) if survivors else {}
         # A stage's shard's rows: the same shard of the stage's other replicas holds them.
-        left = {(old[w].stage, old[w].shard) for w in survivors}
-        every = {(s, k) for s in range(self.cfg.parallel.pp)
-                 for k in range(next(iter(old.values())).fsdp)}
-        if len(set(snaps.values())) == 1 and None not in snaps.values() and left == every:
+        missing = {(s, k) for s in range(self.cfg.parallel.pp)
+                   for k in range(next(iter(old.values())).fsdp)}
+        for w in survivors:  # until each is found: at once where there are many of each
+            missing.discard((old[w].stage, old[w].shard))
+            if not missing:
+                break
+        if len(set(snaps.values())) == 1 and None not in snaps.values() and not missing:
             return Restore(next(iter(snaps.values())), "memory")
         # The survivors' writes still in progress may complete the newest checkpoint (a failed
         # writer's finished part counts by its record): wait for them, as long as for storage
