@@ -103,16 +103,19 @@ def test_a_worker_that_raised_alone_is_replaced(tmp_path):
 def test_without_capacity_the_run_shrinks_to_the_largest_even_split_then_grows_back(tmp_path):
     rec, engine = _recovery(tmp_path, [2, 2, 2, 2], capacity=0)
     rec.recover(WorkerHung(1, "SIGSTOP"), done=2, in_flight=1)
-    # 3 survivors, but 4 micro-batches split evenly only over 2: one survivor is let go.
-    assert rec.dp == 2 and rec.members == [0, 2] and set(engine.killed) == {1, 3}
+    # 3 survivors, but 4 micro-batches split evenly only over 2: one survivor is left out,
+    # kept (a warm process) to join first
+    assert rec.dp == 2 and rec.members == [0, 2] and set(engine.killed) == {1}
     assert [r["dp"] for r in _ledger(tmp_path) if r["kind"] == "header"] == [4, 2]
-    rec.maybe_grow(3)  # no capacity yet: nothing happens
+    rec.maybe_grow(3)  # no capacity yet: 2 + the one kept make no larger size
     assert rec.dp == 2
     engine.capacity = 2
     rec.maybe_grow(4)
-    assert rec.dp == 4 and rec.members[:2] == [0, 2] and len(rec.members) == 4
+    assert rec.dp == 4 and rec.members[:3] == [0, 2, 3] and len(rec.members) == 4
+    assert engine.capacity == 1  # one new worker: the survivor kept took the other place
     assert all(engine.workers[w].built == (4, {"from": 0, "step": 4})
                for w in rec.members[2:])
+    assert set(engine.killed) == {1}
     assert [r["dp"] for r in _ledger(tmp_path) if r["kind"] == "header"] == [4, 2, 4]
 
 

@@ -156,7 +156,8 @@ def test_a_sharded_run_without_a_replacement_goes_on_at_once_on_one_replica_then
     survivors would cut the tiny model's 64-value norm weights into 22-value chunks, whose bits
     differ (see parallel/fsdp.py), so exact mode goes on at once with two: the failed
     worker's replica drops out, the other continues, and the run grows back to 2 x 2 once
-    capacity returns and two new workers are up: to the same bits."""
+    capacity returns and a new worker is up, the dropped replica's survivor (kept, warm)
+    rejoining: to the same bits."""
     run = tmp_path / "elastic"
     summary = Controller(tiny_config(run, corpus_data, *DP, "runtime.engine=ray",
                                      "parallel.dp=2", "parallel.fsdp=2", "determinism=exact",
@@ -170,6 +171,8 @@ def test_a_sharded_run_without_a_replacement_goes_on_at_once_on_one_replica_then
     gens = records(run, "generation")
     assert gens[1]["workers"] == {r: gens[0]["workers"][r] for r in ("0", "1")}, gens[:2]
     assert [g["dp"] for g in records(run, "resize")][-1] == 4 and summary.dp == 4
+    # the survivor the shrink left out (rank 2, of the dropped replica) rejoined as it was
+    assert gens[0]["workers"]["2"] in gens[-1]["workers"].values(), gens
     assert_bit_identical(run, long_reference)
 
 

@@ -163,9 +163,6 @@ class Recovery:
         replaced, shrunk, waited = self._replace(failed, t_detect)
         t_replaced = time.time()
         tensors = self._donations(replaced, survivors, old, restore)
-        for wid in survivors:  # those a shrink left out, once they gave what they held
-            if wid not in self.members:
-                self.engine.kill(wid)
         t_reform0 = time.time()
         t_restore0 = self.form_generation(restore.step, tensors)
         t_done = time.time()
@@ -260,7 +257,8 @@ class Recovery:
                  ) -> tuple[dict[int, int], bool, str | None]:
         """A worker that is up already in each failed worker's rank ({new: old}); short of
         that, the survivors (with the replacements that were up) go on at once on the largest
-        valid layout they form (True), the others starting in the background for `maybe_grow`;
+        valid layout they form (True), those it leaves out kept to join first and the others
+        starting in the background for `maybe_grow`;
         where none exists, the replacements waited for until the failure's detection +
         elastic.replace_timeout, and why (the third value)."""
         members = list(self.members)
@@ -277,8 +275,11 @@ class Recovery:
             return replaced, False, None
         why = self._why_not_shrink(len(members) - len(missing))
         if why is None:
-            self.members = self._shrink([w for w in members if w not in failed])
-            self._joining += [w for w in replaced if w not in self.members]
+            left = [w for w in members if w not in failed]
+            self.members = self._shrink(left)
+            # those the layout leaves out (survivors, replacements that were up) are warm
+            # processes: they wait to join, and growing back takes them first
+            self._joining += [w for w in left if w not in self.members]
             self.engine.prestart(self.target_dp * self.cfg.parallel.pp - len(self.members)
                                  - len(self._joining))
             return {n: o for n, o in replaced.items() if n in self.members}, True, None
@@ -373,7 +374,7 @@ class Recovery:
              f"start in the background (for up to elastic.replace_timeout="
              f"{self.cfg.elastic.replace_timeout:g}s)")
         self.dp = d
-        return survivors[:d]  # the others are let go once the state is restored
+        return survivors[:d]  # the others wait to join (`_replace`)
 
     def _sizes(self, n: int) -> list[int]:
         """Data-parallel sizes up to `n`, largest first, that split the micro-batches evenly
