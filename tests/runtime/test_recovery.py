@@ -143,14 +143,37 @@ def test_with_no_worker_up_the_survivors_go_on_at_once_and_the_replacement_joins
     assert [r["dp"] for r in _ledger(tmp_path) if r["kind"] == "header"] == [4, 3, 4]
 
 
-def test_a_pipeline_with_a_stage_lost_waits_for_its_replacement_and_says_why(tmp_path):
+def test_a_pipeline_of_one_replica_with_a_stage_lost_waits_for_its_replacement_and_says_why(
+        tmp_path):
+    rec, engine = _recovery(tmp_path, [1, 1], "parallel.dp=1", "parallel.pp=2")
+    engine.up_now = False
+    rec.recover(WorkerDied(1, "gone"), done=1, in_flight=1)
+    assert rec.dp == 1 and rec.members == [0, 2] and len(engine.waited) == 1
+    rec.recovered(2)
+    assert "a stage missing" in rec.log[0]["waited_for_replacement"]
+    assert rec.log[0]["continued_on"] == 2
+
+
+def test_a_pipeline_that_loses_a_stage_worker_drops_its_replica_then_grows_back(tmp_path):
+    """pp 2 x dp 2 (ranks 0, 1: stage 0; 2, 3: stage 1): rank 3 dies with no worker up. The
+    other replica goes on at once; rank 1, its replica dropped, waits to join, and growing back
+    takes it and one new worker for stage 1, given stage 1's state."""
     rec, engine = _recovery(tmp_path, [1, 1, 1, 1], "parallel.dp=2", "parallel.pp=2")
     engine.up_now = False
     rec.recover(WorkerDied(3, "gone"), done=1, in_flight=1)
-    assert rec.dp == 2 and rec.members[3] == 4 and len(engine.waited) == 1
+    assert rec.dp == 1 and rec.members == [0, 2] and engine.waited == []
+    assert set(engine.killed) == {3} and engine.prestarted == 1
+    assert [p.stage for p in rec.placements().values()] == [0, 1]
     rec.recovered(2)
-    assert "a stage missing" in rec.log[0]["waited_for_replacement"]
-    assert rec.log[0]["continued_on"] == 4
+    assert (rec.log[0]["continued_on"], rec.log[0]["waited_for_replacement"]) == (2, None)
+    engine.up_now = True
+    rec.maybe_grow(3)
+    assert rec.dp == 2 and rec.members[:3] == [0, 1, 2] and rec.members[3] not in (1, 3)
+    assert {w: p.stage for w, p in rec.placements().items()} == {
+        0: 0, 1: 0, 2: 1, rec.members[3]: 1}
+    assert engine.workers[1].built == (3, {"from": 0, "step": 3})  # stage 0's state
+    assert engine.workers[rec.members[3]].built == (3, {"from": 2, "step": 3})  # stage 1's
+    assert [r["dp"] for r in _ledger(tmp_path) if r["kind"] == "header"] == [2, 1, 2]
 
 
 def test_past_replace_timeout_the_run_stops_trying_to_grow_back(tmp_path):
@@ -210,10 +233,10 @@ def test_the_survivors_writes_in_progress_may_complete_the_checkpoint_restored(t
     assert all(not engine.workers[w].writing for w in (0, 1, 2))
 
 
-def test_a_pipeline_cannot_shrink(tmp_path):
-    rec, _ = _recovery(tmp_path, [1, 1, 1, 1], "parallel.dp=2", "parallel.pp=2", capacity=0)
+def test_a_pipeline_of_one_replica_cannot_shrink(tmp_path):
+    rec, _ = _recovery(tmp_path, [1, 1], "parallel.dp=1", "parallel.pp=2", capacity=0)
     with pytest.raises(RecoveryLimitExceeded, match="a stage missing"):
-        rec.recover(WorkerDied(3, "gone"), done=1, in_flight=1)
+        rec.recover(WorkerDied(1, "gone"), done=1, in_flight=1)
 
 
 def test_shrinking_below_min_workers_stops_the_run(tmp_path):

@@ -273,13 +273,15 @@ class Recovery:
         if not missing:
             self.members = members
             return replaced, False, None
-        why = self._why_not_shrink(len(members) - len(missing))
+        # each stage's workers left, in DP-rank order (rank r is stage r // dp)
+        stages = [[w for w in members[s * self.dp:(s + 1) * self.dp] if w not in failed]
+                  for s in range(self.cfg.parallel.pp)]
+        why = self._why_not_shrink(min(map(len, stages)))
         if why is None:
-            left = [w for w in members if w not in failed]
-            self.members = self._shrink(left)
+            self.members = self._shrink(stages)
             # those the layout leaves out (survivors, replacements that were up) are warm
             # processes: they wait to join, and growing back takes them first
-            self._joining += [w for w in left if w not in self.members]
+            self._joining += [w for stage in stages for w in stage if w not in self.members]
             self.engine.prestart(self.target_dp * self.cfg.parallel.pp - len(self.members)
                                  - len(self._joining))
             return {n: o for n, o in replaced.items() if n in self.members}, True, None
@@ -353,34 +355,42 @@ class Recovery:
 
     # ---- elasticity ------------------------------------------------------------------------
     def _why_not_shrink(self, n: int) -> str | None:
-        """Why `n` survivors form no smaller valid layout (None: they do)."""
+        """Why `n` survivors of each stage form no smaller valid layout (None: they do)."""
         cfg = self.cfg
-        if cfg.parallel.pp > 1:
+        pp = cfg.parallel.pp
+        if pp > 1 and n == 0:
             return "a pipeline cannot run with a stage missing"
+        if pp > 1 and cfg.parallel.fsdp > 1:
+            return "a sharded pipeline's stages do not reshard"
         if cfg.parallel.cp > 1:
             return "a context-parallel run cannot run with part of its sequences"
-        if not any(d >= cfg.elastic.min_workers for d in self._sizes(n)):
-            return (f"{n} worker(s) left form no data-parallel size that splits the "
-                    f"{cfg.micro_batches} micro-batches evenly with elastic.min_workers="
-                    f"{cfg.elastic.min_workers}")
+        if not any(d * pp >= cfg.elastic.min_workers for d in self._sizes(n)):
+            return (f"{n} worker(s) left" + (" of each stage" if pp > 1 else "") + " form no "
+                    f"data-parallel size that splits the {cfg.micro_batches} micro-batches "
+                    f"evenly with elastic.min_workers={cfg.elastic.min_workers}")
         return None
 
-    def _shrink(self, survivors: list[int]) -> list[int]:
+    def _shrink(self, stages: list[list[int]]) -> list[int]:
         """Continue on fewer workers with the same global batch: the largest DP size the
-        survivors allow that splits the micro-batches evenly (a sharded run reshards onto
-        them: `shard_size`); `_why_not_shrink` said there is one."""
-        d = next(d for d in self._sizes(len(survivors)) if d >= self.cfg.elastic.min_workers)
-        warn(f"continuing at once on {d} worker(s) with the same global batch; replacements "
-             f"start in the background (for up to elastic.replace_timeout="
+        survivors of every stage allow that splits the micro-batches evenly (a sharded run
+        reshards onto them: `shard_size`; a pipeline drops the replicas it cannot fill);
+        `_why_not_shrink` said there is one. The members, stage by stage."""
+        pp = self.cfg.parallel.pp
+        d = next(d for d in self._sizes(min(map(len, stages)))
+                 if d * pp >= self.cfg.elastic.min_workers)
+        warn(f"continuing at once on {d * pp} worker(s) with the same global batch; "
+             f"replacements start in the background (for up to elastic.replace_timeout="
              f"{self.cfg.elastic.replace_timeout:g}s)")
         self.dp = d
-        return survivors[:d]  # the others wait to join (`_replace`)
+        return [w for stage in stages for w in stage[:d]]  # the others wait to join
 
     def _sizes(self, n: int) -> list[int]:
         """Data-parallel sizes up to `n`, largest first, that split the micro-batches evenly
         and, for a sharded run in exact mode, shard into whole vectors (`misaligned`)."""
         cfg = self.cfg
         sizes = [d for d in range(n, 0, -1) if cfg.micro_batches % d == 0]
+        if cfg.parallel.schedule == "interleaved-1f1b" and cfg.parallel.pp > 1:
+            sizes = [d for d in sizes if cfg.micro_batches // d % cfg.parallel.pp == 0]
         if cfg.determinism == "exact" and cfg.parallel.fsdp > 1:
             shapes = parameter_shapes(cfg.model_config())
             sizes = [d for d in sizes
@@ -399,8 +409,9 @@ class Recovery:
         while len(self._joining) < want and \
                 (new := self.engine.spawn_ready(self.worker_args)) is not None:
             self._joining.append(new)
-        d = self._sizes(len(self.members) + len(self._joining))[0]
-        if d == len(self.members):
+        pp = cfg.parallel.pp
+        d = self._sizes((len(self.members) + len(self._joining)) // pp)[0]
+        if d == self.dp:
             if time.time() > self._grow_until:
                 self._give_up(step)
             else:
@@ -409,16 +420,17 @@ class Recovery:
         t0 = time.time()
         timeout = cfg.runtime.call_timeout
         self.engine.call_all(self.members, lambda w: w.take_snapshot(step), timeout)
-        holders, old = list(self.members), self.placements()
-        if cfg.parallel.fsdp == 1:
-            donor = self.members[0]
-            state = self.engine.call({donor: lambda w: w.snapshot_tensors(step)}, timeout)[donor]
-        added, self._joining = self._joining[: d - len(self.members)], \
-            self._joining[d - len(self.members):]
-        self.members += added
+        holders, old, dp = list(self.members), self.placements(), self.dp
+        if cfg.parallel.fsdp == 1:  # each stage's first member gives its stage's state
+            donors = [holders[s * dp] for s in range(pp)]
+            state = self.engine.call_all(donors, lambda w: w.snapshot_tensors(step), timeout)
+        grow = d - dp  # new DP ranks, on every stage
+        added, self._joining = self._joining[:grow * pp], self._joining[grow * pp:]
+        new = [added[s * grow:(s + 1) * grow] for s in range(pp)]
+        self.members = [w for s in range(pp) for w in holders[s * dp:(s + 1) * dp] + new[s]]
         self.dp = d
         self.form_generation(step, self._pull_rows(step, holders, old) if cfg.parallel.fsdp > 1
-                             else {w: state for w in added})
+                             else {w: state[donors[s]] for s in range(pp) for w in new[s]})
         self.reporter.header(step, self.dp)
         back = self.dp == self.target_dp and self._shrunk_at is not None
         # since_failure_s: from the fault that shrank the run until it is back at full size

@@ -112,10 +112,10 @@ class Worker:
             # Sharded snapshots are taken at the end of a span (run_steps): one of the state
             # just restored, so a replacement holds one before its first span ends too.
             self.state.take_snapshot(step)
-        reducer = make_reducer(self.cfg, self.state, m.dp_group(), m.replica_group,
-                               m.placement.dp if m.placement else 1)
+        dp = m.placement.dp if m.placement else 1
+        reducer = make_reducer(self.cfg, self.state, m.dp_group(), m.replica_group, dp)
         cp = None if m.cp_group is None else (m.placement.cp_rank, m.cp_group)
-        self.stepper = make_stepper(self.cfg, self.state, reducer, self.loader, m.groups, cp)
+        self.stepper = make_stepper(self.cfg, self.state, reducer, self.loader, m.groups, dp, cp)
         self._next_step = step + 1
         return step
 

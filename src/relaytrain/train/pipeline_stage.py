@@ -140,14 +140,14 @@ class StageSpec:
     virtual: int = 1  # model chunks on this rank (interleaved-1f1b's V)
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, stage: int, d_model: int) -> StageSpec:
+    def from_config(cls, cfg: RunConfig, stage: int, d_model: int, dp: int) -> StageSpec:
         """`parallel.paci.{a, in_flight}` set the update cadence and in-flight cap of both
-        asynchronous schedules; `flush` and `mode` are paci's only."""
+        asynchronous schedules; `flush` and `mode` are paci's only. `dp`: the generation's
+        DP size (a pipeline that dropped a replica runs more micro-batches on each rank)."""
         p = cfg.parallel
         is_async = asynchronous(p.schedule)
         return cls(schedule=p.schedule, stage=stage, n_stages=p.pp,
-                   micro_per_batch=cfg.micro_batches // cfg.data_parallel,
-                   dp=cfg.data_parallel,
+                   micro_per_batch=cfg.micro_batches // dp, dp=dp,
                    micro_batch=cfg.train.micro_batch, seq_len=cfg.seq_len, d_model=d_model,
                    z_loss=cfg.train.z_loss, clip=cfg.train.clip,
                    a=p.paci.a if is_async else 1,

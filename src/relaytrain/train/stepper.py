@@ -199,17 +199,17 @@ def make_reducer(cfg: RunConfig, state: TrainState, group: dist.ProcessGroup | N
 
 
 def make_stepper(cfg: RunConfig, state: TrainState, reducer: GradReducer | ShardedGradReducer,
-                 loader: Loader, groups: PipelineGroups | None,
+                 loader: Loader, groups: PipelineGroups | None, dp: int,
                  cp: tuple[int, dist.ProcessGroup] | None = None) -> Stepper:
-    """The local stepper, or with pipeline `groups` (pp > 1) that of the state's stage; with
-    `cp` (this rank's cp rank and its cp group) the local stepper trains its part of every
-    sequence."""
+    """The local stepper, or with pipeline `groups` (pp > 1) that of the state's stage, in a
+    generation of `dp` DP ranks per stage; with `cp` (this rank's cp rank and its cp group)
+    the local stepper trains its part of every sequence."""
     if groups is None:
         context = None if cp is None else ContextGroup(
             ContextSplit(cfg.seq_len, cfg.parallel.cp, cp[0]), cp[1],
             cfg.determinism == "exact")
         return LocalStepper(state, reducer, loader, cfg, context)
-    spec = StageSpec.from_config(cfg, state.layout[0], state.model_cfg.d_model)
+    spec = StageSpec.from_config(cfg, state.layout[0], state.model_cfg.d_model, dp)
     runner = StageRunner(state.model, state.optimizer, reducer, spec, Transport(state.device),
                          groups.prev, groups.next, groups.pipe,
                          lambda step: lr_at(step, cfg.optim, cfg.train.max_steps),

@@ -41,9 +41,11 @@ def _run(run_dir, data, schedule: str, dp: int, *extra: str) -> RunSummary:
 
 @pytest.fixture
 def clean(request, tmp_path, corpus_data, ray_cluster):
-    """The uninterrupted run of the test's schedule and DP size (made outside its deadline)."""
+    """The uninterrupted run of the test's schedule, DP size and `extra` options (made outside
+    its deadline)."""
     params = request.node.callspec.params
-    _run(tmp_path / "clean", corpus_data, params["schedule"], params["dp"])
+    _run(tmp_path / "clean", corpus_data, params["schedule"], params["dp"],
+         *params.get("extra", ()))
     return tmp_path / "clean"
 
 
@@ -78,3 +80,25 @@ def test_a_killed_stage_worker_is_replaced_and_the_run_is_bit_identical(
     stale = [max(b[s]["pipeline"]["0"]["staleness"]) for s in b]
     # the recovered span was asynchronous indeed (or not)
     assert (max(stale) > 0) == (schedule in ("pipedream", "paci"))
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(90, func_only=True)
+@pytest.mark.parametrize(("schedule", "dp", "extra"), [("1f1b", 2, ("determinism=exact",))])
+def test_a_replica_that_loses_a_stage_worker_drops_out_and_the_other_goes_on_at_once(
+        tmp_path, corpus_data, ray_cluster, clean, schedule, dp, extra):
+    """pp 2 x dp 2 without the standby (ranks 0, 1: stage 0; 2, 3: stage 1): rank 3 dies and
+    no worker is up. Its replica drops out and the other goes on at once at dp 1, its two
+    processes as they were, each stage running all 8 micro-batches (growing back, once a new
+    worker is up: tests/runtime/test_recovery.py): in exact mode, the same bits as the
+    uninterrupted dp 2 run."""
+    faulty = tmp_path / "faulty"
+    _run(faulty, corpus_data, schedule, dp, *extra, "faults.kill_at=[5]", "faults.kill_rank=3",
+         "elastic.standby=false")
+    metrics = [json.loads(x) for x in (faulty / "metrics.jsonl").read_text().splitlines()]
+    [rec] = [r for r in metrics if r["kind"] == "recovery"]
+    assert (rec["rank"], rec["dp"], rec["continued_on"]) == (3, 1, 2), rec
+    assert (rec["waited_for_replacement"], rec["replaced"]) == (None, 0), rec
+    gens = [r for r in metrics if r["kind"] == "generation"]
+    assert gens[1]["workers"] == {"0": gens[0]["workers"]["0"], "1": gens[0]["workers"]["2"]}
+    assert_bit_identical(faulty, clean, range(1, 10))
