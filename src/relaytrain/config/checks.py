@@ -231,7 +231,7 @@ def _validate_exact_sharding(p: ParallelSection, m: Olmo3Config,
     shapes = parameter_shapes(m)  # imports torch: only for a sharded exact run
     bad = misaligned(shapes, fsdp * p.cp)  # cp ranks shard too (parallel/groups.py)
     good = [k for k in range(1, max(8, fsdp) + 1) if not misaligned(shapes, k * p.cp)]
-    over = f" x parallel.cp={p.cp} shards" if p.cp > 1 else ""
+    over = f" (over fsdp x parallel.cp={p.cp} = {fsdp * p.cp} shards)" if p.cp > 1 else ""
     need(bad is None, f"config key 'parallel.fsdp': got {fsdp} with determinism=exact, but "
          f"parameter {bad and bad[0]!r} would be cut{over} into chunks of {bad and bad[1]} values, "
          f"not whole vectors of {VECTOR_VALUES} (the CPU optimizer's), so the bits would "
