@@ -16,13 +16,14 @@ import torch.nn.functional as F
 from relaytrain.data.loader import Batch
 from relaytrain.model.config import PRESETS
 from relaytrain.model.olmo3 import MLP
+from relaytrain.model.stages import build_stage
 from relaytrain.parallel.pipeline.schedules import (
     build_schedule,
     staleness,
     weight_versions,
 )
 from relaytrain.parallel.reduce import GradReducer
-from relaytrain.train.pipeline_stage import StageRunner, StageSpec
+from relaytrain.train.pipeline_stage import StageRunner, StageSpec, global_order, model_order
 from tests.runtime.conftest import tiny_config
 from tests.train.pool import WorkerPool
 
@@ -185,6 +186,31 @@ def test_zb_h1_splits_the_backward_into_the_same_bits_as_1f1bs_whole_one(monkeyp
     # awaiting W: each only its linear layers' inputs and output gradients, less than one
     # awaiting B (its whole graph), which the runtime reports
     assert stats.peak_memory < zb_stats.peak_memory < 2 * stats.peak_memory
+
+
+def test_interleaved_norms_are_summed_in_model_order_which_changes_their_bits():
+    """interleaved-1f1b's ranks hold layers out of model order (pp 2 x V 2: rank 0 holds layers
+    0 and 2, rank 1 layers 1 and 3); the global norm puts the per-tensor norms gathered in rank
+    order back into model order (`model_order`), so it is the unpipelined `get_total_norm` to
+    the bit. Summed in rank order instead, the norm differs in its last bits for some
+    gradients: the reordering is needed."""
+    cfg = PRESETS["small"].with_vocab(64)
+    whole = [n for n, _ in build_stage(cfg, 0, 1, [range(4)]).named_parameters()]
+    ranks = [build_stage(cfg, r, 2, [range(i, i + 1) for i in range(4)]) for r in range(2)]
+    params = [(n, p) for rank in ranks for n, p in rank.named_parameters()]
+    assert [n for n, _ in params] != whole  # rank order is not model order
+    order = model_order([global_order(n) for n, _ in params])
+    assert [params[i][0] for i in order] == whole
+    differ = 0
+    for seed in range(20):  # gradients of every tensor's shape and a scale of its own
+        gen = torch.Generator().manual_seed(seed)
+        grads = {n: torch.randn(p.shape, generator=gen) * float(torch.rand(1, generator=gen))
+                 for n, p in params}
+        want = torch.nn.utils.get_total_norm([grads[n] for n in whole])
+        norms = torch.stack(torch._foreach_norm([grads[n] for n, _ in params], 2.0))
+        assert torch.equal(torch.linalg.vector_norm(norms[order], 2.0), want)
+        differ += not torch.equal(torch.linalg.vector_norm(norms, 2.0), want)
+    assert differ > 0
 
 
 def updates_before(acts) -> dict[str, dict[int, int]]:

@@ -293,7 +293,16 @@ def _places(module: Any, spec: StageSpec, prev: int | None, next: int | None,
     return out
 
 
-def _global_order(name: str) -> int:
+def model_order(keys: Sequence[int]) -> list[int]:
+    """The indices that put per-tensor values gathered in stage order back into the whole
+    model's order, given each tensor's `global_order` (stable: a stage's own order is kept
+    among equal keys). The identity unless a rank holds several chunks (interleaved-1f1b),
+    where summing norms in stage order changes the global norm's last bits for some gradients
+    (tests/train/test_pipeline_stage.py)."""
+    return sorted(range(len(keys)), key=keys.__getitem__)
+
+
+def global_order(name: str) -> int:
     """Where parameter `name` sorts in the whole model's order: embedding, layers by index,
     then the final norm and head (their order among themselves is the module's)."""
     if name.startswith("layers."):
@@ -627,7 +636,7 @@ class StageRunner:
         ce = 0.0
         if spec.global_clip:
             t0 = time.perf_counter()
-            order = [_global_order(n) for n, p in self.params.items() if p.grad is not None]
+            order = [global_order(n) for n, p in self.params.items() if p.grad is not None]
             norm, ok = self._global_norm(grads, order, ok)
             if check is not None:  # every rank joins, whatever its own losses hold
                 pipe = dist.group.WORLD if self.pipe_group is None else self.pipe_group  # dp 1
@@ -656,7 +665,7 @@ class StageRunner:
                      ) -> tuple[Tensor, bool]:
         """The norm of the whole model's gradient, bit for bit `get_total_norm` of the
         unpipelined model: every stage's per-tensor norms (and finite flag) are gathered in stage
-        order, put in global parameter order (`order`: each tensor's `_global_order`; stage
+        order, put in global parameter order (`order`: each tensor's `global_order`; stage
         order already is, unless a rank holds several chunks) and reduced alike on every
         stage."""
         if self.sharded:  # each whole tensor's norm, as on one worker
@@ -676,7 +685,7 @@ class StageRunner:
             dist.all_gather(every, keys, group=self.pipe_group)
             flat = [int(k) for x, n in zip(every, self._norm_sizes, strict=True)
                     for k in x[: n - 1]]
-            self._norm_order = sorted(range(len(flat)), key=flat.__getitem__)  # stable
+            self._norm_order = model_order(flat)
         width = max(self._norm_sizes)
         padded = torch.zeros(width, device=self.device)
         padded[: local.numel()] = local
