@@ -74,7 +74,8 @@ and in the global-norm all-reduce / span time; ``staleness`` = this stage's own 
 each micro-batch's F and B (counted here, and an error if above `schedules.staleness_bound`);
 ``peak_memory`` = peak bytes held for in-flight micro-batches: the distinct storages autograd
 saved for backward (counted with saved-tensor hooks, weights excluded), the stage outputs kept
-for B, the inputs kept for recompute and the recompute graph of the B running, plus the extra
+for B, the inputs kept for recompute and the recompute graph of the B running, a split list's
+linear-layer inputs and output gradients kept for W (after its B, only those), plus the extra
 weight copies (pipedream's stashes); ``weight_versions`` = peak number of distinct weight
 storages referenced (live + stashed).
 """
