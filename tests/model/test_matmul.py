@@ -133,6 +133,28 @@ def test_a_deferred_weight_gradient_is_autograds_bit_for_bit(backend, m, k, n):
     assert len(records) == 1
 
 
+def test_a_checkpointed_block_defers_nothing():
+    """A checkpointed block's recompute must run the forward's ops, so its linear layers keep
+    their weights in the graph under `deferring` (their gradients come with the backward); the
+    others' are deferred, and together the gradients are a plain backward's, to the bit."""
+    cfg = PRESETS["tiny"].with_vocab(64)
+    model = Olmo3(cfg)
+    init_weights(model, 0)
+    model.configure(checkpointing="selective")  # block 0 checkpointed, block 1 not
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    model(tokens[:, :-1], labels=tokens[:, 1:])[0].backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with deferring(records := []):
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])[0]
+    loss.backward()
+    deferred = {d.layer for d in records}
+    assert deferred == {m for m in model.layers["1"].modules() if isinstance(m, Linear)}
+    for d in records:
+        d.layer.weight.grad = d.weight_grad()
+    assert all(torch.equal(p.grad, want[n]) for n, p in model.named_parameters())
+
+
 def test_what_onednn_does_not_cover_goes_through_torch_unchanged():
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(4, 8, 16, generator=gen), torch.randn(12, 16, generator=gen)
