@@ -186,7 +186,9 @@ class Linear(nn.Linear):
         self.matmul = "aten"
 
     def forward(self, x: Tensor) -> Tensor:
-        records = _DEFERRED.get()
+        # compiled code never defers (dynamo cannot trace a ContextVar; the pipeline executor
+        # does not defer in compiled modules)
+        records = None if torch.compiler.is_compiling() else _DEFERRED.get()
         if records is None or not (torch.is_grad_enabled() and self.weight.requires_grad
                                    and x.requires_grad):
             return linear(x, self.weight, self.matmul)

@@ -23,6 +23,7 @@ and runs one at a time (`forward`'s `chunk`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Sequence
@@ -401,7 +402,8 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask,
                 context: SequenceShard | None = None) -> Tensor:
         if self.checkpoint and torch.is_grad_enabled():  # its weight gradients never deferred
-            with deferring(None):
+            compiling = torch.compiler.is_compiling()  # (nor compiled code's: matmul.Linear)
+            with contextlib.nullcontext() if compiling else deferring(None):
                 return checkpoint(self._forward, x, cos, sin, mask, context,
                                   use_reentrant=False)
         return self._forward(x, cos, sin, mask, context)
