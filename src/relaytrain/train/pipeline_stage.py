@@ -28,7 +28,8 @@ What B then computes depends on the schedule:
   (`DeferredGrad.weight_grad`, the product autograd would run) and folds them into ``p.grad``
   (and exact mode's integer accumulator) in micro-batch order, as a whole backward would: the
   same bits. A micro-batch awaiting W thus holds less than one awaiting B (the paper's
-  accounting), so zb-h1's peak activation memory stays near 1f1b's (bench pipeline).
+  accounting), so zb-h1's peak activation memory stays near 1f1b's (bench pipeline; the last
+  stage defers one W fewer for it, `schedules.zb_w_delay`).
   Checkpointed blocks and compiled modules are not deferred (their weight gradients come at B).
   A sharded stage runs the whole backward at B (FSDP2's reduce-scatter hooks fire at the end of
   a backward) and W is empty there: correct, with 1f1b's timing.
