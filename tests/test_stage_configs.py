@@ -22,6 +22,7 @@ from olmo_core.nn.rope import RotaryEmbedding, YaRNRoPEScalingConfig  # noqa: E4
 from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
 from olmo_core.optim import CosWithWarmup, HalfCosWithWarmup, LinearWithWarmup  # noqa: E402
 
+from relaytrain.bench.gpu import GPU_80GB, memory_plan
 from relaytrain.config import load_config
 from relaytrain.model.config import PRESETS  # noqa: E402
 from relaytrain.model.olmo3 import rope_cos_sin  # noqa: E402
@@ -125,7 +126,7 @@ OFFICIAL = {
     },
     # Stage 3: YaRN (factor, beta_fast, beta_slow, old_context_len), packed instances
     # (source_group_size, source_permutation_seed) with doc lengths, context parallelism
-    # (degree, head_stride): parallel.cp, a comment line where the config shards (fsdp > 1).
+    # (degree, head_stride): parallel.cp.
     "olmo3-7b-long-context.yaml": {
         "script": SCRIPTS + "OLMo-3-1025-7B-long-context.py",
         "commit": "138b1fca4992c704f320c05718ef8168ffb44ea1",
@@ -243,13 +244,10 @@ def test_each_stage_config_holds_its_scripts_values(name):
     text = path.read_text()
     assert script["script"] in text  # the config names its script
     assert [n for n in script["no_key"] if n not in text] == []  # named in a comment
-    if script.get("cp"):  # cp with fsdp is refused for now: there a comment line
+    if script.get("cp"):
         degree, stride = script["cp"]
         assert f"degree={degree}, head_stride={stride}" in text
-        if cfg.parallel.fsdp == 1:
-            assert cfg.parallel.cp == degree
-        else:
-            assert cfg.parallel.cp == 1 and f"  # cp: {degree}\n" in text
+        assert cfg.parallel.cp == degree
     sets = DataMix.v3_small_ppl_validation.build("", TokenizerConfig.dolma2().identifier)[1]
     if script["lm_eval"]:
         assert script["lm_eval"][0] == V3_SMALL and list(cfg.eval.sets) == sets
@@ -307,3 +305,20 @@ def test_each_long_context_models_yarn_tables_are_olmo_cores_to_the_bit(name):
     sin, cos = rope._get_rotary_embedding(seq, torch.device("cpu"))
     my_cos, my_sin = rope_cos_sin(m, True, seq, torch.device("cpu"))
     assert torch.equal(my_cos, cos) and torch.equal(my_sin, sin)
+
+
+def test_the_32b_long_context_layout_fits_80_gb_gpus_at_65536_tokens():
+    """fsdp 8 x cp 8: a replica's state sharded over its 64 GPUs (cp ranks shard it too,
+    parallel/groups.py), each holding 1/8 of every sequence: the memory plan's peak fits an
+    80 GB GPU, with the config's bf16 gathers and with exact mode's fp32 ones."""
+    cfg = load_config(CONFIGS / "olmo3-32b-long-context.yaml", [])
+    p = cfg.parallel
+    shards = p.fsdp * p.cp
+    assert (cfg.seq_len, cfg.train.micro_batch, p.fsdp, p.cp, shards) == (65_536, 1, 8, 8, 64)
+    for exact in (False, True):
+        plan = memory_plan(cfg.model_config(), cfg.seq_len, cfg.train.micro_batch, fsdp=shards,
+                           exact=exact, cp=p.cp)
+        assert plan["peak"] < GPU_80GB, (exact, plan["peak"])
+    # sharded over fsdp alone, each cp rank holding its replica's whole state, it would not
+    assert memory_plan(cfg.model_config(), cfg.seq_len, 1, fsdp=p.fsdp, cp=p.cp)["peak"] > \
+        GPU_80GB

@@ -3,7 +3,12 @@ within the issue's target of window / (seq / cp) of gathering every key."""
 
 import pytest
 
-from relaytrain.bench.long_context import activation_bytes, exchange_bytes, fetched_tokens
+from relaytrain.bench.long_context import (
+    exchange_bytes,
+    fetched_tokens,
+    longest_sequence,
+    step_memory,
+)
 
 
 def test_sliding_layers_fetch_the_window_not_the_whole_sequence():
@@ -25,6 +30,18 @@ def test_exact_mode_returns_limbs_four_times_float32_s_bytes():
 def test_a_cp_worker_saves_its_share_of_the_activations():
     """The issue's target, on gloo ranks: a worker at cp 2 and 4 saves for backward at most
     1.2 x cp 1's / cp (its own keys and values only: fetched ones are fetched again)."""
-    one = activation_bytes(512, 1)
+    one = step_memory(512, 1)
     for cp in (2, 4):
-        assert activation_bytes(512, cp) <= 1.2 * one / cp
+        assert step_memory(512, cp)["saved"] <= 1.2 * one["saved"] / cp
+
+
+def test_the_bench_runs_at_the_longest_power_of_two_that_fits_half_the_memory_within_its_cap():
+    """A worker's state plus its step's bytes a token: a budget that holds only the probe's
+    length gives the probe's; one that holds 4,096 tokens gives 4,096, or the cap below it."""
+    state = 16 * 4_460_800  # the small preset's parameters at the bench's vocabulary
+    assert longest_sequence(0, 1_000)["seq_len"] == 256
+    fits = 2 * (state + 1_000 * 4_096)
+    assert longest_sequence(fits, 1_000, cap=8_192)["seq_len"] == 4_096
+    assert longest_sequence(fits - 2, 1_000, cap=8_192)["seq_len"] == 2_048
+    got = longest_sequence(fits, 1_000, cap=1_024)
+    assert (got["holds"], got["seq_len"], got["state"]) == (4_096, 1_024, state)

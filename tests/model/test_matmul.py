@@ -16,6 +16,7 @@ from relaytrain.model.loss import lm_head_loss, lm_loss
 from relaytrain.model.matmul import (
     Linear,
     add_weight_grad,
+    deferring,
     linear,
     mm_t,
     onednn_available,
@@ -105,6 +106,53 @@ def test_chunked_weight_gradients_sum_to_the_whole_product(backend):
         total = add_weight_grad(total, g[s:s + 16], x[s:s + 16], backend, torch.float32)
     assert total.shape == (300, 24)
     assert rel_err(total, g.t() @ x) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["aten", pytest.param("onednn", marks=needs_onednn)])
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_a_deferred_weight_gradient_is_autograds_bit_for_bit(backend, m, k, n):
+    """Under `deferring` the backward gives the input gradient only and leaves the weight's
+    to `DeferredGrad.weight_grad`: both are what one whole backward gives, to the bit (zb-h1's
+    W relies on it); outside it, nothing is recorded."""
+    gen = torch.Generator().manual_seed(3)
+    layer = Linear(k, n)
+    layer.matmul = backend
+    x = torch.randn(2, m, k, generator=gen, requires_grad=True)
+    g = torch.randn(2, m, n, generator=gen)
+    layer(x).backward(g)
+    want_w, want_x = layer.weight.grad, x.grad
+    layer.weight.grad = x.grad = None
+    with deferring(records := []):
+        y = layer(x)
+    (got_x,) = torch.autograd.grad(y, [x], g)
+    assert layer.weight.grad is None and len(records) == 1
+    assert torch.equal(got_x, want_x)
+    assert torch.equal(records[0].weight_grad(), want_w)
+    with deferring(None):
+        layer(x)
+    assert len(records) == 1
+
+
+def test_a_checkpointed_block_defers_nothing():
+    """A checkpointed block's recompute must run the forward's ops, so its linear layers keep
+    their weights in the graph under `deferring` (their gradients come with the backward); the
+    others' are deferred, and together the gradients are a plain backward's, to the bit."""
+    cfg = PRESETS["tiny"].with_vocab(64)
+    model = Olmo3(cfg)
+    init_weights(model, 0)
+    model.configure(checkpointing="selective")  # block 0 checkpointed, block 1 not
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    model(tokens[:, :-1], labels=tokens[:, 1:])[0].backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with deferring(records := []):
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])[0]
+    loss.backward()
+    deferred = {d.layer for d in records}
+    assert deferred == {m for m in model.layers["1"].modules() if isinstance(m, Linear)}
+    for d in records:
+        d.layer.weight.grad = d.weight_grad()
+    assert all(torch.equal(p.grad, want[n]) for n, p in model.named_parameters())
 
 
 def test_what_onednn_does_not_cover_goes_through_torch_unchanged():

@@ -54,6 +54,17 @@ def test_a_dp_rank_s_cp_ranks_are_consecutive_and_share_its_data():
         placements([0, 1], dp=2, pp=1, cp=2)
 
 
+def test_a_sharded_replica_s_shards_are_its_fsdp_x_cp_consecutive_ranks():
+    """dp 4 (2 replicas x fsdp 2) x cp 2: each replica's state over its 4 ranks, cp ranks
+    included (they would hold the same weights); shard k of each replica holds the same rows."""
+    got = placements(range(8), dp=4, pp=1, fsdp=2, cp=2)
+    assert [(p.replica, p.dp_rank, p.cp_rank, p.shard) for p in got.values()] == [
+        (0, 0, 0, 0), (0, 0, 1, 1), (0, 1, 0, 2), (0, 1, 1, 3),
+        (1, 2, 0, 0), (1, 2, 1, 1), (1, 3, 0, 2), (1, 3, 1, 3)]
+    assert {p.shards for p in got.values()} == {4}
+    assert {p.shards for p in placements(range(4), dp=2, pp=1, cp=2).values()} == {1}
+
+
 def test_a_resized_sharded_run_keeps_whole_replicas_else_shards_over_everyone():
     assert shard_size(4, 2) == 2 and shard_size(2, 2) == 2  # 2 replicas; 1
     assert shard_size(3, 2) == 3  # part of a replica lost: one replica of 3 (uneven chunks)

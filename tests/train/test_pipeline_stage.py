@@ -16,13 +16,14 @@ import torch.nn.functional as F
 from relaytrain.data.loader import Batch
 from relaytrain.model.config import PRESETS
 from relaytrain.model.olmo3 import MLP
+from relaytrain.model.stages import build_stage
 from relaytrain.parallel.pipeline.schedules import (
     build_schedule,
     staleness,
     weight_versions,
 )
 from relaytrain.parallel.reduce import GradReducer
-from relaytrain.train.pipeline_stage import StageRunner, StageSpec
+from relaytrain.train.pipeline_stage import StageRunner, StageSpec, global_order, model_order
 from tests.runtime.conftest import tiny_config
 from tests.train.pool import WorkerPool
 
@@ -67,8 +68,8 @@ class RecordingSGD(torch.optim.SGD):
 
 
 def run_middle_stage(schedule: str, mode: str = "perf", n_stages: int = S, a: int = 1,
-                     m_count: int = M):
-    """One span of one global batch of `m_count` micro-batches through stage 1 of `n_stages`,
+                     m_count: int = M, stage: int = STAGE):
+    """One span of one global batch of `m_count` micro-batches through `stage` of `n_stages`,
     a U after every `a` B's (a=1: update k applies exactly micro-batch k-1's gradient). The
     stage is the model's SwiGLU MLP."""
     cfg = PRESETS["tiny"].with_vocab(64)
@@ -77,16 +78,16 @@ def run_middle_stage(schedule: str, mode: str = "perf", n_stages: int = S, a: in
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(MB, T, cfg.d_model, generator=g) for _ in range(m_count)]
     gs = [torch.randn(MB, T, cfg.d_model, generator=g) for _ in range(m_count)]
-    inputs = ({(0, 2 * m): xs[m] for m in range(m_count)}
-              | {(2, 2 * m + 1): gs[m] for m in range(m_count)})
+    inputs = ({(stage - 1, 2 * m): xs[m] for m in range(m_count)}
+              | {(stage + 1, 2 * m + 1): gs[m] for m in range(m_count)})
     net = ScriptedNeighbours(inputs)
     opt = RecordingSGD(mlp.parameters())
-    spec = StageSpec(schedule=schedule, stage=STAGE, n_stages=n_stages, micro_per_batch=m_count,
+    spec = StageSpec(schedule=schedule, stage=stage, n_stages=n_stages, micro_per_batch=m_count,
                      dp=1, micro_batch=MB, seq_len=T, d_model=cfg.d_model, z_loss=0.0,
                      clip=0.0, a=a, recompute=mode == "mem")
     reducer = GradReducer(list(mlp.parameters()), None, exact=False,
                           total_micro_batches=m_count)
-    runner = StageRunner(mlp, opt, reducer, spec, net, 0, 2, None, lambda step: LR,
+    runner = StageRunner(mlp, opt, reducer, spec, net, stage - 1, stage + 1, None, lambda step: LR,
                          torch.device("cpu"))
     batch = Batch(0, np.arange(m_count * MB), np.zeros(m_count * MB, dtype=np.int64),
                   [(m, torch.zeros(MB, T + 1, dtype=torch.long)) for m in range(m_count)])
@@ -170,19 +171,46 @@ def test_paci_perf_mode_uses_forward_time_activations_and_backward_time_weights(
 def test_zb_h1_splits_the_backward_into_the_same_bits_as_1f1bs_whole_one(monkeypatch):
     """B sends the input gradient before any weight gradient exists; W adds them later: the
     gradients sent upstream and the update's gradient equal 1f1b's bit for bit. (Alone, the
-    stage's norm is the pipeline's: the flush schedules' all-gather has no peers here.)"""
+    stage's norm is the pipeline's: the flush schedules' all-gather has no peers here.) Stage 2
+    of 4 defers two W's, the last two of the batch's after its last B."""
     monkeypatch.setattr(StageRunner, "_global_norm",
                         lambda self, grads, order, ok: (torch.nn.utils.get_total_norm(grads), ok))
-    *_, net, opt, stats = run_middle_stage("1f1b")
-    *_, zb_net, zb_opt, zb_stats = run_middle_stage("zb-h1")
+    *_, net, opt, stats = run_middle_stage("1f1b", n_stages=4, stage=2)
+    *_, zb_net, zb_opt, zb_stats = run_middle_stage("zb-h1", n_stages=4, stage=2)
     assert net.sent.keys() == zb_net.sent.keys()
     assert all(torch.equal(net.sent[k], zb_net.sent[k]) for k in net.sent)
     [(w, g)], [(zb_w, zb_g)] = opt.log, zb_opt.log
     assert all(torch.equal(a, b) for a, b in zip(w + g, zb_w + zb_g, strict=True))
     assert zb_stats.weight_s > 0 and stats.weight_s == 0
-    # stage 1 of 3 holds 2 micro-batches awaiting B under both, and under zb-h1 one more
-    # awaiting W with the gradients B kept for it: more memory, which the runtime reports
-    assert zb_stats.peak_memory > stats.peak_memory
+    # stage 2 of 4 holds 2 micro-batches awaiting B under both, and under zb-h1 up to 2 more
+    # awaiting W: each only its linear layers' inputs and output gradients, less than one
+    # awaiting B (its whole graph), which the runtime reports
+    assert stats.peak_memory < zb_stats.peak_memory < 2 * stats.peak_memory
+
+
+def test_interleaved_norms_are_summed_in_model_order_which_changes_their_bits():
+    """interleaved-1f1b's ranks hold layers out of model order (pp 2 x V 2: rank 0 holds layers
+    0 and 2, rank 1 layers 1 and 3); the global norm puts the per-tensor norms gathered in rank
+    order back into model order (`model_order`), so it is the unpipelined `get_total_norm` to
+    the bit. Summed in rank order instead, the norm differs in its last bits for some
+    gradients: the reordering is needed."""
+    cfg = PRESETS["small"].with_vocab(64)
+    whole = [n for n, _ in build_stage(cfg, 0, 1, [range(4)]).named_parameters()]
+    ranks = [build_stage(cfg, r, 2, [range(i, i + 1) for i in range(4)]) for r in range(2)]
+    params = [(n, p) for rank in ranks for n, p in rank.named_parameters()]
+    assert [n for n, _ in params] != whole  # rank order is not model order
+    order = model_order([global_order(n) for n, _ in params])
+    assert [params[i][0] for i in order] == whole
+    differ = 0
+    for seed in range(20):  # gradients of every tensor's shape and a scale of its own
+        gen = torch.Generator().manual_seed(seed)
+        grads = {n: torch.randn(p.shape, generator=gen) * float(torch.rand(1, generator=gen))
+                 for n, p in params}
+        want = torch.nn.utils.get_total_norm([grads[n] for n in whole])
+        norms = torch.stack(torch._foreach_norm([grads[n] for n, _ in params], 2.0))
+        assert torch.equal(torch.linalg.vector_norm(norms[order], 2.0), want)
+        differ += not torch.equal(torch.linalg.vector_norm(norms, 2.0), want)
+    assert differ > 0
 
 
 def updates_before(acts) -> dict[str, dict[int, int]]:

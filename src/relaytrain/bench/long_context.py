@@ -1,9 +1,19 @@
-"""`relaytrain bench long-context`: context parallelism on the `small` preset at a long
-sequence: per-step time and peak resident memory per worker at cp 1, 2 and 4 (real runs on Ray
-actors; the resident peak is mostly the process's own at these sizes), the activation bytes a
-worker saves for backward (one forward per rank on gloo ranks, counted by `model.memory`), and
-the bytes a rank exchanges per step for sliding layers against gathering every key (from the
-attention plans: what the exchange moves, counted, not timed)."""
+"""`relaytrain bench long-context`: context parallelism on the `small` preset at the longest
+sequence this machine holds (within a cap, below): per-step time and peak resident memory per
+worker at cp 1, 2 and 4 (real runs on Ray actors), the activation memory of a worker's step,
+both as the bytes it saves for backward (counted by `model.memory`) and as its process's peak
+resident growth over one forward and backward (one step per rank on gloo ranks), and the bytes
+a rank exchanges per step for sliding layers against gathering every key (from the attention
+plans: what the exchange moves, counted, not timed).
+
+The sequence is measured, not fixed: the longest power of two whose cp 1 step fits a budget of
+half the memory the machine has available (`longest_sequence`: a worker's state plus its
+activations, per token as measured at `PROBE_SEQ`), capped at `SEQ_CAP` tokens. Why a cap: on
+a 2-core host a cp 1 step of `small` takes seconds per thousand tokens, and the bench trains
+three runs of several steps, each starting its Ray workers; at 2,048 tokens that is 74 s of CPU
+(9 min of wall time under a load average of 30: docs/MEASURED.md), where memory alone would
+allow 32,768 tokens, 16 times the tokens a step (more for full layers, quadratic in them).
+"""
 
 from __future__ import annotations
 
@@ -21,15 +31,20 @@ import torch.multiprocessing as mp
 
 from relaytrain.bench import progress
 from relaytrain.bench.common import demo_data, run_training
+from relaytrain.model.accounting import param_count
 from relaytrain.model.config import PRESETS, SLIDING
 from relaytrain.model.init import init_weights
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.context import ContextGroup, ContextSplit, plan_attention
 from relaytrain.runlog import read_metrics
+from relaytrain.train.metrics import proc_bytes
+from relaytrain.train.stepper import peak_rss, reset_peak_rss
 
 DEGREES = (1, 2, 4)
 STAGE3_SEQ, STAGE3_WINDOW = 65_536, 4_096
+PROBE_SEQ = 256  # the step whose memory per token sizes the sequence
+SEQ_CAP = 2_048  # tokens at most (module docstring: why)
 
 
 def fetched_tokens(seq_len: int, cp: int, window: int | None) -> int:
@@ -46,13 +61,15 @@ def exchange_bytes(tokens: int, kv_width: int, exact: bool) -> int:
     return 2 * kv + kv * (4 if exact else 1)
 
 
-def _saved_bytes(rank: int, cp: int, seq_len: int, port: int, out: str) -> None:
-    """Rank `rank` of `cp`: one forward of the small preset on its part of a sequence, the bytes
-    it saves for backward written to `out`/rank (then the backward, which its peers need)."""
+def _step_memory(rank: int, cp: int, seq_len: int, port: int, out: str) -> None:
+    """Rank `rank` of `cp`: one forward and backward of the small preset on its part of a
+    sequence; the bytes it saved for backward and its process's peak resident growth over the
+    step written to `out`/rank (JSON)."""
     torch.set_num_threads(1)
     if cp > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=cp)
+        dist.barrier()  # the group's connections up before the step, as a worker's are
     cfg = PRESETS["small"].with_vocab(2048)
     model = Olmo3(cfg)
     init_weights(model, 0)
@@ -64,30 +81,55 @@ def _saved_bytes(rank: int, cp: int, seq_len: int, port: int, out: str) -> None:
         inputs, labels = context.split.local(inputs), context.split.local(labels)
         kwargs["context"] = context
     counter = SavedBytes(model.parameters())
+    before = proc_bytes("/proc/self/status", "VmRSS") or 0
+    reset_peak_rss()
     with counter.counting():
         loss = model(inputs, labels=labels, **kwargs)[0]
     loss.backward()
-    Path(out, str(rank)).write_text(str(counter.nbytes))
+    growth = max(0, peak_rss() - before)
+    Path(out, str(rank)).write_text(json.dumps({"saved": counter.nbytes, "growth": growth}))
     if cp > 1:
         dist.destroy_process_group()
 
 
-def activation_bytes(seq_len: int, cp: int) -> int:
-    """The most bytes any of `cp` ranks saves for backward in one forward of one sequence."""
+def step_memory(seq_len: int, cp: int) -> dict[str, int]:
+    """The most bytes any of `cp` ranks saves for backward in one step of one sequence
+    (`saved`), and the largest peak resident growth of a rank's process over it (`growth`;
+    0 where /proc is missing)."""
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as out:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        mp.spawn(_saved_bytes, args=(cp, seq_len, port, out), nprocs=cp)
-        return max(int(Path(out, str(r)).read_text()) for r in range(cp))
+        mp.spawn(_step_memory, args=(cp, seq_len, port, out), nprocs=cp)
+        ranks = [json.loads(Path(out, str(r)).read_text()) for r in range(cp)]
+        return {k: max(r[k] for r in ranks) for k in ("saved", "growth")}
+
+
+def longest_sequence(available: int, per_token: float, cap: int = SEQ_CAP) -> dict[str, Any]:
+    """The longest power of two (at least `PROBE_SEQ`) whose cp 1 step of `small` fits half of
+    `available` bytes: a worker's state (16 bytes a parameter: weights, gradients, AdamW's
+    moments) plus its step's peak resident growth, `per_token` bytes a token (as measured at
+    `PROBE_SEQ`: attention runs in blocks, no T x T scores, so it grows about linearly); and
+    that capped at `cap` (the module docstring says why)."""
+    budget = available // 2
+    state = 16 * param_count(PRESETS["small"].with_vocab(2048))
+    holds = PROBE_SEQ
+    while state + per_token * holds * 2 <= budget:
+        holds *= 2
+    return {"budget": budget, "bytes_per_token": round(per_token), "state": state,
+            "holds": holds, "cap": cap, "seq_len": min(holds, cap)}
 
 
 def bench_long_context(quick: bool = False) -> dict[str, Any]:
-    # blocks of 64 tokens at 1,024 (the window: a sliding layer fetches whole blocks)
-    seq, steps = (512, 3) if quick else (1024, 5)
+    """`--quick`: 512 tokens, 3 steps (the plumbing); else the measured sequence, 5 steps."""
     cfg = PRESETS["small"]
+    choice = None if quick else longest_sequence(
+        proc_bytes("/proc/meminfo", "MemAvailable") or 0,
+        max(1, step_memory(PROBE_SEQ, 1)["growth"]) / PROBE_SEQ)
+    seq, steps = (512, 3) if choice is None else (choice["seq_len"], 5)
     out: dict[str, Any] = {"preset": "small", "seq_len": seq, "steps": steps,
-                           "window": cfg.sliding_window, "runs": {}, "exchange": {}}
+                           "sequence_choice": choice, "window": cfg.sliding_window,
+                           "runs": {}, "exchange": {}}
     progress.start("long-context", f"{len(DEGREES)} training runs of {steps} steps at {seq} "
                    "tokens: " + ", ".join(f"cp{c}" for c in DEGREES))
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
@@ -101,14 +143,16 @@ def bench_long_context(quick: bool = False) -> dict[str, Any]:
             run = os.path.join(tmp, f"cp{cp}")
             run_training([*common, f"run_dir={run}", f"parallel.cp={cp}"])
             recs = read_metrics(run).steps[1:]  # the first step builds kernels
+            memory = step_memory(seq, cp)
             out["runs"][f"cp{cp}"] = {
                 "step_s": statistics.median(r["time_compute"] for r in recs),
                 "peak_rss_mib": max(r["peak_rss"] for r in recs) / 2**20,
-                "saved_mib": activation_bytes(seq, cp) / 2**20}
-    one = out["runs"]["cp1"]["saved_mib"]
-    for cp in DEGREES[1:]:  # the issue's target: <= 1.2 x cp 1's / cp
-        out["runs"][f"cp{cp}"]["saved_over_share"] = out["runs"][f"cp{cp}"]["saved_mib"] / (
-            one / cp)
+                "saved_mib": memory["saved"] / 2**20, "growth_mib": memory["growth"] / 2**20}
+    for key in ("saved", "growth"):  # the issue's target: <= 1.2 x cp 1's / cp
+        one = out["runs"]["cp1"][f"{key}_mib"]
+        for cp in DEGREES[1:]:
+            run = out["runs"][f"cp{cp}"]
+            run[f"{key}_over_share"] = run[f"{key}_mib"] / (one / cp) if one else None
     kv_width = cfg.n_kv_heads * cfg.head_dim
     for cp in DEGREES[1:]:
         sliding, full, gather = (exchange_bytes(t, kv_width, exact=False) for t in (
@@ -126,13 +170,28 @@ def bench_long_context(quick: bool = False) -> dict[str, Any]:
     return out
 
 
+def _share(v: dict[str, Any], key: str) -> str:
+    ratio = v.get(f"{key}_over_share")
+    return f" ({ratio:.2f})" if ratio is not None else ""
+
+
 def format_report(r: dict[str, Any]) -> str:
-    lines = [f"long context, small preset, {r['seq_len']} tokens, {r['steps']} steps "
-             "(per worker: median step seconds, peak resident MiB, MiB saved for backward and "
-             "its ratio to cp 1's / cp, target <= 1.2):"]
+    c = r["sequence_choice"]
+    lines = [f"long context, small preset, {r['seq_len']} tokens, {r['steps']} steps"]
+    if c is None:
+        lines.append("  (--quick: 512 tokens, not measured)")
+    else:
+        lines.append(
+            f"  sequence: the longest power of two whose cp 1 step fits half the available "
+            f"memory ({c['budget'] / 2**30:.1f} GiB: state {c['state'] / 2**20:.0f} MiB + "
+            f"{c['bytes_per_token']:,} B a token) holds {c['holds']:,} tokens, capped at "
+            f"{c['cap']:,} so the bench ends in minutes on a 2-core host")
+    lines.append("per worker: median step seconds, peak resident MiB (Ray runs); a step's "
+                 "activation memory, MiB saved for backward and peak resident growth, each "
+                 "with its ratio to cp 1's / cp (target <= 1.2):")
     lines += [f"  {k:<5} {v['step_s']:8.3f} s {v['peak_rss_mib']:7.0f} MiB "
-              f"{v['saved_mib']:8.1f} MiB saved" + (f" ({v['saved_over_share']:.2f})"
-                                                   if "saved_over_share" in v else "")
+              f"{v['saved_mib']:8.1f} MiB saved{_share(v, 'saved')} "
+              f"{v['growth_mib']:8.1f} MiB growth{_share(v, 'growth')}"
               for k, v in r["runs"].items()]
     lines.append(f"bytes one rank receives per layer and sequence (fast mode; window "
                  f"{r['window']}):")

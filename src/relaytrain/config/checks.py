@@ -152,11 +152,10 @@ def _validate_context(cfg: RunConfig, need: Callable[[bool, str], None]) -> None
          f"with parallel.pp={p.pp} and the asynchronous schedule '{p.schedule}', whose stages "
          "run micro-batches out of step; context parallelism needs a flush schedule "
          f"({', '.join(FLUSH_SCHEDULES)}) or parallel.cp=1")
-    need(p.pp == 1 and p.fsdp == 1, f"config key 'parallel.cp': got {p.cp} with parallel.pp="
-         f"{p.pp} and parallel.fsdp={p.fsdp}; context parallelism runs unpipelined and "
-         "unsharded for now (pp=1, fsdp=1: its workers hold whole weights, and neither the "
-         "stages' transport nor the shard groups carry a split sequence), or use "
-         "parallel.cp=1")
+    need(p.pp == 1, f"config key 'parallel.cp': got {p.cp} with parallel.pp={p.pp}; context "
+         "parallelism runs unpipelined for now (the stages' transport carries whole sequences "
+         "and the stage executor has no cp group to split them over): expected parallel.pp=1 "
+         "or parallel.cp=1")
     problem = split_problem(cfg.seq_len, p.cp)
     need(problem is None, f"config key 'data.seq_len': {problem}")
 
@@ -230,10 +229,11 @@ def _validate_exact_sharding(p: ParallelSection, m: Olmo3Config,
          f"{fsdp} with determinism=exact, which needs torch >= 2.9 (FSDP2's custom "
          f"reduce-scatter); this is torch {torch.__version__}: use determinism=fast or fsdp 1")
     shapes = parameter_shapes(m)  # imports torch: only for a sharded exact run
-    bad = misaligned(shapes, fsdp)
-    good = [k for k in range(1, max(8, fsdp) + 1) if not misaligned(shapes, k)]
+    bad = misaligned(shapes, fsdp * p.cp)  # cp ranks shard too (parallel/groups.py)
+    good = [k for k in range(1, max(8, fsdp) + 1) if not misaligned(shapes, k * p.cp)]
+    over = f" (over fsdp x parallel.cp={p.cp} = {fsdp * p.cp} shards)" if p.cp > 1 else ""
     need(bad is None, f"config key 'parallel.fsdp': got {fsdp} with determinism=exact, but "
-         f"parameter {bad and bad[0]!r} would be cut into chunks of {bad and bad[1]} values, "
+         f"parameter {bad and bad[0]!r} would be cut{over} into chunks of {bad and bad[1]} values, "
          f"not whole vectors of {VECTOR_VALUES} (the CPU optimizer's), so the bits would "
          f"depend on the layout; expected one of {good} (or determinism=fast)")
 

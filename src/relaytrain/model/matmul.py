@@ -20,6 +20,11 @@ MKL runs AVX-512 itself, that is usually `aten`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -127,6 +132,51 @@ def linear(x: Tensor, weight: Tensor, backend: str) -> Tensor:
     return F.linear(x, weight)
 
 
+@dataclass
+class DeferredGrad:
+    """What one linear layer's weight gradient needs, kept by a forward under `deferring`:
+    the input as its product read it and, once a backward has passed the layer, the gradient
+    at its output. A zero-bubble pipeline's B computes input gradients only and frees the rest
+    of the graph; its W forms the weight gradients from these (arXiv 2401.10241)."""
+
+    layer: Linear
+    x: Tensor
+    backend: str  # the product's: `aten` or `onednn`
+    grad: Tensor | None = None
+
+    def weight_grad(self) -> Tensor:
+        """`grad.T @ x` in the weight's dtype: bit for bit the weight gradient autograd computes
+        through `linear` (aten's `mm(grad.T, x)` of the folded rows, or `_OneDNNLinear`'s),
+        cast as autocast's weight cast would be (tests/model/test_matmul.py)."""
+        if self.grad is None:
+            raise RuntimeError("no gradient reached a deferred linear layer")
+        g = self.grad.reshape(-1, self.grad.shape[-1])
+        w = weight_grad(g, self.x.reshape(-1, self.x.shape[-1]), self.backend)
+        return w.contiguous().to(self.layer.weight.dtype)
+
+    def held(self) -> list[Tensor]:
+        return [self.x] + ([] if self.grad is None else [self.grad])
+
+
+_DEFERRED: ContextVar[list[DeferredGrad] | None] = ContextVar("deferred_grads", default=None)
+
+
+@contextmanager
+def deferring(records: list[DeferredGrad] | None) -> Iterator[list[DeferredGrad] | None]:
+    """Within: every `Linear` whose weight requires a gradient keeps it out of the graph and
+    appends a `DeferredGrad` to `records` instead (None: none does, e.g. inside a checkpointed
+    block, whose recompute must see the forward's ops)."""
+    token = _DEFERRED.set(records)
+    try:
+        yield records
+    finally:
+        _DEFERRED.reset(token)
+
+
+def _keep(record: DeferredGrad, grad: Tensor) -> None:
+    record.grad = grad
+
+
 class Linear(nn.Linear):
     """`nn.Linear` without bias whose products go through `self.matmul` (set by
     `Olmo3.configure`); the parameter (`weight`) and its initialisation are nn.Linear's."""
@@ -136,4 +186,20 @@ class Linear(nn.Linear):
         self.matmul = "aten"
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.matmul)
+        # compiled code never defers (dynamo cannot trace a ContextVar; the pipeline executor
+        # does not defer in compiled modules)
+        records = None if torch.compiler.is_compiling() else _DEFERRED.get()
+        if records is None or not (torch.is_grad_enabled() and self.weight.requires_grad
+                                   and x.requires_grad):
+            return linear(x, self.weight, self.matmul)
+        weight = self.weight.detach()
+        if torch.is_autocast_enabled(x.device.type):  # the casts autocast would make
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            y = linear(x, weight, self.matmul)
+        backend = "onednn" if _onednn_applies(self.matmul, x, weight) else "aten"
+        record = DeferredGrad(self, x.detach(), backend)
+        records.append(record)
+        y.register_hook(partial(_keep, record))
+        return y

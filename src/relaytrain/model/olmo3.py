@@ -23,6 +23,7 @@ and runs one at a time (`forward`'s `chunk`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from relaytrain.model.documents import (
     document_spans,
 )
 from relaytrain.model.loss import lm_head_loss
-from relaytrain.model.matmul import MATMUL_BACKENDS, Linear
+from relaytrain.model.matmul import MATMUL_BACKENDS, Linear, deferring
 from relaytrain.model.sliding_chunks import Window, sliding_attention
 
 
@@ -400,8 +401,11 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask,
                 context: SequenceShard | None = None) -> Tensor:
-        if self.checkpoint and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, mask, context, use_reentrant=False)
+        if self.checkpoint and torch.is_grad_enabled():  # its weight gradients never deferred
+            compiling = torch.compiler.is_compiling()  # (nor compiled code's: matmul.Linear)
+            with contextlib.nullcontext() if compiling else deferring(None):
+                return checkpoint(self._forward, x, cos, sin, mask, context,
+                                  use_reentrant=False)
         return self._forward(x, cos, sin, mask, context)
 
     def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Mask,

@@ -1,10 +1,13 @@
 """Placements and process groups of a data-parallel x pipeline-parallel layout.
 
-Rank r is DP rank r % dp of stage r // dp (`placements`). Under sharding (fsdp > 1) the dp
-data-parallel ranks of a stage are dp / fsdp replicas of fsdp consecutive ranks, each replica's
-state sharded over its ranks (`form_shard_groups`). A stage's DP replicas
-reduce their gradients together; one replica's stages agree on a global gradient norm; each rank
-exchanges activations with the same DP rank of the neighbouring stages.
+Rank r is DP rank r % dp of stage r // dp (`placements`; with context parallelism each DP rank
+is cp consecutive ranks). Under sharding (fsdp > 1) the dp data-parallel ranks of a stage are
+dp / fsdp replicas of fsdp DP ranks, each replica's state sharded over its fsdp x cp
+consecutive ranks (`form_shard_groups`): a cp group's ranks would hold the same weights, so
+they shard them, and the shards' reduce-scatter sums the cp ranks' parts of the gradient with
+the DP ranks'. A stage's DP replicas reduce their gradients together; one replica's stages agree
+on a global gradient norm; each rank exchanges activations with the same DP rank of the
+neighbouring stages.
 
 `torch.distributed.new_group` is collective over the whole world and must be called for every
 group in the same order on every rank, so `form_groups` creates all of them, always in the same
@@ -36,8 +39,16 @@ class Placement:
     cp_rank: int = 0  # this rank's part of the sequence
 
     @property
+    def shards(self) -> int:
+        """Ranks a replica's state is sharded over: its fsdp DP ranks and each one's cp ranks
+        (cp ranks hold the same weights, so they shard them too, as OLMo-core flattens its
+        cp mesh dimension into the shard one); 1 unsharded."""
+        return self.fsdp * self.cp if self.fsdp > 1 else 1
+
+    @property
     def shard(self) -> int:
-        return self.dp_rank % self.fsdp
+        """This rank's shard of its replica's state (its rank within the replica)."""
+        return (self.dp_rank % self.fsdp) * self.cp + self.cp_rank if self.fsdp > 1 else 0
 
     @property
     def replica(self) -> int:
@@ -55,9 +66,9 @@ def placements(members: Sequence[int], dp: int, pp: int, fsdp: int = 1, cp: int 
                ) -> dict[int, Placement]:
     """Worker id -> its place, members in rank order: rank r is DP rank r % dp of stage r // dp,
     so a stage's DP ranks are consecutive ranks (and so are a replica's shards). `dp` counts
-    data-parallel ranks: replicas x fsdp. With context parallelism (cp > 1, unpipelined and
-    unsharded) each DP rank is cp consecutive ranks, cp rank r % cp of DP rank r // cp: they
-    share its batches, each holding its part of every sequence."""
+    data-parallel ranks: replicas x fsdp. With context parallelism (cp > 1, unpipelined) each DP
+    rank is cp consecutive ranks, cp rank r % cp of DP rank r // cp: they share its batches,
+    each holding its part of every sequence."""
     if len(members) != dp * pp * cp or dp % fsdp:
         raise ValueError(f"{len(members)} members for a layout of dp {dp} x pp {pp} "
                          f"(fsdp {fsdp}, cp {cp})")
@@ -112,29 +123,32 @@ def form_groups(stage: int, dp_rank: int, dp: int, pp: int,
                           (pp - 1 - stage) * dp + dp_rank if pp > 1 else None)
 
 
-def form_shard_groups(dp_rank: int, dp: int, fsdp: int, stage: int = 0, pp: int = 1,
-                      timeout: timedelta | None = None
+def form_shard_groups(placement: Placement, timeout: timedelta | None = None
                       ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """Create, stage by stage, every shard group (a replica's fsdp consecutive ranks) then every
-    replica group (the ranks holding the same shard), and return this rank's; the replica group
-    is None with one replica. Needs an initialised default process group of dp x pp ranks (and,
-    with pp > 1, `form_groups` called first on every rank)."""
-    if dist.get_world_size() != dp * pp or dp % fsdp:
-        raise ValueError(f"world of {dist.get_world_size()} ranks, layout needs dp {dp} "
-                         f"sharded {fsdp} ways x pp {pp}")
-    replicas = dp // fsdp
+    """Create, stage by stage, every shard group (a replica's `shards` consecutive ranks: its
+    fsdp DP ranks and their cp ranks) then every replica group (the ranks holding the same
+    shard), and return this rank's; the replica group is None with one replica. Needs an
+    initialised default process group of dp x cp x pp ranks (and, with pp > 1, `form_groups`
+    called first on every rank)."""
+    p = placement
+    span, shards = p.dp * p.cp, p.shards  # a stage's ranks, a replica's
+    if dist.get_world_size() != span * p.pp or p.dp % p.fsdp:
+        raise ValueError(f"world of {dist.get_world_size()} ranks, layout needs dp {p.dp} "
+                         f"sharded {p.fsdp} ways x cp {p.cp} x pp {p.pp}")
+    replicas = span // shards
     mine_shard = mine_replica = None
-    for s in range(pp):
-        base = s * dp
+    for s in range(p.pp):
+        base = s * span
         for r in range(replicas):
-            group = dist.new_group(list(range(base + r * fsdp, base + (r + 1) * fsdp)),
+            group = dist.new_group(list(range(base + r * shards, base + (r + 1) * shards)),
                                    timeout=timeout)
-            if (s, r) == (stage, dp_rank // fsdp):
+            if (s, r) == (p.stage, p.replica):
                 mine_shard = group
         if replicas > 1:
-            for k in range(fsdp):
-                group = dist.new_group(list(range(base + k, base + dp, fsdp)), timeout=timeout)
-                if (s, k) == (stage, dp_rank % fsdp):
+            for k in range(shards):
+                group = dist.new_group(list(range(base + k, base + span, shards)),
+                                       timeout=timeout)
+                if (s, k) == (p.stage, p.shard):
                     mine_replica = group
     assert mine_shard is not None
     return mine_shard, mine_replica

@@ -31,8 +31,8 @@ class Membership:
         self.generation = -1
         self.placement: Placement | None = None
         self.groups: PipelineGroups | None = None  # pp > 1: this generation's groups
-        # fsdp > 1: this generation's shard group (a replica's ranks), and the replica group
-        # (the ranks holding the same shard; None with one replica)
+        # fsdp > 1: this generation's shard group (a replica's ranks, its cp ranks included),
+        # and the replica group (the ranks holding the same shard; None with one replica)
         self.shard_group: dist.ProcessGroup | None = None
         self.replica_group: dist.ProcessGroup | None = None
         self.cp_group: dist.ProcessGroup | None = None  # cp > 1: the ranks sharing sequences
@@ -42,9 +42,9 @@ class Membership:
 
     @property
     def layout(self) -> Layout:
-        """What this worker's model is built for: (stage, pp, fsdp)."""
+        """What this worker's model is built for: (stage, pp, shards)."""
         p = self.placement
-        return (p.stage, p.pp, p.fsdp) if p else (0, 1, 1)
+        return (p.stage, p.pp, p.shards) if p else (0, 1, 1)
 
     def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel replicas of this worker's stage (None: nothing to reduce over)."""
@@ -72,8 +72,7 @@ class Membership:
                                       placement.pp, timedelta(seconds=timeout_s))
         if placement.fsdp > 1:
             self.shard_group, self.replica_group = form_shard_groups(
-                placement.dp_rank, placement.dp, placement.fsdp, placement.stage, placement.pp,
-                timedelta(seconds=timeout_s))
+                placement, timedelta(seconds=timeout_s))
         if placement.cp > 1:
             self.cp_group = form_cp_group(placement, timedelta(seconds=timeout_s))
         sockets.formed()

@@ -50,7 +50,7 @@ class Restore:
 
 def _rows_of(step: int, p: Placement) -> WorkerCall:
     """A holder's pieces of the rows a worker placed at `p` holds of the sharded state."""
-    return lambda w: w.snapshot_rows(step, p.fsdp, p.shard)
+    return lambda w: w.snapshot_rows(step, p.shards, p.shard)
 
 
 class Recovery:
@@ -90,9 +90,10 @@ class Recovery:
     def save_parts(self) -> dict[int, str]:
         """Worker id -> the checkpoint part it writes: DP rank 0 of every stage writes its
         stage's tensors (its cp rank 0: cp ranks hold the same); under sharding every shard of
-        the first replica writes its own, all at once."""
-        return {w: f"stage{p.stage}" + (f"-shard{p.shard}" if p.fsdp > 1 else "")
-                for w, p in self.placements().items() if p.replica == 0 and p.cp_rank == 0}
+        the first replica (its cp ranks' too) writes its own, all at once."""
+        return {w: f"stage{p.stage}" + (f"-shard{p.shard}" if p.shards > 1 else "")
+                for w, p in self.placements().items()
+                if p.replica == 0 and (p.shards > 1 or p.cp_rank == 0)}
 
     # ---- generations -----------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -234,7 +235,7 @@ class Recovery:
                                      self.cfg.runtime.call_timeout) if survivors else {}
         # A stage's shard's rows: the same shard of the stage's other replicas holds them.
         missing = {(s, k) for s in range(self.cfg.parallel.pp)
-                   for k in range(next(iter(old.values())).fsdp)}
+                   for k in range(next(iter(old.values())).shards)}
         for w in survivors:  # until each is found: at once where there are many of each
             missing.discard((old[w].stage, old[w].shard))
             if not missing:
@@ -334,7 +335,8 @@ class Recovery:
             by_shard.setdefault((old[w].stage, old[w].shard), w)
         out = {}
         for w, p in self.placements().items():
-            if w in old and w in holders and (old[w].fsdp, old[w].shard) == (p.fsdp, p.shard):
+            if w in old and w in holders and (old[w].shards, old[w].shard) == \
+                    (p.shards, p.shard):
                 continue  # restores its own snapshot
             asked = [h for (stage, _), h in by_shard.items() if stage == p.stage]
             got = self.engine.call({h: _rows_of(step, p) for h in asked},
@@ -394,7 +396,8 @@ class Recovery:
         if cfg.determinism == "exact" and cfg.parallel.fsdp > 1:
             shapes = parameter_shapes(cfg.model_config())
             sizes = [d for d in sizes
-                     if misaligned(shapes, shard_size(d, cfg.parallel.fsdp)) is None]
+                     if misaligned(shapes, shard_size(d, cfg.parallel.fsdp) * cfg.parallel.cp)
+                     is None]
         return sizes
 
     def maybe_grow(self, step: int) -> None:

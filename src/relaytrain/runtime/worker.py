@@ -108,7 +108,7 @@ class Worker:
         step restored."""
         m = self.membership
         self.state.build(step, given, m.layout, m.shard_group, m.generation)
-        if m.shard_group is not None and m.placement.dp // m.placement.fsdp > 1:
+        if m.replica_group is not None:
             # Sharded snapshots are taken at the end of a span (run_steps): one of the state
             # just restored, so a replacement holds one before its first span ends too.
             self.state.take_snapshot(step)
@@ -161,7 +161,8 @@ class Worker:
         self._next_step = None  # until this span is done
         p, every = self.membership.placement, self.cfg.elastic.snapshot_every
         sharded = self.membership.shard_group is not None
-        due = p.dp // p.fsdp * p.cp > 1 and every > 0
+        # another holds this worker's rows: another replica (sharded), else a DP or cp peer
+        due = (p.dp // p.fsdp if sharded else p.dp * p.cp) > 1 and every > 0
         if due and not sharded and (first - 1) % every == 0:
             self.state.take_snapshot(first - 1)
         self.raise_hook.check(first, count)

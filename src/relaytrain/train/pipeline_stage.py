@@ -20,19 +20,19 @@ as is, later ones added), the same code path for every schedule.
 What B then computes depends on the schedule:
 
 - flush schedules: no update between F and B, so the exact gradient.
-- zb-h1 (a *split* list, schedules.py): B computes only the input gradient and sends it, keeping
-  the graph and the gradients reaching the nodes that read a weight; W then computes the weight
-  gradients from those (torch.distributed.pipelining's `stage_backward_input` and
-  `stage_backward_weight`) and folds them into ``p.grad`` (and exact mode's integer accumulator)
-  like a whole backward would: the same ops on the same values, so the same bits. The first
-  stage's B goes down to its embedding's output (what its W starts from); the last stage's B
-  gets the LM head's weight gradient whole from the fused loss and folds it then. A micro-batch
-  awaiting W holds its whole graph (the F-time activations) plus those gradients, more than one
-  awaiting B, and stage i holds up to i of them: the reason zb-h1's peak activation memory
-  exceeds 1f1b's (bench pipeline), where the paper counts one awaiting W as at most one
-  awaiting B. A sharded stage runs
-  the whole backward at B (FSDP2's reduce-scatter hooks fire at the end of a backward) and W is
-  empty there: correct, with 1f1b's timing.
+- zb-h1 (a *split* list, schedules.py): F runs under `model.matmul.deferring`, so each linear
+  layer keeps its weight out of the graph and records its input; B computes the input gradient
+  (and the small weight gradients: embedding, norms, the fused LM head's, which its loss forms
+  whole anyway), sends it and frees the graph, keeping per linear layer only its input and the
+  gradient that reached its output; W forms each weight gradient as gradᵀ @ input
+  (`DeferredGrad.weight_grad`, the product autograd would run) and folds them into ``p.grad``
+  (and exact mode's integer accumulator) in micro-batch order, as a whole backward would: the
+  same bits. A micro-batch awaiting W thus holds less than one awaiting B (the paper's
+  accounting), so zb-h1's peak activation memory stays near 1f1b's (bench pipeline; the last
+  stage defers one W fewer for it, `schedules.zb_w_delay`).
+  Checkpointed blocks and compiled modules are not deferred (their weight gradients come at B).
+  A sharded stage runs the whole backward at B (FSDP2's reduce-scatter hooks fire at the end of
+  a backward) and W is empty there: correct, with 1f1b's timing.
 - paci, ``mode=perf`` (one weight copy): the backward of the F-time graph in which every *saved
   activation* has its F-time value (computed from the input with the weights theta_F in effect at
   F) and every *weight read by the backward* has its B-time value theta_B (the live weights, after
@@ -75,7 +75,8 @@ and in the global-norm all-reduce / span time; ``staleness`` = this stage's own 
 each micro-batch's F and B (counted here, and an error if above `schedules.staleness_bound`);
 ``peak_memory`` = peak bytes held for in-flight micro-batches: the distinct storages autograd
 saved for backward (counted with saved-tensor hooks, weights excluded), the stage outputs kept
-for B, the inputs kept for recompute and the recompute graph of the B running, plus the extra
+for B, the inputs kept for recompute and the recompute graph of the B running, a split list's
+linear-layer inputs and output gradients kept for W (after its B, only those), plus the extra
 weight copies (pipedream's stashes); ``weight_versions`` = peak number of distinct weight
 storages referenced (live + stashed).
 """
@@ -87,7 +88,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -97,6 +97,7 @@ from torch.func import functional_call
 
 from relaytrain.config.sections import RunConfig
 from relaytrain.data.loader import Batch
+from relaytrain.model.matmul import DeferredGrad, Linear, deferring
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.pipeline.schedules import (
@@ -294,7 +295,16 @@ def _places(module: Any, spec: StageSpec, prev: int | None, next: int | None,
     return out
 
 
-def _global_order(name: str) -> int:
+def model_order(keys: Sequence[int]) -> list[int]:
+    """The indices that put per-tensor values gathered in stage order back into the whole
+    model's order, given each tensor's `global_order` (stable: a stage's own order is kept
+    among equal keys). The identity unless a rank holds several chunks (interleaved-1f1b),
+    where summing norms in stage order changes the global norm's last bits for some gradients
+    (tests/train/test_pipeline_stage.py)."""
+    return sorted(range(len(keys)), key=keys.__getitem__)
+
+
+def global_order(name: str) -> int:
     """Where parameter `name` sorts in the whole model's order: embedding, layers by index,
     then the final norm and head (their order among themselves is the module's)."""
     if name.startswith("layers."):
@@ -302,64 +312,10 @@ def _global_order(name: str) -> int:
     return -1 if name.startswith("embed.") else 1 << 30
 
 
-# Where a split list cuts a stage's graph: the first stage's B stops at the embedding's output
-# (the embedding's weight gradient is W's), and the last stage's B runs the fused LM head and
-# loss whole, its weight gradient included (the loss scales both precomputed gradients in place
-# at its one backward) and folded at once, not held until W (a vocab x d_model tensor per
-# micro-batch, on the stage that defers the most W's), and splits what lies below the final
-# norm's output.
-_CUTS = {"first": "embed", "last": "norm"}
-
-
-def _backward_input(out: Tensor, grad_out: Tensor | None, start: Tensor,
-                    weights: Iterable[Tensor]) -> tuple[Tensor, list[dict[str, Any]]]:
-    """The gradient of `out` at `start` (a leaf), keeping the graph and, for
-    `stage_backward_weight`, the gradients reaching the nodes where a weight joins it:
-    torch.distributed.pipelining's `stage_backward_input`, which also detaches `out` in place
-    (refused when `out` is a view, as the final norm's output is)."""
-    # imported here: torch.distributed.pipelining imports the compiler and FSDP, seconds of
-    # every worker's start that only a split backward (zb-h1) needs
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc,
-        construct_reverse_graph,
-        get_param_groups,
-    )
-
-    graph = construct_reverse_graph([_get_grad_fn_or_grad_acc(out)])
-    groups = get_param_groups([_get_grad_fn_or_grad_acc(start)],
-                              [_get_grad_fn_or_grad_acc(w) for w in weights], graph)
-    handles = []
-    for group in groups:
-        group["intermediates"] = list(group["intermediates"])
-        group["grads"] = [None] * len(group["intermediates"])
-
-        def keep(grads: tuple[Tensor, ...], group: dict[str, Any] = group, i: int = 0) -> None:
-            group["grads"][i] = grads
-
-        handles += [node.register_prehook(partial(keep, group=group, i=i))
-                    for i, node in enumerate(group["intermediates"])]
-    try:
-        (grad,) = torch.autograd.grad(out, [start], grad_out, retain_graph=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return grad, groups
-
-
-def _kept_bytes(held: _InFlight) -> int:
-    """Bytes of the gradients a split B keeps for W (distinct storages)."""
-    kept = [g for group in held.param_groups or () for grads in group["grads"]
-            for g in grads or () if g is not None]
-    kept += [held.cuts["embed"][1]] if "embed" in held.cuts else []
+def _held_bytes(deferred: Iterable[DeferredGrad]) -> int:
+    """Bytes of the distinct storages a micro-batch awaiting W holds."""
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in kept}.values())
-
-
-def _cut(cuts: dict[str, tuple[Tensor, Tensor]], name: str, module: Any, args: Any,
-         output: Tensor) -> Tensor:
-    """Forward hook: module `name` hands a leaf on instead of its output."""
-    cuts[name] = (output, output.detach().requires_grad_())
-    return cuts[name][1]
+                for d in deferred for t in d.held()}.values())
 
 
 @dataclass
@@ -372,11 +328,8 @@ class _InFlight:
     updates_at_f: int
     nbytes: int
     weights: int | None  # data pointer of the weight storage the graph holds
-    # split lists: module name -> (its output, the leaf standing for it downstream; after B on
-    # the first stage, the gradient at that leaf), see `_CUTS`; the gradients at the
-    # weight-reading nodes that B leaves for W
-    cuts: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
-    param_groups: list[dict[str, Any]] | None = None
+    # split lists: what each linear layer's weight gradient needs, by parameter name (for W)
+    deferred: dict[str, DeferredGrad] = field(default_factory=dict)
 
 
 @dataclass
@@ -435,11 +388,8 @@ class StageRunner:
         self.sharded = sharded  # see "Sharded stages" above
         self.params = dict(module.named_parameters())
         self.places = _places(module, spec, prev, next, wrap)
-        # the weights next to the cuts of a split list, by name (`next` is the neighbour here)
-        self._cut_weights = {
-            name: "".join(n for n, p in self.params.items()
-                          if p is getattr(module, "lm_head" if name == "norm" else name).weight)
-            for end, name in _CUTS.items() if getattr(spec, end)}
+        self._linear_weights = {m: f"{n}.weight" for n, m in module.named_modules()
+                                if isinstance(m, Linear)}  # whose gradients a W forms
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.last_norm = 0.0  # grad norm of the latest update, carried across spans
         self._norm_sizes: list[int] | None = None  # per stage: gradient tensors + 1 flag
@@ -591,14 +541,13 @@ class StageRunner:
         if place.last:
             b, j = divmod(mb, spec.micro_per_batch)
             labels = batches[b].micro_batches[j][1][:, 1:].to(self.device)
-        cuts: dict[str, tuple[Tensor, Tensor]] = {}
-        hooks = [getattr(self.module, name).register_forward_hook(partial(_cut, cuts, name))
-                 for name in self._cut_weights if is_split and leaves is not None]
-        try:
+        defer = is_split and leaves is not None and not getattr(self.module, "compiled", False)
+        with deferring([] if defer else None) as records:
             out = self._run(x, leaves, meter := self._meter(), place, labels)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        deferred = {self._linear_weights[d.layer]: d for d in records or ()}
+        if len(deferred) != len(records or ()):
+            raise RuntimeError("a linear layer ran twice in one forward: its deferred weight "
+                               "gradient would be split")
         if place.last:
             total, ce, z = out
             losses[mb] = (float(total.detach()), float(ce), float(z))
@@ -606,7 +555,9 @@ class StageRunner:
         else:
             self.transport.send(out, place.dst, out_tag)
         meter.add(out)
-        return _InFlight(x, out, leaves, updates, meter.nbytes, self._live_weights(), cuts)
+        for d in deferred.values():  # held for W, not saved by the graph (weights detached)
+            meter.add(d.x)
+        return _InFlight(x, out, leaves, updates, meter.nbytes, self._live_weights(), deferred)
 
     def _backward(self, mb: int, place: _Place, held: _InFlight, is_split: bool = False) -> int:
         """Backward of `mb` at chunk `place`: input gradient upstream, weight gradients into
@@ -630,52 +581,30 @@ class StageRunner:
             torch.autograd.backward(out, grad_out)
             if not place.first:
                 self.transport.send(x.grad, place.src, up)
-        elif is_split:
-            if "norm" in held.cuts:  # the LM head and loss whole, then split below them
-                below, leaf = held.cuts["norm"]
-                name = self._cut_weights["norm"]
-                grad_out, head_grad = torch.autograd.grad(out, [leaf, leaves[name]])
-                self._fold([head_grad], [name])  # in B's order, which is W's: the same bits
-                self.reducer.after_backward()
-                held.nbytes -= head_grad.untyped_storage().nbytes()  # its loss saved it at F
-                out = below
-            start = held.cuts["embed"][1] if "embed" in held.cuts else x
-            grad, held.param_groups = _backward_input(out, grad_out, start, leaves.values())
-            if place.first:  # W's start below the cut: the gradient at it
-                held.cuts["embed"] = (held.cuts["embed"][0], grad)
-            else:
-                self.transport.send(grad, place.src, up)
-            held.out = None
-            held.nbytes += _kept_bytes(held)  # held from here until W (in `inflight`)
-            return extra
-        else:
-            inputs = ([] if place.first else [x]) + [leaves[n] for n in place.names]
+        else:  # a split list's deferred linear weights are W's
+            names = [n for n in place.names if n not in held.deferred]
+            inputs = ([] if place.first else [x]) + [leaves[n] for n in names]
             grads = torch.autograd.grad(out, inputs, grad_out)
             if not place.first:
                 self.transport.send(grads[0], place.src, up)
                 grads = grads[1:]
-            self._fold(grads, place.names)
+            self._fold(grads, names)
+            if is_split:  # the graph is gone: from here until W, only what W reads (still in
+                graph = held.nbytes  # `inflight`, so B's own peak is counted as the rest)
+                held.out, held.nbytes = None, _held_bytes(held.deferred.values())
+                self.reducer.after_backward()
+                return max(graph - held.nbytes, 0) + extra
         self.reducer.after_backward()
         return held.nbytes + extra
 
     def _backward_weight(self, held: _InFlight) -> int:
-        """W of a split list: the weight gradients from what B left, into .grad in list order
-        (nothing on a sharded stage, whose B ran the whole backward). Returns the bytes held."""
-        if held.leaves is None:
+        """W of a split list: the deferred weight gradients (each gradᵀ @ input), into .grad in
+        list order (nothing on a sharded stage, whose B ran the whole backward). Returns the
+        bytes held."""
+        if not held.deferred:
             return held.nbytes
-        assert held.param_groups is not None
-        from torch.distributed.pipelining._backward import stage_backward_weight
-
-        leaves = list(held.leaves.values())
-        stage_backward_weight(iter(leaves), held.param_groups)
-        if "embed" in held.cuts:  # the embedding below the first stage's cut
-            below, grad = held.cuts["embed"]
-            table = held.leaves[self._cut_weights["embed"]]
-            (table.grad,) = torch.autograd.grad(below, [table], grad)
-        held.param_groups = None
-        held.cuts.clear()
-        names = [n for n in held.leaves if n != self._cut_weights.get("norm")]  # head: at B
-        self._fold([held.leaves[n].grad for n in names], names)
+        names = list(held.deferred)
+        self._fold([held.deferred[n].weight_grad() for n in names], names)
         self.reducer.after_backward()
         return held.nbytes
 
@@ -709,7 +638,7 @@ class StageRunner:
         ce = 0.0
         if spec.global_clip:
             t0 = time.perf_counter()
-            order = [_global_order(n) for n, p in self.params.items() if p.grad is not None]
+            order = [global_order(n) for n, p in self.params.items() if p.grad is not None]
             norm, ok = self._global_norm(grads, order, ok)
             if check is not None:  # every rank joins, whatever its own losses hold
                 pipe = dist.group.WORLD if self.pipe_group is None else self.pipe_group  # dp 1
@@ -738,7 +667,7 @@ class StageRunner:
                      ) -> tuple[Tensor, bool]:
         """The norm of the whole model's gradient, bit for bit `get_total_norm` of the
         unpipelined model: every stage's per-tensor norms (and finite flag) are gathered in stage
-        order, put in global parameter order (`order`: each tensor's `_global_order`; stage
+        order, put in global parameter order (`order`: each tensor's `global_order`; stage
         order already is, unless a rank holds several chunks) and reduced alike on every
         stage."""
         if self.sharded:  # each whole tensor's norm, as on one worker
@@ -758,7 +687,7 @@ class StageRunner:
             dist.all_gather(every, keys, group=self.pipe_group)
             flat = [int(k) for x, n in zip(every, self._norm_sizes, strict=True)
                     for k in x[: n - 1]]
-            self._norm_order = sorted(range(len(flat)), key=flat.__getitem__)  # stable
+            self._norm_order = model_order(flat)
         width = max(self._norm_sizes)
         padded = torch.zeros(width, device=self.device)
         padded[: local.numel()] = local

@@ -44,7 +44,7 @@ from relaytrain.train.step import warm_kernels
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-Layout = tuple[int, int, int]  # (stage, pp, fsdp) of the model: what a module is built for
+Layout = tuple[int, int, int]  # (stage, pp, shards) of the model: what a module is built for
 
 # What a peer gives a worker to restore: its whole snapshot, or (sharded) pieces of this
 # worker's rows, one dict per peer holding some.

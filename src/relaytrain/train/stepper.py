@@ -185,16 +185,19 @@ def make_reducer(cfg: RunConfig, state: TrainState, group: dist.ProcessGroup | N
                  replica_group: dist.ProcessGroup | None, dp: int
                  ) -> GradReducer | ShardedGradReducer:
     """The reduction of the state's gradients over its data-parallel `group` (sharded: the
-    shards' reduce-scatter, then over the `replica_group` holding the same shard)."""
+    shards' reduce-scatter, over a replica's fsdp x cp ranks, then over the `replica_group`
+    holding the same shard)."""
     exact = cfg.determinism == "exact"
     params = list(state.model.parameters())
-    # every micro-batch's gradient arrives in cp parts, each summed by the reducer
-    micro_batches = cfg.micro_batches * cfg.parallel.cp
+    # every micro-batch's gradient arrives in cp parts, each summed by the reducer (sharded:
+    # over dp x cp ranks, each folding its own micro-batches' parts)
+    cp = cfg.parallel.cp
+    micro_batches = cfg.micro_batches * cp
     if state.sharded:
         from relaytrain.parallel.fsdp import ShardedGradReducer  # parallel/shards.py: why
 
         return ShardedGradReducer(state.units, params, group, replica_group, exact,
-                                  cfg.micro_batches, dp)
+                                  micro_batches, dp * cp)
     return GradReducer(params, group, exact=exact, total_micro_batches=micro_batches)
 
 

@@ -29,6 +29,7 @@ from relaytrain.parallel.pipeline.schedules import (
     update_groups,
     validate,
     weight_versions,
+    zb_w_delay,
 )
 from relaytrain.parallel.pipeline.simulate import Costs, simulate
 
@@ -140,7 +141,11 @@ def test_1f1b_warms_up_s_minus_i_minus_1_forwards_and_holds_min_s_minus_i_m():
             assert [x.kind for x in acts[: warm + 1]] == ["F"] * warm + ["F" if warm < M else "B"]
 
 
-def test_zb_h1_is_1f1b_with_the_w_of_stage_i_run_i_backwards_later():
+def test_zb_h1_is_1f1b_with_the_w_of_stage_i_run_i_backwards_later_but_the_last_stages():
+    """The last stage defers as many as the stage before it (its micro-batches hold the LM
+    head's gradient: the memory the deferral would add is spent there already)."""
+    assert [zb_w_delay(i, 4) for i in range(4)] == [0, 1, 2, 2]
+    assert [zb_w_delay(i, 2) for i in range(2)] == [0, 0] and zb_w_delay(0, 1) == 0
     for S, M, N, _ in cases("zb-h1"):
         zb, f1b = build_schedule("zb-h1", S, M, N), build_schedule("1f1b", S, M, N)
         for i, (acts, ref) in enumerate(zip(zb, f1b, strict=True)):
@@ -151,7 +156,7 @@ def test_zb_h1_is_1f1b_with_the_w_of_stage_i_run_i_backwards_later():
                     if x.mb in batch(b, M) and x.kind == "B":
                         seen.append(x.mb)
                     elif x.mb in batch(b, M) and x.kind == "W" and len(seen) < M:
-                        assert x.mb == seen[-1 - i]  # deferred by i backwards
+                        assert x.mb == seen[-1 - zb_w_delay(i, S)]
                 assert len(seen) == M
 
 
@@ -165,9 +170,9 @@ def test_zb_h1_holds_1f1bs_peak_activation_memory():
             build_schedule("1f1b", S, M, N))
 
 
-def test_zb_h1_bubble_is_the_papers_s_minus_1_times_f_plus_b_minus_w():
+def test_zb_h1_bubble_is_the_papers_s_minus_1_times_f_plus_b_minus_w_plus_one_w():
     """With T_F = T_B = T_W (the paper's accounting) 1f1b idles (S-1)(F+B+W) per stage and
-    ZB-H1 (S-1)(F+B-W): a third of it."""
+    ZB-H1 (S-1)(F+B-W), a third of it; the last stage's one W fewer deferred adds one W."""
     for S, M in product(range(2, 7), range(1, 9)):
         if M < S:
             continue
@@ -175,7 +180,7 @@ def test_zb_h1_bubble_is_the_papers_s_minus_1_times_f_plus_b_minus_w():
         f1b = simulate(build_schedule("1f1b", S, M, 1), cost)
         zb = simulate(build_schedule("zb-h1", S, M, 1), cost)
         assert f1b.makespan == 3 * M + 3 * (S - 1)
-        assert zb.makespan == 3 * M + (S - 1)
+        assert zb.makespan == 3 * M + (S - 1) + 1
         assert zb.utilisation > f1b.utilisation
 
 
@@ -339,6 +344,8 @@ def test_bad_arguments_are_rejected_with_what_would_be_accepted(name, sizes, kwa
         ([[Action("F", 0), Action("F", 1), Action("B", 0), Action("W", 0), Action("B", 1),
            Action("U", k=1)]], r"micro-batches \[1\] never finish their backward"),
         ([[Action("F", 0), Action("F", 0)]], "second forward"),
+        ([[Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1), Action("W", 1),
+           Action("W", 0), Action("U", k=1)]], "accumulates after micro-batch 1"),
         ([[Action("F", 0), Action("B", 0)]], "1 gradients never applied"),
         ([[Action("F", 0), Action("B", 0), Action("U", k=2)]], "expected U1"),
         ([[Action("F", 0, version=1)]], r"version must be in 0\.\.0"),

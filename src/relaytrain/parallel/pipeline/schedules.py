@@ -121,9 +121,10 @@ def build_schedule(
       backward, cool-down backwards, then one U; flush.
     - ``zb-h1`` (ZB-H1, arXiv 2401.10241): 1f1b's order of F and B with the backward split into
       B (input gradient) and W (weight gradient); stage i runs the W of its j-th B right after
-      its (j+i)-th B (the rest before the U), so the later stages, whose B's the earlier ones
-      wait for, push their W's into the cool-down, where 1f1b idles. A stage holds at most
-      S-i micro-batches awaiting B and i awaiting W: 1f1b's peak (S, at stage 0); flush.
+      its (j+d)-th B, d = `zb_w_delay(i, S)` (the rest before the U), so the later stages, whose
+      B's the earlier ones wait for, push their W's into the cool-down, where 1f1b idles. A
+      stage holds at most S-i micro-batches awaiting B and d awaiting W: 1f1b's peak (S, at
+      stage 0); flush.
     - ``interleaved-1f1b`` (Narayanan et al. 2021; Megatron's and torch's
       ``ScheduleInterleaved1F1B``): ``virtual`` = V chunks per rank, see `_interleaved`; M must be
       a multiple of S (micro-batches go round the ranks in groups of S); flush.
@@ -172,7 +173,8 @@ def build_schedule(
         return [_interleaved(batches, i, S, virtual) for i in range(S)]
     if name in ("1f1b", "zb-h1"):
         return [
-            _stage_actions(batches, S - i, M, stash=False, w_delay=i if name == "zb-h1" else None)
+            _stage_actions(batches, S - i, M, stash=False,
+                           w_delay=zb_w_delay(i, S) if name == "zb-h1" else None)
             for i in range(S)
         ]
     segments = batches if flush else span
@@ -180,6 +182,17 @@ def build_schedule(
         _stage_actions(segments, in_flight_limit(i, S, in_flight), a, stash=name == "pipedream")
         for i in range(S)
     ]
+
+
+def zb_w_delay(stage: int, n_stages: int) -> int:
+    """How many B's zb-h1's stage `stage` runs before the W of an earlier one: its index (the
+    paper's ZB-H1), except that the last stage defers as many as the stage before it (S - 2).
+    The last stage's micro-batch awaiting B also holds the LM head and loss (the head's
+    precomputed weight gradient, vocab x d_model: the largest activation), so S - 1 W's
+    there would take its peak above the first stage's S micro-batches, which bound every
+    other stage's (bench pipeline: 1.27x 1f1b's at S = 4 with S - 1, 1.06x with S - 2). The
+    W it no longer defers costs one W of the makespan, T_W: (S-1)(F+B-W) + W of bubble."""
+    return max(0, min(stage, n_stages - 2))
 
 
 def _one_f_one_b(mbs: Sequence[int], limit: int) -> list[tuple[str, int]]:
@@ -289,8 +302,10 @@ def validate(actions: Schedule) -> None:
     2, ... and no gradient is left after the last U; a stashed version is one the stage already
     has and is the same for F, B and W. A micro-batch's F at chunk c follows its F at chunk c-1
     and its B at chunk c follows its B at chunk c+1 (the order the virtual stages in between
-    impose). (Deadlock-freedom across stages is checked by simulation, the memory bound by
-    `in_flight_peaks`.)
+    impose). Each chunk's gradients accumulate (its B's, or W's in a split list) in ascending
+    micro-batch order: the order every schedule sums in, hence the same bits for all flush
+    schedules in fast mode. (Deadlock-freedom across stages is checked by simulation, the
+    memory bound by `in_flight_peaks`.)
     """
     expected: set[int] | None = None
     for i, acts in enumerate(actions):
@@ -299,6 +314,7 @@ def validate(actions: Schedule) -> None:
         open_: dict[tuple[int, int], tuple[int | None, str]] = {}
         done: set[tuple[int, int]] = set()
         backed: set[tuple[int, int]] = set()
+        accumulated: dict[int, int] = {}  # chunk -> the latest micro-batch it accumulated
         chunks = 1 + max((act.chunk for act in acts), default=0)
         updates = pending = 0
         last = "W" if split(acts) else "B"
@@ -336,6 +352,10 @@ def validate(actions: Schedule) -> None:
             if act.kind == "B":
                 backed.add(key)
             if act.kind == last:
+                if accumulated.get(act.chunk, -1) > act.mb:
+                    raise ValueError(f"{at}: accumulates after micro-batch "
+                                     f"{accumulated[act.chunk]} (ascending order expected)")
+                accumulated[act.chunk] = act.mb
                 del open_[key]
                 done.add(key)
                 pending += 1
