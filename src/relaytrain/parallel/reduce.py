@@ -166,10 +166,8 @@ class GradReducer:
         self._folded[i] = True
         if left == 0:
             return
-        rest = torch.where(g.abs() < self.bound, 0.0, g)  # what the packed slice left out
-        over = exceeds([rest], self.limit)
+        hi, lo, over = rest_limbs(g, self.bound, self.limit)
         self.overflow |= over
-        hi, lo = to_limbs(rest, self.limit, over)
         wide = self._widen(i)
         wide[0] += hi
         wide[1] += lo
@@ -275,6 +273,17 @@ def to_limbs(g: torch.Tensor, limit: float, clamp: bool) -> tuple[torch.Tensor, 
     hi = torch.floor(x)
     lo = x.sub_(hi).mul_(_SHIFT).round_()
     return hi.to(torch.int64), lo.to(torch.int64)
+
+
+def rest_limbs(g: torch.Tensor, bound: float,
+               limit: float) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The limbs (hi, lo) of `g`'s values the packed sums leave out (at or above `bound` in
+    magnitude, or not finite; the others as 0), and whether any overflows `limit` (then all are
+    clamped: `to_limbs`)."""
+    rest = torch.where(g.abs() < bound, 0.0, g)
+    over = exceeds([rest], limit)
+    hi, lo = to_limbs(rest, limit, over)
+    return hi, lo, over
 
 
 def from_limbs(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
