@@ -27,13 +27,16 @@ sharding: each micro-batch's unsharded gradient becomes int64 limbs, reduce-scat
 integers and summed over this rank's micro-batches in an integer accumulator; at the last
 micro-batch of the step the accumulator is summed over replicas and converted back, into the
 chunk FSDP2 accumulates the gradient in (earlier micro-batches hand it zeros: adding an exact
-zero changes no bit). The limbs travel packed (one int64 a value, parallel/reduce.py) where every
-rank's values allow, which the shard group agrees on first in a one-value all-reduce; both
-limbs in one collective where not. The gradient norm is computed from each tensor's
-whole gradient, gathered one tensor at a time, so it is the unsharded model's `get_total_norm`
-bit for bit. A step's state is then the same bits for every (dp, fsdp) whose chunks are
-whole CPU vectors (parallel/shards.py's `misaligned`, which says why), and every layout
-restores any other's state (parallel/shards.py converts between sharded tensors and whole ones).
+zero changes no bit). The limbs travel packed (one int64 a value, parallel/reduce.py); each
+rank's count of values the packing bound left out rides in the same reduce-scatter (one more
+int64 a rank and slice), so every rank learns whether any were, with no collective of its own;
+where some were, a second reduce-scatter carries those values' two limbs (rare: gradients are
+mostly far below the bound), which add to the packed sums' limbs, the same integers. The
+gradient norm is computed from each tensor's whole gradient, gathered one tensor at a time, so
+it is the unsharded model's `get_total_norm` bit for bit. A step's state is then the same bits
+for every (dp, fsdp) whose chunks are whole CPU vectors (parallel/shards.py's `misaligned`,
+which says why), and every layout restores any other's state (parallel/shards.py converts
+between sharded tensors and whole ones).
 
 Imported only by a worker that shards (see parallel/shards.py: the import is 1.2 s).
 """
