@@ -324,7 +324,7 @@ def test_ranks_agree_on_which_parameters_go_wide_and_sum_as_one_rank(world):
 @pytest.mark.timeout(240)
 def test_the_compiled_fold_packs_today_s_limbs_into_the_very_same_integers():
     """The fold torch.compile lowers into one kernel (CUDA's; compiled here by inductor's C++
-    backend, 20-45 s on this host's first compile) gives the packed sums of today's limbs bit
+    backend, 17-45 s on this host's first compile) gives the packed sums of today's limbs bit
     for bit, assigned then added, and the same count left out, NaN among them."""
     fold = compiled_fold()
     if fold is None:

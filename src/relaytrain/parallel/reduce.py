@@ -348,9 +348,9 @@ _compile_failed: list[str] = []  # why the compiled fold is not used here, once 
 
 @functools.cache
 def compiled_fold() -> Callable[..., torch.Tensor] | None:
-    """`fold_ops` compiled by torch.compile (inductor: one Triton kernel on CUDA, C++ on the
-    CPU) for any length, as the GPU's fold: one pass over the gradient and the accumulator
-    where torch's ops make several and their float64 temporaries (37 bytes a value); None
+    """`fold_ops` compiled by torch.compile for any length, as the GPU's fold: inductor fuses
+    it (on the CPU into one C++ kernel: a loop counting the values left out, a loop folding;
+    Triton on CUDA), without the float64 temporaries of torch's ops (37 bytes a value); None
     where torch.compile is unavailable or has failed here before (today's ops then)."""
     if _compile_failed or not hasattr(torch, "compile"):
         return None
