@@ -57,7 +57,8 @@ def _integer_reduce_scatter(rank: int, world: int, port: int) -> None:
 
 def _packed_reduce_scatter(rank: int, world: int, port: int) -> None:
     """Values that pack, and the same with one value above the packing bound on rank 0 only in
-    one micro-batch's second slice: every rank reduces that slice as two limbs."""
+    one micro-batch's second slice: every rank reduces that slice's left-out values as two
+    limbs too."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     chunk = 37
@@ -80,17 +81,20 @@ def _packed_reduce_scatter(rank: int, world: int, port: int) -> None:
                  for r in range(world) for g in grads_of(r, big)]
         exact = from_limbs(sum(hi for hi, _ in limbs), sum(lo for _, lo in limbs)).float()
         assert torch.equal(out, exact)
-        packed_values = world * chunk * 2 - (2 * world if big else 0)
-        assert reducer.stats.wire_bytes == 8 * 2 * -(-chunk // 2) + 8 * packed_values + (
+        # Per micro-batch and slice of 2: every rank's 2 packed values and its count of values
+        # left out; the slice with the big value once more as two limbs.
+        slices = -(-chunk // 2)
+        assert reducer.stats.wire_bytes == 2 * 8 * world * (chunk + slices) + (
             16 * 2 * world if big else 0)
     dist.destroy_process_group()
 
 
 @pytest.mark.timeout(60)
 def test_the_reduce_scatter_packs_where_every_rank_s_values_allow():
-    """Packed values (8 bytes each on the wire) where all ranks' values of a slice are below
-    the packing bound, two limbs for a slice where one rank's are not (agreed in a one-value
-    all-reduce per slice, 8 bytes): the same integer sum either way."""
+    """Packed values (8 bytes each on the wire) below the packing bound, and the count of
+    values at or above it riding in the same reduce-scatter (8 bytes a rank and slice, no
+    collective of its own); where any rank left one out, that slice's values once more as two
+    limbs: the same integer sum either way."""
     mp.spawn(_packed_reduce_scatter, args=(2, _free_port()), nprocs=2)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from relaytrain.parallel.reduce import (
     GradReducer,
+    compiled_fold,
     exceeds,
     fold_kernel_builds,
     fold_packed,
@@ -318,3 +319,24 @@ def test_ranks_agree_on_which_parameters_go_wide_and_sum_as_one_rank(world):
     all, an unused one as zeros; the gradient that of one rank folding every micro-batch, and
     8 bytes a packed value on the wire, 16 a wide one."""
     mp.spawn(_mixed_ranks, args=(world, _free_port()), nprocs=world)
+
+
+@pytest.mark.timeout(240)
+def test_the_compiled_fold_packs_today_s_limbs_into_the_very_same_integers():
+    """The fold torch.compile lowers into one kernel (CUDA's; compiled here by inductor's C++
+    backend, 17-45 s on this host's first compile) gives the packed sums of today's limbs bit
+    for bit, assigned then added, and the same count left out, NaN among them."""
+    fold = compiled_fold()
+    if fold is None:
+        pytest.skip("torch.compile is unavailable here")
+    m = 4
+    bound, shift = pack_bound(m), pack_shift(m)
+    grads = _awkward_values(m, 40_001)
+    grads[1][7] = float("nan")
+    small = [torch.where(g.abs() < bound, g, 0.0) for g in grads]
+    hi_sum, lo_sum, _ = _todays_sums(small, m)
+    acc = torch.full((grads[0].numel(),), 12345, dtype=torch.int64)  # garbage: assigned
+    left = [int(fold(g, acc, shift, bound, k == 0)) for k, g in enumerate(grads)]
+    assert left == [int((g.abs() >= bound).sum()) + int(g.isnan().sum()) for g in grads]
+    hi, lo = unpack(acc, shift)
+    assert torch.equal(hi, hi_sum) and torch.equal(lo, lo_sum)

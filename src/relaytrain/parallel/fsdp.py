@@ -27,13 +27,16 @@ sharding: each micro-batch's unsharded gradient becomes int64 limbs, reduce-scat
 integers and summed over this rank's micro-batches in an integer accumulator; at the last
 micro-batch of the step the accumulator is summed over replicas and converted back, into the
 chunk FSDP2 accumulates the gradient in (earlier micro-batches hand it zeros: adding an exact
-zero changes no bit). The limbs travel packed (one int64 a value, parallel/reduce.py) where every
-rank's values allow, which the shard group agrees on first in a one-value all-reduce; both
-limbs in one collective where not. The gradient norm is computed from each tensor's
-whole gradient, gathered one tensor at a time, so it is the unsharded model's `get_total_norm`
-bit for bit. A step's state is then the same bits for every (dp, fsdp) whose chunks are
-whole CPU vectors (parallel/shards.py's `misaligned`, which says why), and every layout
-restores any other's state (parallel/shards.py converts between sharded tensors and whole ones).
+zero changes no bit). The limbs travel packed (one int64 a value, parallel/reduce.py); each
+rank's count of values the packing bound left out rides in the same reduce-scatter (one more
+int64 a rank and slice), so every rank learns whether any were, with no collective of its own;
+where some were, a second reduce-scatter carries those values' two limbs (rare: gradients are
+mostly far below the bound), which add to the packed sums' limbs, the same integers. The
+gradient norm is computed from each tensor's whole gradient, gathered one tensor at a time, so
+it is the unsharded model's `get_total_norm` bit for bit. A step's state is then the same bits
+for every (dp, fsdp) whose chunks are whole CPU vectors (parallel/shards.py's `misaligned`,
+which says why), and every layout restores any other's state (parallel/shards.py converts
+between sharded tensors and whole ones).
 
 Imported only by a worker that shards (see parallel/shards.py: the import is 1.2 s).
 """
@@ -55,14 +58,13 @@ from relaytrain.parallel.precision import gather_dtype
 from relaytrain.parallel.reduce import (
     ReduceStats,
     any_rank,
-    exceeds,
     fold_kernel_builds,
     fold_packed,
     from_limbs,
     overflow_limit,
     pack_bound,
     pack_shift,
-    to_limbs,
+    rest_limbs,
     unpack,
     unpack_float,
 )
@@ -225,19 +227,18 @@ class _IntegerReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
         world, chunk = group.size(), output_tensor.numel()
-        if self.acc is None:
-            self.acc = torch.zeros(chunk, dtype=torch.int64, device=output_tensor.device)
+        if self.acc is None:  # the packed sums, then room for _total's flag
+            self.acc = torch.zeros(chunk + 1, dtype=torch.int64, device=output_tensor.device)
         # Rank k's part of the input is chunk k. In slices of every chunk (the limbs take up to
         # 45 bytes a value while they are formed: a whole head's gradient would take tens of GB).
         step = max(1, self.slice_values // world)
+        rows, packed = input_tensor.view(world, chunk), self.acc[:chunk]
         for a in range(0, chunk, step):
-            piece = input_tensor.view(world, chunk)[:, a: a + step]
-            if self._all_pack(piece, group):
-                self.acc[a: a + step] += self._scatter_packed(piece, group)
-            else:
-                if self.wide is None:
-                    self.wide = torch.zeros((2, chunk), dtype=torch.int64, device=piece.device)
-                self.wide[:, a: a + step] += self._scatter_limbs(piece, group)
+            piece = rows[:, a: a + step]
+            got, left = self._scatter_packed(piece, group)
+            packed[a: a + step] += got
+            if left:  # values some rank's packed sums left out: their two limbs
+                self._widen(chunk)[:, a: a + step] += self._scatter_limbs(piece, group)
         self.calls += 1
         if self.calls < self.micro_batches:
             output_tensor.zero_()
@@ -246,36 +247,39 @@ class _IntegerReduceScatter(ReduceScatter):
         self.reset()
         return None
 
-    def _all_pack(self, piece: torch.Tensor, group: dist.ProcessGroup) -> bool:
-        """Whether every rank's values of `piece` are below the packing bound (a collective)."""
-        t0 = time.perf_counter()
-        peak = torch.linalg.vector_norm(piece, float("inf"))
-        flag = torch.where(peak < self.reducer.bound, 0, 1).to(torch.int64).view(1)  # NaN: 1
-        t1 = time.perf_counter()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        self._count(t1 - t0, time.perf_counter() - t1, flag.nbytes)
-        return not bool(flag.item())
+    def _widen(self, chunk: int) -> torch.Tensor:
+        """The two limbs' sums of the values the packed sums left out, zeros at first."""
+        if self.wide is None:
+            self.wide = torch.zeros((2, chunk), dtype=torch.int64, device=self.acc.device)
+        return self.wide
 
-    def _scatter_packed(self, piece: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        """This rank's slice of every rank's packed `piece`, summed (8 bytes a value)."""
+    def _scatter_packed(self, piece: torch.Tensor,
+                        group: dist.ProcessGroup) -> tuple[torch.Tensor, int]:
+        """This rank's slice of every rank's packed `piece`, summed (8 bytes a value), and how
+        many values all ranks left out of it (at or above the packing bound, or not finite):
+        each rank's count rides in one more value of every rank's part of the reduce-scatter,
+        so every rank gets the sum of them all, with no collective of its own."""
         r = self.reducer
         t0 = time.perf_counter()
-        send = torch.empty(piece.shape, dtype=torch.int64, device=piece.device)
-        fold_packed(piece, send, r.shift, r.bound, True, r.fused)
-        got = torch.empty(piece.shape[1], dtype=torch.int64, device=piece.device)
+        world, n = piece.shape
+        send = torch.empty((world, n + 1), dtype=torch.int64, device=piece.device)
+        send[:, n] = sum(fold_packed(piece[k], send[k, :n], r.shift, r.bound, True, r.fused)
+                         for k in range(world))
+        got = torch.empty(n + 1, dtype=torch.int64, device=piece.device)
         t1 = time.perf_counter()
         _reduce_scatter(got, send.view(-1), group=group)
+        left = int(got[n])
         self._count(t1 - t0, time.perf_counter() - t1, send.nbytes)
-        return got
+        return got[:n], left
 
     def _scatter_limbs(self, piece: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        """This rank's slice of every rank's `piece` as two limbs, summed (16 bytes a value)."""
+        """This rank's slice of every rank's values of `piece` the packed sums left out, as two
+        limbs, summed (16 bytes a value; the packed values as zeros)."""
         r = self.reducer
         t0 = time.perf_counter()
         world = piece.shape[0]
-        over = exceeds([piece], r.limit)
+        hi, lo, over = rest_limbs(piece, r.bound, r.limit)
         r.overflow |= over
-        hi, lo = to_limbs(piece, r.limit, over)
         # Rows 2k and 2k + 1, rank k's two limbs, go to rank k.
         send = torch.stack([hi.view(world, -1), lo.view(world, -1)], dim=1)
         got = torch.empty((2, piece.shape[1]), dtype=torch.int64, device=piece.device)
@@ -286,30 +290,28 @@ class _IntegerReduceScatter(ReduceScatter):
 
     def _total(self) -> torch.Tensor:
         """The step's sum over this rank's micro-batches and (hybrid) the replicas, as float32:
-        packed where no slice on any replica went wide, else as two limbs."""
+        the packed sums, plus the two limbs' sums of the values they left out where any replica
+        has some (a flag in the packed all-reduce's tail says)."""
         r = self.reducer
         assert self.acc is not None
         t0 = time.perf_counter()
-        wide = self.wide is not None
-        if self.replicas is not None:  # wide on any replica: wide on all
-            flag = torch.tensor([int(wide)], dtype=torch.int64, device=self.acc.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replicas)
-            wide = bool(flag.item())
-            self._count(0.0, time.perf_counter() - t0, flag.nbytes)
-            t0 = time.perf_counter()
-        total = self.acc
-        if wide:
-            total = torch.stack(unpack(self.acc, r.shift))
-            if self.wide is not None:
-                total += self.wide
-        t1 = time.perf_counter()
+        packed, flag = self.acc[:-1], self.acc[-1:]
+        flag.fill_(int(self.wide is not None))
+        comm_s, wire = 0.0, 0
         if self.replicas is not None:
-            dist.all_reduce(total, group=self.replicas)
-        t2 = time.perf_counter()
-        out = (from_limbs(total[0], total[1]).float() if wide
-               else unpack_float(total, r.shift, torch.float32, r.fused))
-        self._count(t1 - t0 + time.perf_counter() - t2, t2 - t1,
-                    total.nbytes if self.replicas is not None else 0)
+            t1 = time.perf_counter()
+            dist.all_reduce(self.acc, group=self.replicas)
+            if flag.item() > 0:
+                wide = self._widen(packed.numel())
+                dist.all_reduce(wide, group=self.replicas)
+                wire += wide.nbytes
+            comm_s, wire = time.perf_counter() - t1, wire + self.acc.nbytes
+        if self.wide is not None:
+            limbs = torch.stack(unpack(packed, r.shift)) + self.wide
+            out = from_limbs(limbs[0], limbs[1]).float()
+        else:
+            out = unpack_float(packed, r.shift, torch.float32, r.fused)
+        self._count(time.perf_counter() - t0 - comm_s, comm_s, wire)
         return out
 
     def _count(self, fold_s: float, comm_s: float, wire_bytes: int) -> None:

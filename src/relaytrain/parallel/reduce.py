@@ -27,11 +27,12 @@ sums travel in one all-reduce with, in its tail, the overflow flag and which par
 two-limb sums on any rank (a second all-reduce carries those). So the accumulator and the
 all-reduce take 8 bytes a parameter instead of 16 (fast mode: 4), and the fold is one pass over
 the gradient and the accumulator: a fused CPU kernel (model/cpu_kernels.cpp) where it builds,
-torch's ops otherwise (the same integers either way). Within `GradReducer.overlapping` (the
-unpipelined step, train/step.py) each parameter's gradient folds as soon as autograd has
-accumulated it, still in cache, and is dropped, instead of in one pass over every gradient after
-the backward. ReduceStats counts the time and bytes; `relaytrain bench dp-scaling` measures the
-cost.
+on CUDA torch's ops compiled into one kernel (`compiled_fold`: inductor's Triton) where that
+builds, torch's ops as they are otherwise (the same integers every way). Within
+`GradReducer.overlapping` (the unpipelined step, train/step.py) each parameter's gradient folds
+as soon as autograd has accumulated it, still in cache, and is dropped, instead of in one pass
+over every gradient after the backward. ReduceStats counts the time and bytes; `relaytrain bench
+dp-scaling` measures the cost.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import contextlib
 import functools
 import itertools
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -166,10 +168,8 @@ class GradReducer:
         self._folded[i] = True
         if left == 0:
             return
-        rest = torch.where(g.abs() < self.bound, 0.0, g)  # what the packed slice left out
-        over = exceeds([rest], self.limit)
+        hi, lo, over = rest_limbs(g, self.bound, self.limit)
         self.overflow |= over
-        hi, lo = to_limbs(rest, self.limit, over)
         wide = self._widen(i)
         wide[0] += hi
         wide[1] += lo
@@ -277,6 +277,17 @@ def to_limbs(g: torch.Tensor, limit: float, clamp: bool) -> tuple[torch.Tensor, 
     return hi.to(torch.int64), lo.to(torch.int64)
 
 
+def rest_limbs(g: torch.Tensor, bound: float,
+               limit: float) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The limbs (hi, lo) of `g`'s values the packed sums leave out (at or above `bound` in
+    magnitude, or not finite; the others as 0), and whether any overflows `limit` (then all are
+    clamped: `to_limbs`)."""
+    rest = torch.where(g.abs() < bound, 0.0, g)
+    over = exceeds([rest], limit)
+    hi, lo = to_limbs(rest, limit, over)
+    return hi, lo, over
+
+
 def from_limbs(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """The float64 value of summed limbs."""
     return hi.double().mul_(_INV_HI).add_(lo.double().mul_(_INV_LO))
@@ -306,9 +317,22 @@ def fold_packed(g: torch.Tensor, acc: torch.Tensor, shift: int, bound: float, as
     """Add (`assign`: write) the packed limbs of `g`'s values below `bound` in magnitude into
     `acc` (int64, one slot a value); the others' slots take nothing (`assign`: 0). Returns how
     many values were left out. `fused`: the CPU kernel's one pass, where it takes `g` (fp32);
-    torch's ops otherwise, to the same integers."""
+    on CUDA the compiled fold (`compiled_fold`) where it builds; torch's ops otherwise, to the
+    same integers."""
     if fused and g.dtype == torch.float32:
         return torch.ops.relaytrain_cpu.fold_packed_(g.contiguous(), acc, shift, bound, assign)
+    if g.device.type == "cuda" and (fold := compiled_fold()) is not None:
+        try:
+            return int(fold(g, acc, shift, bound, assign))
+        except Exception as e:  # inductor or Triton could not build it here: today's ops
+            _no_compiled_fold(e)
+    return int(fold_ops(g, acc, shift, bound, assign))
+
+
+def fold_ops(g: torch.Tensor, acc: torch.Tensor, shift: int, bound: float,
+             assign: bool) -> torch.Tensor:
+    """`fold_packed` in torch's ops (the count left out as a tensor): run as they are, or
+    lowered by torch.compile into one kernel (`compiled_fold`)."""
     small = g.abs() < bound  # NaN: False
     hi, lo = to_limbs(torch.where(small, g, 0.0), 0.0, False)
     packed = hi.bitwise_left_shift_(shift).add_(lo)
@@ -316,7 +340,28 @@ def fold_packed(g: torch.Tensor, acc: torch.Tensor, shift: int, bound: float, as
         acc.copy_(packed)
     else:
         acc.add_(packed)
-    return g.numel() - int(small.sum())
+    return g.numel() - small.sum()
+
+
+_compile_failed: list[str] = []  # why the compiled fold is not used here, once it failed
+
+
+@functools.cache
+def compiled_fold() -> Callable[..., torch.Tensor] | None:
+    """`fold_ops` compiled by torch.compile for any length, as the GPU's fold: inductor fuses
+    it (on the CPU into one C++ kernel: a loop counting the values left out, a loop folding;
+    Triton on CUDA), without the float64 temporaries of torch's ops (37 bytes a value); None
+    where torch.compile is unavailable or has failed here before (today's ops then)."""
+    if _compile_failed or not hasattr(torch, "compile"):
+        return None
+    return torch.compile(fold_ops, dynamic=True, fullgraph=True)
+
+
+def _no_compiled_fold(e: Exception) -> None:
+    _compile_failed.append(f"{type(e).__name__}: {e}")
+    compiled_fold.cache_clear()
+    warnings.warn(f"exact mode: the compiled gradient fold failed ({_compile_failed[0][:200]}); "
+                  "folding with torch's ops (the same integers, slower)", stacklevel=3)
 
 
 def unpack(packed: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
