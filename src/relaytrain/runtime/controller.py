@@ -510,7 +510,7 @@ class Controller:
         the run's device as train/state.py resolves it (config.yaml keeps the setting, `auto`
         included); None unsharded."""
         cfg = self.cfg
-        if cfg.parallel.fsdp == 1:
+        if cfg.parallel.shards == 1:
             return None
         return gather_dtype(cfg.parallel.fsdp_param_dtype, pick_device(cfg.train.device).type,
                             cfg.determinism == "exact")
