@@ -156,6 +156,7 @@ def test_cp_2_sharded_over_its_cp_workers_trains_cp_2s_bits(tmp_path, ray_cluste
     assert full / 2 <= half <= 1.1 * full / 2, (full, half)
     manifest = CheckpointStore(str(run / "checkpoints")).read_manifest(3)
     assert sorted(manifest["files"]) == ["stage0-shard0.safetensors", "stage0-shard1.safetensors"]
+    assert manifest["topology"]["shard_over_cp"] is True
 
 
 @pytest.fixture(scope="module")

@@ -503,6 +503,7 @@ class Controller:
                    else {"skip_window": self.skip_window.saved(step)}),
                 "topology": {"dp": self.cfg.parallel.dp, "fsdp": self.cfg.parallel.fsdp,
                              "pp": self.cfg.parallel.pp, "cp": self.cfg.parallel.cp,
+                             "shard_over_cp": self.cfg.parallel.shard_over_cp,
                              "fsdp_param_dtype": self._gathers()}}
 
     def _gathers(self) -> str | None:
