@@ -91,6 +91,15 @@ def test_exact_mode_refuses_a_sharding_whose_chunks_are_not_whole_vectors():
                                       "train.global_batch=6"])  # fast mode: uneven is fine
 
 
+def test_exact_mode_refuses_sharding_over_cp_ranks_whose_chunks_are_not_whole_vectors():
+    """parallel.shard_over_cp at fsdp 1 x cp 3: the same 3 chunks of 22, the key named."""
+    over = ["runtime.engine=ray", "parallel.cp=3", "data.seq_len=30", "parallel.shard_over_cp=true"]
+    with pytest.raises(ConfigError, match=r"'parallel.shard_over_cp': got true with "
+                       r"determinism=exact, .*chunks of 22 values.*expected false"):
+        load_config("configs/tiny.yaml", [*over, "determinism=exact"])
+    load_config("configs/tiny.yaml", over)  # fast mode: uneven is fine
+
+
 def test_exact_sharding_on_a_torch_without_custom_reduce_scatter_is_refused(monkeypatch):
     """torch 2.8's FSDP2 has no custom reduce-scatter for exact mode's integers."""
     from torch.distributed.fsdp import FSDPModule

@@ -313,12 +313,31 @@ def test_the_32b_long_context_layout_fits_80_gb_gpus_at_65536_tokens():
     80 GB GPU, with the config's bf16 gathers and with exact mode's fp32 ones."""
     cfg = load_config(CONFIGS / "olmo3-32b-long-context.yaml", [])
     p = cfg.parallel
-    shards = p.fsdp * p.cp
-    assert (cfg.seq_len, cfg.train.micro_batch, p.fsdp, p.cp, shards) == (65_536, 1, 8, 8, 64)
-    for exact in (False, True):
-        plan = memory_plan(cfg.model_config(), cfg.seq_len, cfg.train.micro_batch, fsdp=shards,
-                           exact=exact, cp=p.cp)
-        assert plan["peak"] < GPU_80GB, (exact, plan["peak"])
+    assert (cfg.seq_len, cfg.train.micro_batch, p.fsdp, p.cp, p.shards) == (65_536, 1, 8, 8, 64)
+    assert_fits_80_gb(cfg)
     # sharded over fsdp alone, each cp rank holding its replica's whole state, it would not
     assert memory_plan(cfg.model_config(), cfg.seq_len, 1, fsdp=p.fsdp, cp=p.cp)["peak"] > \
         GPU_80GB
+
+
+def test_the_7b_long_context_layout_fits_80_gb_gpus_at_65536_tokens():
+    """fsdp 1 x cp 8 with parallel.shard_over_cp (OLMo-core's hsdp shard_degree=1 with cp 8):
+    a replica's state sharded over its 8 cp GPUs, each holding 1/8 of every sequence: the
+    memory plan's peak fits an 80 GB GPU in fast and in exact mode."""
+    cfg = load_config(CONFIGS / "olmo3-7b-long-context.yaml", [])
+    p = cfg.parallel
+    assert (cfg.seq_len, cfg.train.micro_batch, p.fsdp, p.cp, p.shards) == (65_536, 1, 1, 8, 8)
+    assert_fits_80_gb(cfg)
+    # unsharded, each cp rank holding the whole 7B state, it would not
+    assert memory_plan(cfg.model_config(), cfg.seq_len, 1, fsdp=1, cp=p.cp)["peak"] > GPU_80GB
+
+
+def assert_fits_80_gb(cfg) -> None:
+    """The memory plan's peak at the config's shards, with its gathers (fast mode) and with
+    exact mode's fp32 ones, is under 80 GB."""
+    p = cfg.parallel
+    for exact in (False, True):
+        plan = memory_plan(cfg.model_config(), cfg.seq_len, cfg.train.micro_batch,
+                           fsdp=p.shards, exact=exact, cp=p.cp,
+                           gather="auto" if exact else p.fsdp_param_dtype)
+        assert plan["peak"] < GPU_80GB, (exact, plan["peak"])

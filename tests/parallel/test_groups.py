@@ -7,6 +7,7 @@ from relaytrain.parallel.groups import (
     Placement,
     placements,
     replica_ranks,
+    replica_shards,
     shard_size,
     stage_ranks,
 )
@@ -63,6 +64,19 @@ def test_a_sharded_replica_s_shards_are_its_fsdp_x_cp_consecutive_ranks():
         (1, 2, 0, 0), (1, 2, 1, 1), (1, 3, 0, 2), (1, 3, 1, 3)]
     assert {p.shards for p in got.values()} == {4}
     assert {p.shards for p in placements(range(4), dp=2, pp=1, cp=2).values()} == {1}
+
+
+def test_shard_over_cp_shards_a_replica_over_its_cp_ranks_at_fsdp_1():
+    """dp 2 x cp 4, parallel.shard_over_cp: each DP rank's state over its 4 cp ranks, shard k
+    its cp rank k; without it every rank holds the whole state. fsdp > 1 shards over fsdp x cp
+    either way (cp ranks always shard a sharded replica), and at cp 1 there is nothing to shard."""
+    got = placements(range(8), dp=2, pp=1, cp=4, shard_over_cp=True)
+    assert [(p.replica, p.cp_rank, p.shard) for p in got.values()] == [
+        (0, 0, 0), (0, 1, 1), (0, 2, 2), (0, 3, 3), (1, 0, 0), (1, 1, 1), (1, 2, 2), (1, 3, 3)]
+    assert {p.shards for p in got.values()} == {4}
+    assert [replica_shards(1, 4, over) for over in (True, False)] == [4, 1]
+    assert [replica_shards(2, 4, over) for over in (True, False)] == [8, 8]
+    assert replica_shards(1, 1, True) == 1
 
 
 def test_a_resized_sharded_run_keeps_whole_replicas_else_shards_over_everyone():

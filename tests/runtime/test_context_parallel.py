@@ -142,6 +142,23 @@ def test_fsdp_2_x_cp_2_trains_cp_2s_bits_survives_a_kill_and_resumes_at_cp_1(
     assert_close_runs(run, packed_runs(1, 1, "exact"))
 
 
+def test_cp_2_sharded_over_its_cp_workers_trains_cp_2s_bits(tmp_path, ray_cluster, packed_mix,
+                                                            packed_runs):
+    """parallel.shard_over_cp at fsdp 1 (OLMo-core's hsdp shard_degree=1 with cp): the state
+    sharded over the 2 cp workers, their integer reduce-scatter summing the cp parts of the
+    gradient: on packed, masked instances it trains unsharded dp 1 x cp 2's bits, each worker
+    holding half the state, and its step-3 checkpoint is the two shards' parts."""
+    run, whole = tmp_path / "cp2-shard-over-cp", packed_runs(2, 1, "exact")
+    run_cp(run, packed_mix, 2, 1, "determinism=exact", *PACKED, "parallel.shard_over_cp=true")
+    assert_bit_identical(run, whole)
+    # as measured from its tensors (chunks not all equal, AdamW's step counters not sharded)
+    full, half = step_records(whole)[4]["state_bytes"], step_records(run)[4]["state_bytes"]
+    assert full / 2 <= half <= 1.1 * full / 2, (full, half)
+    manifest = CheckpointStore(str(run / "checkpoints")).read_manifest(3)
+    assert sorted(manifest["files"]) == ["stage0-shard0.safetensors", "stage0-shard1.safetensors"]
+    assert manifest["topology"]["shard_over_cp"] is True
+
+
 @pytest.fixture(scope="module")
 def cp2_exact(tmp_path_factory, corpus_data, ray_cluster):
     """dp 1 x cp 2 in exact mode, fault-free: what the other cp 2 layouts must reproduce."""

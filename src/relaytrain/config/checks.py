@@ -216,26 +216,30 @@ def _validate_exact_sharding(p: ParallelSection, m: Olmo3Config,
     need(p.fsdp_param_dtype != "bf16", "config key 'parallel.fsdp_param_dtype': got 'bf16' "
          "with determinism=exact, whose bits are the unsharded run's (fp32 weights under "
          "autocast); expected auto or fp32 (or determinism=fast)")
-    if p.fsdp == 1:
+    if p.shards == 1:
         return
     import torch
     from torch.distributed.fsdp import FSDPModule
 
     from relaytrain.parallel.shards import VECTOR_VALUES, misaligned, parameter_shapes
 
-    fsdp = p.fsdp
+    # the key that shards: fsdp, or at fsdp 1 shard_over_cp (over the cp workers alone)
+    key, got, off = (("fsdp", p.fsdp, "fsdp 1") if p.fsdp > 1
+                     else ("shard_over_cp", "true", "shard_over_cp false"))
     # exact mode's integer reduce-scatter plugs into FSDP2's custom-comm hook (torch 2.9)
-    need(hasattr(FSDPModule, "set_custom_reduce_scatter"), "config key 'parallel.fsdp': got "
-         f"{fsdp} with determinism=exact, which needs torch >= 2.9 (FSDP2's custom "
-         f"reduce-scatter); this is torch {torch.__version__}: use determinism=fast or fsdp 1")
+    need(hasattr(FSDPModule, "set_custom_reduce_scatter"), f"config key 'parallel.{key}': got "
+         f"{got} with determinism=exact, which needs torch >= 2.9 (FSDP2's custom "
+         f"reduce-scatter); this is torch {torch.__version__}: use determinism=fast or {off}")
     shapes = parameter_shapes(m)  # imports torch: only for a sharded exact run
-    bad = misaligned(shapes, fsdp * p.cp)  # cp ranks shard too (parallel/groups.py)
-    good = [k for k in range(1, max(8, fsdp) + 1) if not misaligned(shapes, k * p.cp)]
-    over = f" (over fsdp x parallel.cp={p.cp} = {fsdp * p.cp} shards)" if p.cp > 1 else ""
-    need(bad is None, f"config key 'parallel.fsdp': got {fsdp} with determinism=exact, but "
+    bad = misaligned(shapes, p.shards)  # cp ranks shard too (parallel/groups.py)
+    good = ([k for k in range(1, max(8, p.fsdp) + 1) if not misaligned(shapes, k * p.cp)]
+            if p.fsdp > 1 else "false")
+    over = f" (over fsdp x parallel.cp={p.cp} = {p.shards} shards)" if p.cp > 1 else ""
+    need(bad is None, f"config key 'parallel.{key}': got {got} with determinism=exact, but "
          f"parameter {bad and bad[0]!r} would be cut{over} into chunks of {bad and bad[1]} values, "
          f"not whole vectors of {VECTOR_VALUES} (the CPU optimizer's), so the bits would "
-         f"depend on the layout; expected one of {good} (or determinism=fast)")
+         f"depend on the layout; expected {'one of ' if p.fsdp > 1 else ''}{good} "
+         "(or determinism=fast)")
 
 
 def _validate_init(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

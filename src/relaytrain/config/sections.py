@@ -15,6 +15,7 @@ from typing import Any, Literal
 from relaytrain.checkpoint.store import run_checkpoint_url
 from relaytrain.errors import ConfigError
 from relaytrain.model.config import PRESETS, Olmo3Config
+from relaytrain.parallel.groups import replica_shards
 from relaytrain.parallel.pipeline.schedules import ScheduleName
 
 
@@ -144,6 +145,9 @@ class ParallelSection:
     # Workers each instance's sequence is split over (context parallelism, parallel/context.py;
     # world = dp x fsdp x cp x pp). 1: every worker holds whole sequences.
     cp: int = 1
+    # Shard a replica's state over its cp workers at fsdp 1 too (they hold the same weights;
+    # fsdp > 1 always shards over fsdp x cp): OLMo-core's hsdp with shard_degree=1 and cp > 1
+    shard_over_cp: bool = False
     schedule: ScheduleName = "1f1b"
     stage_layers: list[int] | None = None  # layers per stage; None: balanced by cost
     # Model chunks per pipeline rank (interleaved-1f1b only): the model is cut into pp x V
@@ -154,6 +158,11 @@ class ParallelSection:
     # span in flight: 32 keeps the drain under 3% at S = 8 with 8 micro-batches per step.
     span: int = 32
     paci: PaciSection = field(default_factory=PaciSection)
+
+    @property
+    def shards(self) -> int:
+        """Workers a replica's state is sharded over (parallel/groups.py `replica_shards`)."""
+        return replica_shards(self.fsdp, self.cp, self.shard_over_cp)
 
 
 @dataclass

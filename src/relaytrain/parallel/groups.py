@@ -1,13 +1,13 @@
 """Placements and process groups of a data-parallel x pipeline-parallel layout.
 
 Rank r is DP rank r % dp of stage r // dp (`placements`; with context parallelism each DP rank
-is cp consecutive ranks). Under sharding (fsdp > 1) the dp data-parallel ranks of a stage are
-dp / fsdp replicas of fsdp DP ranks, each replica's state sharded over its fsdp x cp
-consecutive ranks (`form_shard_groups`): a cp group's ranks would hold the same weights, so
-they shard them, and the shards' reduce-scatter sums the cp ranks' parts of the gradient with
-the DP ranks'. A stage's DP replicas reduce their gradients together; one replica's stages agree
-on a global gradient norm; each rank exchanges activations with the same DP rank of the
-neighbouring stages.
+is cp consecutive ranks). Under sharding (fsdp > 1, or `parallel.shard_over_cp` at fsdp 1)
+the dp data-parallel ranks of a stage are dp / fsdp replicas of fsdp DP ranks, each replica's
+state sharded over its fsdp x cp consecutive ranks (`form_shard_groups`): a cp group's ranks
+would hold the same weights, so they shard them, and the shards' reduce-scatter sums the cp
+ranks' parts of the gradient with the DP ranks'. A stage's DP replicas reduce their gradients
+together; one replica's stages agree on a global gradient norm; each rank exchanges activations
+with the same DP rank of the neighbouring stages.
 
 `torch.distributed.new_group` is collective over the whole world and must be called for every
 group in the same order on every rank, so `form_groups` creates all of them, always in the same
@@ -37,22 +37,28 @@ class Placement:
     fsdp: int = 1  # ranks a replica is sharded over; dp_rank % fsdp is this rank's shard
     cp: int = 1  # ranks each sequence is split over (context parallelism)
     cp_rank: int = 0  # this rank's part of the sequence
+    shard_over_cp: bool = False  # sharded over the cp ranks at fsdp 1 too (`replica_shards`)
 
     @property
     def shards(self) -> int:
-        """Ranks a replica's state is sharded over: its fsdp DP ranks and each one's cp ranks
-        (cp ranks hold the same weights, so they shard them too, as OLMo-core flattens its
-        cp mesh dimension into the shard one); 1 unsharded."""
-        return self.fsdp * self.cp if self.fsdp > 1 else 1
+        return replica_shards(self.fsdp, self.cp, self.shard_over_cp)
 
     @property
     def shard(self) -> int:
         """This rank's shard of its replica's state (its rank within the replica)."""
-        return (self.dp_rank % self.fsdp) * self.cp + self.cp_rank if self.fsdp > 1 else 0
+        return (self.dp_rank % self.fsdp) * self.cp + self.cp_rank if self.shards > 1 else 0
 
     @property
     def replica(self) -> int:
         return self.dp_rank // self.fsdp
+
+
+def replica_shards(fsdp: int, cp: int, shard_over_cp: bool) -> int:
+    """Ranks a replica's state is sharded over: its fsdp DP ranks and each one's cp ranks
+    when fsdp > 1 or `shard_over_cp` (cp ranks hold the same weights, so they shard them too,
+    as OLMo-core flattens its cp mesh dimension into the shard one; at fsdp 1, OLMo-core's hsdp
+    with shard_degree=1); 1 unsharded."""
+    return fsdp * cp if fsdp > 1 or shard_over_cp else 1
 
 
 def shard_size(data_parallel: int, fsdp: int) -> int:
@@ -62,18 +68,19 @@ def shard_size(data_parallel: int, fsdp: int) -> int:
     return fsdp if data_parallel % fsdp == 0 else data_parallel
 
 
-def placements(members: Sequence[int], dp: int, pp: int, fsdp: int = 1, cp: int = 1
-               ) -> dict[int, Placement]:
+def placements(members: Sequence[int], dp: int, pp: int, fsdp: int = 1, cp: int = 1,
+               shard_over_cp: bool = False) -> dict[int, Placement]:
     """Worker id -> its place, members in rank order: rank r is DP rank r % dp of stage r // dp,
     so a stage's DP ranks are consecutive ranks (and so are a replica's shards). `dp` counts
     data-parallel ranks: replicas x fsdp. With context parallelism (cp > 1, unpipelined) each DP
     rank is cp consecutive ranks, cp rank r % cp of DP rank r // cp: they share its batches,
-    each holding its part of every sequence."""
+    each holding its part of every sequence (and with `shard_over_cp` its shard of the state)."""
     if len(members) != dp * pp * cp or dp % fsdp:
         raise ValueError(f"{len(members)} members for a layout of dp {dp} x pp {pp} "
                          f"(fsdp {fsdp}, cp {cp})")
     return {wid: Placement(rank=r, world=dp * pp * cp, dp_rank=r // cp % dp, dp=dp,
-                           stage=r // (dp * cp), pp=pp, fsdp=fsdp, cp=cp, cp_rank=r % cp)
+                           stage=r // (dp * cp), pp=pp, fsdp=fsdp, cp=cp, cp_rank=r % cp,
+                           shard_over_cp=shard_over_cp)
             for r, wid in enumerate(members)}
 
 

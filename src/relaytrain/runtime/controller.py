@@ -503,6 +503,7 @@ class Controller:
                    else {"skip_window": self.skip_window.saved(step)}),
                 "topology": {"dp": self.cfg.parallel.dp, "fsdp": self.cfg.parallel.fsdp,
                              "pp": self.cfg.parallel.pp, "cp": self.cfg.parallel.cp,
+                             "shard_over_cp": self.cfg.parallel.shard_over_cp,
                              "fsdp_param_dtype": self._gathers()}}
 
     def _gathers(self) -> str | None:
@@ -510,7 +511,7 @@ class Controller:
         the run's device as train/state.py resolves it (config.yaml keeps the setting, `auto`
         included); None unsharded."""
         cfg = self.cfg
-        if cfg.parallel.fsdp == 1:
+        if cfg.parallel.shards == 1:
             return None
         return gather_dtype(cfg.parallel.fsdp_param_dtype, pick_device(cfg.train.device).type,
                             cfg.determinism == "exact")

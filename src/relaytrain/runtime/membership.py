@@ -1,5 +1,5 @@
 """A worker's membership of a generation: the process groups it joins through the generation's
-rendezvous (the world, and with pp > 1 or fsdp > 1 the pipeline and shard groups), their abort
+rendezvous (the world, and with pp > 1 or sharding the pipeline and shard groups), their abort
 from another thread when a peer fails (runtime/abort.py), and leaving them."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Membership:
         self.generation = -1
         self.placement: Placement | None = None
         self.groups: PipelineGroups | None = None  # pp > 1: this generation's groups
-        # fsdp > 1: this generation's shard group (a replica's ranks, its cp ranks included),
+        # sharded: this generation's shard group (a replica's ranks, its cp ranks included),
         # and the replica group (the ranks holding the same shard; None with one replica)
         self.shard_group: dist.ProcessGroup | None = None
         self.replica_group: dist.ProcessGroup | None = None
@@ -70,7 +70,7 @@ class Membership:
         if placement.pp > 1:
             self.groups = form_groups(placement.stage, placement.dp_rank, placement.dp,
                                       placement.pp, timedelta(seconds=timeout_s))
-        if placement.fsdp > 1:
+        if placement.shards > 1:
             self.shard_group, self.replica_group = form_shard_groups(
                 placement, timedelta(seconds=timeout_s))
         if placement.cp > 1:

@@ -19,7 +19,7 @@ from typing import Any
 
 from relaytrain.config.sections import RunConfig
 from relaytrain.errors import warn
-from relaytrain.parallel.groups import Placement, placements, shard_size
+from relaytrain.parallel.groups import Placement, placements, replica_shards, shard_size
 from relaytrain.parallel.shards import misaligned, parameter_shapes
 from relaytrain.runtime import rendezvous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
@@ -82,9 +82,9 @@ class Recovery:
         workers, forming it took the controller milliseconds). Not to be modified."""
         key = (tuple(self.members), self.dp)
         if self._layout is None or self._layout[0] != key:
-            self._layout = key, placements(self.members, self.dp, self.cfg.parallel.pp,
-                                           shard_size(self.dp, self.cfg.parallel.fsdp),
-                                           self.cfg.parallel.cp)
+            p = self.cfg.parallel
+            self._layout = key, placements(self.members, self.dp, p.pp,
+                                           shard_size(self.dp, p.fsdp), p.cp, p.shard_over_cp)
         return self._layout[1]
 
     def save_parts(self) -> dict[int, str]:
@@ -315,7 +315,7 @@ class Recovery:
         sharded run, every worker whose rows changed pulls them (`_pull_rows`)."""
         if restore.source != "memory":
             return {}
-        if self.cfg.parallel.fsdp > 1:
+        if self.cfg.parallel.shards > 1:
             return self._pull_rows(restore.step, survivors, old)
         out = {}
         for new, wid in replaced.items():
@@ -391,13 +391,13 @@ class Recovery:
         and, for a sharded run in exact mode, shard into whole vectors (`misaligned`)."""
         cfg = self.cfg
         sizes = [d for d in range(n, 0, -1) if cfg.micro_batches % d == 0]
-        if cfg.parallel.schedule == "interleaved-1f1b" and cfg.parallel.pp > 1:
-            sizes = [d for d in sizes if cfg.micro_batches // d % cfg.parallel.pp == 0]
-        if cfg.determinism == "exact" and cfg.parallel.fsdp > 1:
+        p = cfg.parallel
+        if p.schedule == "interleaved-1f1b" and p.pp > 1:
+            sizes = [d for d in sizes if cfg.micro_batches // d % p.pp == 0]
+        if cfg.determinism == "exact" and p.shards > 1:
             shapes = parameter_shapes(cfg.model_config())
-            sizes = [d for d in sizes
-                     if misaligned(shapes, shard_size(d, cfg.parallel.fsdp) * cfg.parallel.cp)
-                     is None]
+            sizes = [d for d in sizes if misaligned(
+                shapes, replica_shards(shard_size(d, p.fsdp), p.cp, p.shard_over_cp)) is None]
         return sizes
 
     def maybe_grow(self, step: int) -> None:
@@ -424,7 +424,7 @@ class Recovery:
         timeout = cfg.runtime.call_timeout
         self.engine.call_all(self.members, lambda w: w.take_snapshot(step), timeout)
         holders, old, dp = list(self.members), self.placements(), self.dp
-        if cfg.parallel.fsdp == 1:  # each stage's first member gives its stage's state
+        if cfg.parallel.shards == 1:  # each stage's first member gives its stage's state
             donors = [holders[s * dp] for s in range(pp)]
             state = self.engine.call_all(donors, lambda w: w.snapshot_tensors(step), timeout)
         grow = d - dp  # new DP ranks, on every stage
@@ -432,7 +432,7 @@ class Recovery:
         new = [added[s * grow:(s + 1) * grow] for s in range(pp)]
         self.members = [w for s in range(pp) for w in holders[s * dp:(s + 1) * dp] + new[s]]
         self.dp = d
-        self.form_generation(step, self._pull_rows(step, holders, old) if cfg.parallel.fsdp > 1
+        self.form_generation(step, self._pull_rows(step, holders, old) if cfg.parallel.shards > 1
                              else {w: state[donors[s]] for s in range(pp) for w in new[s]})
         self.reporter.header(step, self.dp)
         back = self.dp == self.target_dp and self._shrunk_at is not None

@@ -97,7 +97,7 @@ class TrainState:
         """For a spare or the standby: build the model now (for an unpipelined layout) and
         run its kernels once (`warm_kernels`), and import FSDP2 if the run shards
         (parallel/shards.py), so a promotion only loads state."""
-        if self.cfg.parallel.fsdp > 1:
+        if self.cfg.parallel.shards > 1:
             import relaytrain.parallel.fsdp  # noqa: F401
         if self.cfg.parallel.pp == 1:
             self.fresh(Olmo3(self.model_cfg), (0, 1, 1))
