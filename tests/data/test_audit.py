@@ -226,6 +226,9 @@ def ray_with_same_shard_loaders():
     ray.shutdown()
 
 
+# A private Ray cluster of its own (about a minute here); the same defect on the ledger:
+# test_identical_data_on_all_ranks_is_caught
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 def test_a_real_dp_run_whose_ranks_all_load_the_same_shard_fails_the_audit(
         tmp_path, corpus_data, capsys, ray_with_same_shard_loaders):

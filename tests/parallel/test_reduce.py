@@ -201,7 +201,9 @@ def test_the_reducer_gives_today_s_gradient_and_overflow_bit_for_bit(m):
             assert red._wide == {} if gs is packed else over
 
 
-@pytest.mark.parametrize("m", [1, 3, 7, 8, 2**16 - 1])
+# 2**16 - 1 folds 65,535 micro-batches one call at a time (a minute): on demand
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 2**10 - 1,
+                               pytest.param(2**16 - 1, marks=pytest.mark.soak)])
 def test_packed_sums_at_the_extremes_of_the_bound_stay_exact(m):
     """Every micro-batch at the largest value that packs, of either sign, or at the tiniest
     negative one (whose low limb is the largest): the packed sums neither overflow nor carry

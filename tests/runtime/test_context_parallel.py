@@ -1,10 +1,10 @@
 """Context parallelism (parallel.cp) in real runs on Ray actors over gloo: each instance's
 sequence split over the cp workers of its DP rank. Across cp degrees the losses and weights
 agree with cp 1 within 1e-5 (the documented fallback: docs/DETERMINISM.md says why not to the
-bit), on concatenated and on packed, document-masked instances; at a fixed cp, exact mode is
-bit-identical across dp, across fsdp and across a resume; a killed or hung cp
-worker is replaced alone to the same bits (sharded too); a sharded cp 2 checkpoint resumes
-unsharded at cp 1; bad layouts are one line."""
+bit), on packed, document-masked instances (concatenated ones on demand); at a fixed cp, exact
+mode is bit-identical across dp, across fsdp and across a resume; a killed or hung cp worker is
+replaced alone to the same bits (sharded too); a sharded cp 2 checkpoint resumes unsharded at
+cp 1; bad layouts are one line."""
 
 from __future__ import annotations
 
@@ -64,10 +64,10 @@ def cp1(tmp_path_factory, corpus_data):
 
 
 # The packed, document-masked runs below take the same paths and more: on concatenated
-# instances one layout runs in CI, the others on demand.
-@pytest.mark.parametrize(("cp", "mode"), [(4, "exact")] + [
-    pytest.param(cp, mode, marks=pytest.mark.soak) for cp, mode in [(2, "exact"), (2, "fast"),
-                                                                    (4, "fast")]])
+# instances on demand.
+@pytest.mark.soak
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("cp", [2, 4])
 def test_cp_2_and_4_train_as_cp_1_within_1e_5(tmp_path, corpus_data, ray_cluster, cp1, cp, mode):
     """Losses every step and final weights within 1e-5 of cp 1's (relative)."""
     run = tmp_path / f"cp{cp}"
@@ -98,14 +98,19 @@ def packed_runs(tmp_path_factory, packed_mix):
     return run
 
 
-@pytest.mark.parametrize("mode", ["exact", "fast"])
-@pytest.mark.parametrize("cp", [2, 4])
+# cp 2 in fast mode on demand (a run of its own); the others reuse runs made anyway
+@pytest.mark.parametrize(("cp", "mode"), [(2, "exact"), (4, "exact"), (4, "fast"),
+                                          pytest.param(2, "fast", marks=pytest.mark.soak)])
 def test_cp_2_and_4_train_packed_masked_instances_as_cp_1_within_1e_5(ray_cluster, packed_runs,
                                                                        cp, mode):
     """Attention within documents across the split, positions from each document's start,
     the loss the mean over each instance's scored tokens however the padding falls: losses and
-    final weights within 1e-5 of cp 1's."""
-    assert_close_runs(packed_runs(cp, 1, mode), packed_runs(1, 1, mode))
+    final weights within 1e-5 of cp 1's; one checkpoint file, cp rank 0's."""
+    run = packed_runs(cp, 1, mode)
+    assert_close_runs(run, packed_runs(1, 1, mode))
+    manifest = CheckpointStore(str(run / "checkpoints")).read_manifest(3)
+    assert manifest["topology"]["cp"] == cp
+    assert sorted(manifest["files"]) == ["stage0.safetensors"]
 
 
 def test_exact_mode_on_packed_instances_at_cp_2_is_bit_identical_across_dp(ray_cluster,
@@ -159,38 +164,30 @@ def test_cp_2_sharded_over_its_cp_workers_trains_cp_2s_bits(tmp_path, ray_cluste
     assert manifest["topology"]["shard_over_cp"] is True
 
 
-@pytest.fixture(scope="module")
-def cp2_exact(tmp_path_factory, corpus_data, ray_cluster):
-    """dp 1 x cp 2 in exact mode, fault-free: what the other cp 2 layouts must reproduce."""
-    run = tmp_path_factory.mktemp("cp2") / "exact"
-    run_cp(run, corpus_data, 2, 1, "determinism=exact")
-    return run
-
-
-def test_exact_mode_at_cp_2_is_bit_identical_across_a_resume(tmp_path, corpus_data, ray_cluster,
-                                                              cp2_exact):
+def test_exact_mode_at_cp_2_is_bit_identical_across_a_resume(tmp_path, packed_mix, ray_cluster,
+                                                              packed_runs):
     """A run resumed from its step-3 checkpoint (written at cp 2 and resumed at cp 2) trains
-    the uninterrupted run's bits (across dp: the packed runs above)."""
+    the uninterrupted run's bits (across dp: the runs above)."""
     resumed = tmp_path / "resumed"
-    run_cp(resumed, corpus_data, 2, 1, "determinism=exact", "train.max_steps=3")
-    run_cp(resumed, corpus_data, 2, 1, "determinism=exact")
-    assert_bit_identical(resumed, cp2_exact)
+    run_cp(resumed, packed_mix, 2, 1, "determinism=exact", *PACKED, "train.max_steps=3")
+    run_cp(resumed, packed_mix, 2, 1, "determinism=exact", *PACKED)
+    assert_bit_identical(resumed, packed_runs(2, 1, "exact"))
 
 
 @pytest.mark.parametrize(("fault", "cause"), [("kill", "died"), ("hang", "hung")])
 def test_a_killed_or_hung_cp_worker_is_replaced_alone_from_its_cp_peer_to_the_same_bits(
-        tmp_path, corpus_data, ray_cluster, cp2_exact, fault, cause):
+        tmp_path, packed_mix, ray_cluster, packed_runs, fault, cause):
     """cp rank 1 killed (SIGKILL) or hung (SIGSTOP) at step 3: a new worker takes its rank with
     the state its cp peer's in-memory snapshot holds (cp ranks hold the same weights); the
     survivor keeps its PID, and the run ends on the fault-free run's bits, its audit passing."""
     run = tmp_path / fault
-    run_cp(run, corpus_data, 2, 1, "determinism=exact", f"faults.{fault}_at=[3]",
+    run_cp(run, packed_mix, 2, 1, "determinism=exact", *PACKED, f"faults.{fault}_at=[3]",
            f"faults.{fault}_rank=1", "runtime.call_timeout=120",
            "runtime.collective_timeout=120")
     [rec] = records(run, "recovery")
     assert (rec["cause"], rec["rank"], rec["source"]) == (cause, 1, "memory"), rec
     assert_only_failed_ranks_replaced(run)
-    assert_bit_identical(run, cp2_exact)
+    assert_bit_identical(run, packed_runs(2, 1, "exact"))
 
 
 @pytest.mark.parametrize(("overrides", "says"), [

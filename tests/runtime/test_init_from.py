@@ -1,4 +1,4 @@
-"""`init.from` end to end: a new run on other data starts from an fsdp 4 checkpoint (on two Ray
+"""`init.from` end to end: a new run on other data starts from an fsdp 2 checkpoint (on two Ray
 workers, and again in a recovery before its first checkpoint) or from an HF export, records
 where it started in its config.yaml, manifest and ledger, passes the audit, which names the
 origin, and resumes its own checkpoints (init.from ignored, one warning). A bad source stops
@@ -89,12 +89,12 @@ def resume_resumes_itself(run: Path, data: str, capsys, *args: str) -> None:
     assert [r["step"] for r in records(run, "generation")] == [*formed, 1]
 
 
-def test_a_dp2_run_on_other_data_starts_from_an_fsdp4_checkpoint_and_resumes_itself(
+def test_a_dp2_run_on_other_data_starts_from_an_fsdp2_checkpoint_and_resumes_itself(
         tmp_path, corpus_data, other_data, ray_cluster, capsys):
-    src = tmp_path / "fsdp4"
-    run_layout(src, corpus_data, 1, *DP, "train.max_steps=2", "eval.every=0", fsdp=4)
+    src = tmp_path / "fsdp2"
+    run_layout(src, corpus_data, 1, *DP, "train.max_steps=2", "eval.every=0", fsdp=2)
     files = CheckpointStore(str(src / "checkpoints")).read_manifest(2)["files"]
-    assert sorted(files) == [f"stage0-shard{k}.safetensors" for k in range(4)]
+    assert sorted(files) == [f"stage0-shard{k}.safetensors" for k in range(2)]
     run = tmp_path / "dp2"
     start = (2, *DP, f"init.from={src}", *AT_STEP_0)
     # A worker killed in step 1, with no snapshot in memory: the recovery restores step 0 from

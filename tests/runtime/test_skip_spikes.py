@@ -64,7 +64,7 @@ def test_a_resumed_run_skips_the_steps_an_uninterrupted_one_skips(tmp_path, corp
     assert same_tensors(final_state(run), final_state(one_worker))
 
 
-@pytest.mark.parametrize(("dp", "fsdp"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("dp", "fsdp"), [pytest.param(2, 1, marks=pytest.mark.soak), (1, 2)])
 def test_exact_mode_skips_the_same_steps_to_the_bit_at_dp_2_and_fsdp_2(
         tmp_path, corpus_data, ray_cluster, one_worker, dp, fsdp):
     run = tmp_path / "run"
