@@ -33,6 +33,16 @@ def _serve(cls: type[LocalServer], monkeypatch: pytest.MonkeyPatch) -> Iterator[
         server.close()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with multi-worker runs (a Ray cluster, tests/runtime) first, each file's tests in
+    their order: `scripts/test.sh` hands whole files to its two processes in this order, so
+    the long files start first and the short ones fill the end, not one process finishing a
+    long file alone while the other has nothing left."""
+    heavy = {item.path for item in items if "ray_cluster" in getattr(item, "fixturenames", ())
+             or "runtime" in item.path.parts}
+    items.sort(key=lambda item: item.path not in heavy)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
