@@ -98,9 +98,10 @@ def test_fast_mode_agrees_within_float_noise(tmp_path, corpus_data, ray_cluster)
 
 def test_resume_at_another_dp_size_continues_the_same_batches(tmp_path, corpus_data,
                                                               ray_cluster, exact_reference):
-    """Written at dp=4, resumed at dp=2, then at dp=4 again."""
+    """Written at dp=4, resumed at dp=2 (onto more workers: the fsdp 2 -> 4 resume,
+    tests/runtime/test_sharded_data_parallel.py)."""
     run = tmp_path / "resized"
-    for dp, steps in ((4, 2), (2, 4), (4, 6)):
+    for dp, steps in ((4, 2), (2, 6)):
         _run(run, corpus_data, dp, "determinism=exact", f"train.max_steps={steps}",
              "checkpoint.every=2")
     assert_bit_identical(run, exact_reference)

@@ -26,13 +26,14 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_resume_at_another_sharding_continues_to_the_same_bits(tmp_path, corpus_data,
                                                                ray_cluster, exact_reference):
-    """Written at fsdp 4, resumed at fsdp 2, then unsharded on 2 workers: checkpoints hold whole
-    tensors, so any layout restores any other."""
+    """Written at fsdp 2, resumed at fsdp 4: checkpoints hold whole tensors, so any layout
+    restores any other (sharded onto unsharded: the pipeline test below and
+    tests/runtime/test_init_from.py)."""
     run = tmp_path / "resharded"
-    for dp, fsdp, steps in ((1, 4, 2), (1, 2, 4), (2, 1, 6)):
+    for dp, fsdp, steps in ((1, 2, 2), (1, 4, 6)):
         run_layout(run, corpus_data, dp, *DP, "determinism=exact", f"train.max_steps={steps}",
                    "checkpoint.every=2", fsdp=fsdp)
-    assert [r["step"] for r in records(run, "generation")] == [0, 2, 4]
+    assert [r["step"] for r in records(run, "generation")] == [0, 2]
     assert_bit_identical(run, exact_reference, steps=range(1, 7))
 
 
