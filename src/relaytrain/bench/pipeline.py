@@ -8,26 +8,35 @@ Two layers, kept apart so that neither hides the other:
   throughput, each stage's bubble and peak memory (as the runtime measures them,
   `train/pipeline_stage.py`), held-out loss against steps and against training time. One
   worker per stage with one thread: on a 2-core machine S = 2 has a core per stage, S = 4 puts
-  two stages on each core. The asynchronous schedules update every `a` = M micro-batches (one
-  update per global batch, like the flush schedules, so all five take the same optimizer steps
-  on the same data and differ only in when; staleness <= 1 while a >= S - 1). With a = 1 an
-  update per micro-batch would cost as much as its forward at this model size on a CPU.
+  two stages on each core. The asynchronous schedules update every `a` = `ASYNC_A` = M / 4
+  micro-batches: four updates per global batch, each of a quarter of it, at the flush
+  schedules' learning rate, schedule, data and micro-batches per step (their own setting is
+  `parallel.paci.a`; a changed hyper-parameter of theirs, said so in the output as `async_a`).
+  More updates per token is what a pipeline that never drains can afford and a flush schedule
+  cannot without a smaller global batch and a larger bubble (not measured here). With a = M
+  (one update per global batch, last stop's bench) PACI needed more steps than exact gradients
+  (staleness); at S = 2 over 48 steps a = 2 brought its steps to the flush schedules' loss from
+  1.23x theirs to 1.01x, a = 4 to 1.05x (docs/MEASURED.md). Staleness <= ceil((S - i - 1) / a)
+  updates at stage i. An update costs about half a micro-batch's forward at this model size on a
+  CPU (so not a = 1).
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
   measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
   measured by a gloo ping-pong of one activation (the runtime posts its receives ahead, so the
-  simulator puts the transfer on the link, not on the stages). The error against the real runs is
-  reported (the simulator is given the costs measured in that very run). For S in 4..32 every
-  stage does what one real S = 2 stage did (their mean: a balanced cut), i.e. a model S/2 times
-  deeper, as pipelines are used (the paper: GPT-2 Medium, 24 layers on 8 stages); the `small`
-  preset itself has 4 layers, so the runtime cannot cut it into more than 4 stages, and 1/S-thin
-  stages would make the fixed transfer weigh S/2 times more (`simulated_same_model` shows that
-  case). Spans of `parallel.span` steps, the default dispatch (the asynchronous pipelines drain
-  at every span end). Every schedule runs the same operations, so all are simulated with one set
-  of costs: per stage, the median over the S = 2 runs (each run's own costs would carry the
-  noise of whatever else the machine ran meanwhile into the comparison); zb-h1, whose backward
-  is split, with its own run's B and W (the split's extra work included) and the pooled F and U.
-  `sensitivity_at_8`
-  shows what the transfer time, the span length and the stage size do to paci and 1f1b.
+  simulator puts the transfer on the link, not on the stages); a flush schedule's updates start
+  together on every stage, as the global-norm all-gather before each of them makes the runtime's
+  (a stage that finishes its last backward first waits there: bubble in the real runs). The error
+  against the real runs is reported (the simulator is given the costs measured in that very run).
+  For S in 4..32 every stage does what one real S = 2 stage did (their mean: a balanced cut), i.e.
+  a model S/2 times deeper, as pipelines are used (the paper: GPT-2 Medium, 24 layers on 8
+  stages); the `small` preset itself has 4 layers, so the runtime cannot cut it into more than 4
+  stages, and 1/S-thin stages would make the fixed transfer weigh S/2 times more
+  (`simulated_same_model` shows that case). Spans of `parallel.span` steps, the default dispatch
+  (the asynchronous pipelines drain at every span end). Every schedule runs the same operations,
+  so all are simulated with one set of costs: per stage, the median over the S = 2 runs (each
+  run's own costs would carry the noise of whatever else the machine ran meanwhile into the
+  comparison); zb-h1, whose backward is split, with its own run's B and W (the split's extra work
+  included) and the pooled F and U. `sensitivity_at_8` shows what the transfer time, the span
+  length and the stage size do to paci and 1f1b.
 - **interleaved-1f1b** runs with V = 2 chunks per stage (`VIRTUAL`), for real only where the
   preset's 4 layers give every virtual stage one (S = 2); it is simulated with the pooled
   per-stage costs, each chunk's F and B 1/V of them (its own run's costs are summed over its
@@ -79,6 +88,7 @@ if TYPE_CHECKING:
 
 SIM_STAGES = (4, 8, 16, 32)
 VIRTUAL = 2  # interleaved-1f1b's chunks per stage
+ASYNC_A = 2  # micro-batches per update of the asynchronous schedules: M / 4 (see above)
 SMALL_LAYERS = 4  # the small preset's: at most that many (virtual) stages run for real
 TARGETS = {"paci_utilisation": 0.95, "paci_memory_vs_1f1b": 1.10, "paci_speedup_at_8": 1.70,
            "zb_h1_memory_vs_1f1b": 1.10, "simulated_bubble_error": 0.10}
@@ -137,7 +147,7 @@ def bench_pipeline(quick: bool, out_dir: str = "runs/bench-pipeline") -> dict[st
     ttt = _time_to_target(real[setup.stages[-1]], sim, setup.stages[-1])
     result = {
         "bench": "pipeline", "quick": quick, "setup": setup.__dict__, "micro_per_batch": M,
-        "async_a": M, "sim_span": SIM_SPAN,
+        "async_a": ASYNC_A, "sim_span": SIM_SPAN,
         "tokens_per_step": setup.global_batch * setup.seq_len, "transfer_s": transfer,
         "loadavg": {"start": load0, "end": os.getloadavg()}, "pooled_costs": costs,
         "real": {str(S): runs for S, runs in real.items()},
@@ -202,8 +212,7 @@ def _real_run(setup: Setup, S: int, name: str, data: str, runs: Path, ckpt: Path
     run_dir = runs / f"S{S}-{name}"
     shutil.rmtree(run_dir, ignore_errors=True)  # an old run there would be resumed
     shutil.rmtree(ckpt, ignore_errors=True)
-    M = setup.global_batch // setup.micro_batch
-    paci_a = [f"parallel.paci.a={M}"] if asynchronous(name) else []
+    paci_a = [f"parallel.paci.a={ASYNC_A}"] if asynchronous(name) else []
     chunks = VIRTUAL if name == "interleaved-1f1b" else 1
     if chunks > 1:
         paci_a.append(f"parallel.virtual_stages={chunks}")
@@ -321,10 +330,11 @@ def measure_transfer(shape: tuple[int, ...], repeats: int = 200) -> float:
 # ---- simulation ------------------------------------------------------------------------------
 
 
-def _stage_bubbles(actions: Schedule, cost: Costs) -> tuple[float, list[float]]:
+def _stage_bubbles(actions: Schedule, cost: Costs, synchronised: bool
+                   ) -> tuple[float, list[float]]:
     """Makespan and each stage's idle share of its own active time (what the runtime measures:
-    a stage's span ends when its own list does)."""
-    res = simulate(actions, cost, timeline=True)
+    a stage's span ends when its own list does; a flush list's last U waits for every stage)."""
+    res = simulate(actions, cost, timeline=True, synchronised_updates=synchronised)
     end = [0.0] * len(actions)
     for span in res.timeline:
         end[span.stage] = max(end[span.stage], span.end)
@@ -338,9 +348,9 @@ def _fits(name: str, S: int, M: int) -> bool:
 
 
 def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
-    """The bench's lists: asynchronous schedules update once per global batch (a = M),
+    """The bench's lists: asynchronous schedules update every `ASYNC_A` micro-batches,
     interleaved-1f1b has `VIRTUAL` chunks per stage."""
-    options = {"a": M} if asynchronous(name) else {}
+    options = {"a": ASYNC_A} if asynchronous(name) else {}
     if name == "interleaved-1f1b":
         options["virtual"] = VIRTUAL
     return build_schedule(name, S, M, n_batches, **options)
@@ -357,7 +367,8 @@ def _predict_real(run: dict[str, Any], name: str, S: int, M: int, transfer: floa
     whole = tuple(b + w for b, w in zip(c["backward"], c["weight"], strict=True))
     cost = Costs(tuple(c["forward"]), whole, tuple(c["update"]), transfer,
                  weight=tuple(c["weight"]) if _is_split(name) else None)
-    makespan, bubbles = _stage_bubbles(_schedule(name, S, M, run["span"]), cost)
+    makespan, bubbles = _stage_bubbles(_schedule(name, S, M, run["span"]), cost,
+                                       not asynchronous(name))
     per_step = makespan / run["span"]
     return {"pipeline_time_per_step_s": per_step,
             "error": per_step / run["pipeline_time_per_step_s"] - 1,
@@ -407,7 +418,7 @@ def _simulate_scaled(costs: dict[str, list[float]], name: str, S: int, M: int, t
     """`scaled_costs` dispatched in spans of `span` steps (flush schedules: any span gives the
     same time per step)."""
     cost = scaled_costs(costs, S, transfer, deeper=deeper, split_lists=_is_split(name))
-    res = simulate(_schedule(name, S, M, span), cost)
+    res = simulate(_schedule(name, S, M, span), cost, synchronised_updates=not asynchronous(name))
     per_step = res.makespan / span
     return {"time_per_step_s": per_step, "utilisation": res.utilisation,
             "bubble": res.bubble_fraction}
