@@ -8,17 +8,13 @@ Two layers, kept apart so that neither hides the other:
   throughput, each stage's bubble and peak memory (as the runtime measures them,
   `train/pipeline_stage.py`), held-out loss against steps and against training time. One
   worker per stage with one thread: on a 2-core machine S = 2 has a core per stage, S = 4 puts
-  two stages on each core. The asynchronous schedules update every `a` = `ASYNC_A` = M / 4
-  micro-batches: four updates per global batch, each of a quarter of it, at the flush
-  schedules' learning rate, schedule, data and micro-batches per step (their own setting is
-  `parallel.paci.a`; a changed hyper-parameter of theirs, said so in the output as `async_a`).
-  More updates per token is what a pipeline that never drains can afford and a flush schedule
-  cannot without a smaller global batch and a larger bubble (not measured here). With a = M
-  (one update per global batch, last stop's bench) PACI needed more steps than exact gradients
-  (staleness); at S = 2 over 48 steps a = 2 brought its steps to the flush schedules' loss from
-  1.23x theirs to 1.01x, a = 4 to 1.05x (docs/MEASURED.md). Staleness <= ceil((S - i - 1) / a)
-  updates at stage i. An update costs about half a micro-batch's forward at this model size on a
-  CPU (so not a = 1).
+  two stages on each core. The asynchronous schedules update every `a` = M micro-batches (one
+  update per global batch, like the flush schedules, so all five take the same optimizer steps
+  on the same data and differ only in when; staleness <= 1 while a >= S - 1). More updates per
+  token (a = M / 4, same learning rate) was tried and dropped: at S = 2 it reached the flush
+  schedules' loss later, not sooner (12 steps: 12 against 7.4; 128 steps: held-out 5.795 against
+  1f1b's 5.712 and a = M's 5.673; docs/MEASURED.md). An update costs about half a micro-batch's
+  forward at this model size on a CPU.
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
   measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
   measured by a gloo ping-pong of one activation (the runtime posts its receives ahead, so the
@@ -88,7 +84,6 @@ if TYPE_CHECKING:
 
 SIM_STAGES = (4, 8, 16, 32)
 VIRTUAL = 2  # interleaved-1f1b's chunks per stage
-ASYNC_A = 2  # micro-batches per update of the asynchronous schedules: M / 4 (see above)
 SMALL_LAYERS = 4  # the small preset's: at most that many (virtual) stages run for real
 TARGETS = {"paci_utilisation": 0.95, "paci_memory_vs_1f1b": 1.10, "paci_speedup_at_8": 1.70,
            "zb_h1_memory_vs_1f1b": 1.10, "simulated_bubble_error": 0.10}
@@ -147,7 +142,7 @@ def bench_pipeline(quick: bool, out_dir: str = "runs/bench-pipeline") -> dict[st
     ttt = _time_to_target(real[setup.stages[-1]], sim, setup.stages[-1])
     result = {
         "bench": "pipeline", "quick": quick, "setup": setup.__dict__, "micro_per_batch": M,
-        "async_a": ASYNC_A, "sim_span": SIM_SPAN,
+        "async_a": M, "sim_span": SIM_SPAN,
         "tokens_per_step": setup.global_batch * setup.seq_len, "transfer_s": transfer,
         "loadavg": {"start": load0, "end": os.getloadavg()}, "pooled_costs": costs,
         "real": {str(S): runs for S, runs in real.items()},
@@ -212,7 +207,8 @@ def _real_run(setup: Setup, S: int, name: str, data: str, runs: Path, ckpt: Path
     run_dir = runs / f"S{S}-{name}"
     shutil.rmtree(run_dir, ignore_errors=True)  # an old run there would be resumed
     shutil.rmtree(ckpt, ignore_errors=True)
-    paci_a = [f"parallel.paci.a={ASYNC_A}"] if asynchronous(name) else []
+    M = setup.global_batch // setup.micro_batch
+    paci_a = [f"parallel.paci.a={M}"] if asynchronous(name) else []
     chunks = VIRTUAL if name == "interleaved-1f1b" else 1
     if chunks > 1:
         paci_a.append(f"parallel.virtual_stages={chunks}")
@@ -348,9 +344,9 @@ def _fits(name: str, S: int, M: int) -> bool:
 
 
 def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
-    """The bench's lists: asynchronous schedules update every `ASYNC_A` micro-batches,
+    """The bench's lists: asynchronous schedules update once per global batch (a = M),
     interleaved-1f1b has `VIRTUAL` chunks per stage."""
-    options = {"a": ASYNC_A} if asynchronous(name) else {}
+    options = {"a": M} if asynchronous(name) else {}
     if name == "interleaved-1f1b":
         options["virtual"] = VIRTUAL
     return build_schedule(name, S, M, n_batches, **options)
