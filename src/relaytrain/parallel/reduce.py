@@ -24,17 +24,17 @@ guarantees (M such values sum below 2^(33 - bits(M)) * 2^-30). So only such valu
 packed; the others (rare: gradients are mostly far smaller) go into two limbs' sums of their
 parameter, which the packed sums are added to at the end, the same integers again. The packed
 sums travel in bucketed all-reduces, the last with, in its tail, the overflow flag and which
-parameters hold two-limb sums on any rank (a second all-reduce carries those). So the accumulator and the
-all-reduce take 8 bytes a parameter instead of 16 (fast mode: 4), and the fold is one pass over
-the gradient and the accumulator: a fused CPU kernel (model/cpu_kernels.cpp) where it builds,
-on CUDA torch's ops compiled into one kernel (`compiled_fold`: inductor's Triton) where that
-builds, torch's ops as they are otherwise (the same integers every way). Within
-`GradReducer.overlapping` (the unpipelined step, train/step.py) each parameter's gradient folds
-as soon as autograd has accumulated it, still in cache, and is dropped, instead of in one pass
-over every gradient after the backward; and, told how many backwards the step runs, in the
-last one each bucket's all-reduce starts as soon as its sums are final (`_seal`), under the rest
-of the backward. ReduceStats counts the time and bytes; `relaytrain bench
-dp-scaling` measures the cost.
+parameters hold two-limb sums on any rank (a second all-reduce carries those). So the
+accumulator and the all-reduce take 8 bytes a parameter instead of 16 (fast mode: 4), and the
+fold is one pass over the gradient and the accumulator: a fused CPU kernel
+(model/cpu_kernels.cpp) where it builds, on CUDA torch's ops compiled into one kernel
+(`compiled_fold`: inductor's Triton) where that builds, torch's ops as they are otherwise (the
+same integers every way). Within `GradReducer.overlapping` (the unpipelined step,
+train/step.py) each parameter's gradient folds as soon as autograd has accumulated it, still in
+cache, and is dropped, instead of in one pass over every gradient after the backward; and, told
+how many backwards the step runs, in the last one each bucket's all-reduce starts as soon as its
+sums are final (`_seal`), under the rest of the backward. ReduceStats counts the time and
+bytes; `relaytrain bench dp-scaling` measures the cost.
 """
 
 from __future__ import annotations
