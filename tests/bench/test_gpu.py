@@ -39,6 +39,7 @@ def test_the_cpu_dry_run_fills_every_section_of_the_json(tmp_path):
     # the reduction's figures beside fast mode's: one device folds (exact) but reduces nothing
     assert 0 < det["exact_fold_share"] < 1 and det["fast_fold_share"] == 0
     assert det["exact_wire_bytes_per_param"] == det["fast_wire_bytes_per_param"] == 0
+    assert det["exact_comm_share"] == det["fast_comm_share"] == 0
     assert "portability" in format_report(r)
 
 

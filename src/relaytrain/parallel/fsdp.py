@@ -177,7 +177,7 @@ class ShardedGradReducer:
         for comm in self._comms:
             comm.reset()
 
-    def overlapping(self) -> contextlib.AbstractContextManager:
+    def overlapping(self, micro_batches: int | None = None) -> contextlib.AbstractContextManager:
         """Nothing to add: FSDP2 reduces each unit's gradient within the backward already."""
         return contextlib.nullcontext()
 
