@@ -1,10 +1,14 @@
 """`relaytrain bench long-context`: context parallelism on the `small` preset at the longest
 sequence this machine holds (within a cap, below): per-step time and peak resident memory per
-worker at cp 1, 2 and 4 (real runs on Ray actors), the activation memory of a worker's step,
-both as the bytes it saves for backward (counted by `model.memory`) and as its process's peak
-resident growth over one forward and backward (one step per rank on gloo ranks), and the bytes
-a rank exchanges per step for sliding layers against gathering every key (from the attention
-plans: what the exchange moves, counted, not timed).
+worker at cp 1, 2 and 4 (real runs on Ray actors); the activation memory of a worker's step
+(a forward and backward per rank on gloo ranks), all measured above its weights and gradients,
+both allocated before the step: the bytes it saves for backward (`model.memory.SavedBytes`),
+the peak bytes of the tensors alive at once, saved and temporaries (`LiveBytes`: the target's
+measure, what CUDA's `max_memory_allocated` counts on a GPU), and its process's peak resident
+growth (which also holds code pages first touched, gloo's and malloc's buffers); and the bytes
+the busiest rank receives in the step for sliding and for full layers, measured as its
+exchanges hand them to gloo (`parallel.context.metering`), against what gathering every key
+would move.
 
 The sequence is measured, not fixed: the longest power of two whose cp 1 step fits a budget of
 half the memory the machine has available (`longest_sequence`: a worker's state plus its
