@@ -405,7 +405,7 @@ def _olmo3_7b(dev: torch.device, quick: bool) -> dict[str, Any]:
                         "autocast": "bf16" if cuda else None,
                         "optimizer": "AdamW fused" if cuda else "AdamW foreach"},
              memory_plan_gib={k: round(v / GIB, 2) for k, v in plan.items()
-                              if k not in ("params", "tokens", "gather_dtype")},
+                              if k not in ("params", "tokens", "gather_dtype", "checkpointing")},
              params=plan["params"])
     if cuda:
         r["peak_memory_gib"] = round(r["peak_memory_bytes"] / GIB, 2)
