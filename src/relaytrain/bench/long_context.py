@@ -66,17 +66,15 @@ def exchange_bytes(tokens: int, kv_width: int, exact: bool) -> int:
     return 2 * kv + kv * (4 if exact else 1)
 
 
-def _step(model: Olmo3, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> None:
-    model(inputs, labels=labels, **kwargs)[0].backward()
-
-
-def _step_memory(rank: int, cp: int, seq_len: int, port: int, out: str) -> None:
+def _step_memory(rank: int, cp: int, seq_len: int, port: int, out: str, resident: bool
+                 ) -> None:
     """Rank `rank` of `cp`: a forward and backward of the small preset on its part of a
     sequence, its gradients allocated before (a training step's baseline: weights, gradients;
     optimizer state is untouched by the step). Written to `out`/rank (JSON): the bytes it saved
-    for backward, its process's peak resident growth over the step, the bytes its exchanges
-    received per layer kind (as handed to gloo), and, in a second step, the peak bytes of the
-    tensors alive at once (`LiveBytes`, kept out of the first step's resident size)."""
+    for backward, the peak bytes of the tensors alive at once (`LiveBytes`), the bytes its
+    exchanges received per layer kind (as handed to gloo), and, with `resident`, its process's
+    peak resident growth over a step before, run without the meters (whose Python bookkeeping
+    would be in it)."""
     torch.set_num_threads(1)
     if cp > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -94,15 +92,19 @@ def _step_memory(rank: int, cp: int, seq_len: int, port: int, out: str) -> None:
         context = ContextGroup(ContextSplit(seq_len, cp, rank), dist.group.WORLD)
         inputs, labels = context.split.local(inputs), context.split.local(labels)
         kwargs["context"] = context
+    def step() -> None:
+        model(inputs, labels=labels, **kwargs)[0].backward()
+
+    growth = 0
+    if resident:  # a step of its own: the meters' bookkeeping kept out of the resident size
+        before = proc_bytes("/proc/self/status", "VmRSS") or 0
+        reset_peak_rss()
+        step()
+        growth = max(0, peak_rss() - before)
     counter = SavedBytes(model.parameters())
-    before = proc_bytes("/proc/self/status", "VmRSS") or 0
-    reset_peak_rss()
-    with counter.counting(), metering() as wire:
-        _step(model, inputs, labels, kwargs)
-    growth = max(0, peak_rss() - before)
     held = [t for p in model.parameters() for t in (p, p.grad)]
-    with LiveBytes(held) as live:
-        _step(model, inputs, labels, kwargs)
+    with counter.counting(), metering() as wire, LiveBytes(held) as live:
+        step()
     Path(out, str(rank)).write_text(json.dumps({
         "saved": counter.nbytes, "growth": growth, "live": live.peak,
         "wire": {str(w): n for w, n in wire.received.items()}}))
@@ -110,16 +112,16 @@ def _step_memory(rank: int, cp: int, seq_len: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def step_memory(seq_len: int, cp: int) -> dict[str, Any]:
+def step_memory(seq_len: int, cp: int, resident: bool = True) -> dict[str, Any]:
     """Over `cp` ranks' steps of one sequence, the most any rank saves for backward (`saved`),
     holds in live tensors at once (`live`), grows its resident size by (`growth`; 0 where /proc
-    is missing), and receives for each layer kind's exchanges (`wire`: window, or "None" for
-    full layers -> bytes of the step, all such layers together)."""
+    is missing or without `resident`), and receives for each layer kind's exchanges (`wire`:
+    window, or "None" for full layers -> bytes of the step, all such layers together)."""
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as out:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        mp.spawn(_step_memory, args=(cp, seq_len, port, out), nprocs=cp)
+        mp.spawn(_step_memory, args=(cp, seq_len, port, out, resident), nprocs=cp)
         ranks = [json.loads(Path(out, str(r)).read_text()) for r in range(cp)]
         kinds = {w for r in ranks for w in r["wire"]}
         return {**{k: max(r[k] for r in ranks) for k in ("saved", "live", "growth")},
