@@ -322,22 +322,32 @@ def test_the_32b_long_context_layout_fits_80_gb_gpus_at_65536_tokens():
 
 def test_the_7b_long_context_layout_fits_80_gb_gpus_at_65536_tokens():
     """fsdp 1 x cp 8 with parallel.shard_over_cp (OLMo-core's hsdp shard_degree=1 with cp 8):
-    a replica's state sharded over its 8 cp GPUs, each holding 1/8 of every sequence: the
-    memory plan's peak fits an 80 GB GPU in fast and in exact mode."""
+    a replica's state sharded over its 8 cp GPUs, each holding 1/8 of every sequence. Without
+    activation checkpointing, as the script (ac_config=None) and the config: the plan keeps
+    every block's activations, and its peak fits an 80 GB GPU in fast mode; exact mode (fp32
+    gathers and residual stream, limb sums) fits only with model.checkpointing=full."""
     cfg = load_config(CONFIGS / "olmo3-7b-long-context.yaml", [])
     p = cfg.parallel
     assert (cfg.seq_len, cfg.train.micro_batch, p.fsdp, p.cp, p.shards) == (65_536, 1, 1, 8, 8)
-    assert_fits_80_gb(cfg)
+    assert cfg.model.checkpointing == "none"
+    assert_fits_80_gb(cfg, exact_modes=(False,))
+    exact = {ac: plan(cfg, exact=True, checkpointing=ac)["peak"] for ac in ("none", "full")}
+    assert exact["none"] > GPU_80GB > exact["full"]
     # unsharded, each cp rank holding the whole 7B state, it would not
     assert memory_plan(cfg.model_config(), cfg.seq_len, 1, fsdp=1, cp=p.cp)["peak"] > GPU_80GB
 
 
-def assert_fits_80_gb(cfg) -> None:
-    """The memory plan's peak at the config's shards, with its gathers (fast mode) and with
-    exact mode's fp32 ones, is under 80 GB."""
+def plan(cfg, exact: bool, **kwargs) -> dict:
+    """The memory plan of the config's layout and gathers (exact mode's fp32), its
+    activation checkpointing unless `kwargs` say otherwise."""
     p = cfg.parallel
-    for exact in (False, True):
-        plan = memory_plan(cfg.model_config(), cfg.seq_len, cfg.train.micro_batch,
-                           fsdp=p.shards, exact=exact, cp=p.cp,
-                           gather="auto" if exact else p.fsdp_param_dtype)
-        assert plan["peak"] < GPU_80GB, (exact, plan["peak"])
+    return memory_plan(cfg.model_config(), cfg.seq_len, cfg.train.micro_batch, fsdp=p.shards,
+                       exact=exact, cp=p.cp, gather="auto" if exact else p.fsdp_param_dtype,
+                       **{"checkpointing": cfg.model.checkpointing, **kwargs})
+
+
+def assert_fits_80_gb(cfg, exact_modes=(False, True)) -> None:
+    """The memory plan's peak at the config's shards and activation checkpointing, with its
+    gathers (fast mode) and with exact mode's fp32 ones, is under 80 GB."""
+    for exact in exact_modes:
+        assert plan(cfg, exact)["peak"] < GPU_80GB, (exact, plan(cfg, exact)["peak"])

@@ -39,6 +39,7 @@ def test_the_cpu_dry_run_fills_every_section_of_the_json(tmp_path):
     # the reduction's figures beside fast mode's: one device folds (exact) but reduces nothing
     assert 0 < det["exact_fold_share"] < 1 and det["fast_fold_share"] == 0
     assert det["exact_wire_bytes_per_param"] == det["fast_wire_bytes_per_param"] == 0
+    assert det["exact_comm_share"] == det["fast_comm_share"] == 0
     assert "portability" in format_report(r)
 
 
@@ -126,8 +127,9 @@ def test_the_docs_memory_tables_are_what_memory_table_computes():
                 plan = memory_plan(PRESETS[preset], 8192, 1, fsdp=f, exact=exact)
                 assert plan["peak"] == plan["backward_peak"]
         assert memory_table(PRESETS[preset], 8192, 1, fsdps) in text
-    for preset, fsdps in (("olmo3-7b", (8,)), ("olmo3-32b", (16, 32))):  # stage 3, cp 8
-        assert memory_table(PRESETS[preset], 65_536, 1, fsdps, cp=8) in text
+    # stage 3, cp 8, each as its config checkpoints (7B: none, as OLMo-core's script)
+    for preset, fsdps, ac in (("olmo3-7b", (8,), "none"), ("olmo3-32b", (16, 32), "full")):
+        assert memory_table(PRESETS[preset], 65_536, 1, fsdps, cp=8, checkpointing=ac) in text
 
 
 def test_the_plan_at_65536_tokens_over_cp_8_fits_80_gb_where_whole_sequences_cannot():

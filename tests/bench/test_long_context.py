@@ -1,5 +1,6 @@
 """The long-context bench's exchange counts: a sliding layer fetches only the window's keys,
-within the issue's target of window / (seq / cp) of gathering every key."""
+within the issue's target of window / (seq / cp) of gathering every key, in the plan and on the
+wire; and a cp worker's activation memory is its share of cp 1's."""
 
 import pytest
 
@@ -9,15 +10,17 @@ from relaytrain.bench.long_context import (
     longest_sequence,
     step_memory,
 )
+from relaytrain.model.config import PRESETS, SLIDING
 
 
 def test_sliding_layers_fetch_the_window_not_the_whole_sequence():
-    # Olmo 3's stage 3: two chunks of 4,096 per rank, each with the 4,096 keys before it
-    assert fetched_tokens(65_536, 8, 4_096) == 8_192
+    # Olmo 3's stage 3: two chunks of 4,096 per rank, each with the 4,095 keys before it
+    assert fetched_tokens(65_536, 8, 4_096) == 8_190
     assert fetched_tokens(65_536, 8, None) == 65_536 - 8_192  # the late chunk sees everything
-    assert 8_192 / 57_344 <= 4_096 / (65_536 / 8)
-    for cp in (2, 4):  # the bench's own shape: blocks of 64 = the small preset's window
-        assert fetched_tokens(1_024, cp, 64) / (1_024 - 1_024 // cp) <= 64 / (1_024 / cp)
+    assert 8_190 / 57_344 <= 4_096 / (65_536 / 8)
+    for cp in (2, 4):  # the bench's shape: blocks of 128, twice the small preset's window
+        assert fetched_tokens(2_048, cp, 64) == {2: 63, 4: 126}[cp]  # 63 before a chunk
+        assert fetched_tokens(2_048, cp, 64) / (2_048 - 2_048 // cp) <= 64 / (2_048 / cp)
 
 
 def test_exact_mode_returns_limbs_four_times_float32_s_bytes():
@@ -27,12 +30,23 @@ def test_exact_mode_returns_limbs_four_times_float32_s_bytes():
 
 
 @pytest.mark.timeout(180)
-def test_a_cp_worker_saves_its_share_of_the_activations():
-    """The issue's target, on gloo ranks: a worker at cp 2 and 4 saves for backward at most
-    1.2 x cp 1's / cp (its own keys and values only: fetched ones are fetched again)."""
-    one = step_memory(512, 1)
+def test_a_cp_worker_holds_its_share_of_the_activations_and_receives_the_window_s_keys():
+    """The issue's targets, on gloo ranks: a worker at cp 2 and 4 saves for backward, and holds
+    in tensors at its step's peak, at most 1.2 x cp 1's / cp (its own keys and values saved:
+    fetched ones are fetched again); its sliding layers' exchanges, measured as handed to
+    gloo, move the plan's keys (the window's before each chunk), within window / (seq / cp) of
+    gathering every key."""
+    one = step_memory(512, 1, resident=False)  # the resident size: the bench's, not here
+    width = PRESETS["small"].n_kv_heads * PRESETS["small"].head_dim
+    sliding = sum(t == SLIDING for t in PRESETS["small"].layer_types)
+    assert one["wire"] == {}
     for cp in (2, 4):
-        assert step_memory(512, cp)["saved"] <= 1.2 * one["saved"] / cp
+        got = step_memory(512, cp, resident=False)
+        assert got["saved"] <= 1.2 * one["saved"] / cp
+        assert got["live"] <= 1.2 * one["live"] / cp, (cp, got["live"], one["live"])
+        per_layer = got["wire"]["64"] / sliding
+        assert per_layer == exchange_bytes(fetched_tokens(512, cp, 64), width, exact=False)
+        assert per_layer / exchange_bytes(512 - 512 // cp, width, exact=False) <= 64 / (512 / cp)
 
 
 def test_the_bench_runs_at_the_longest_power_of_two_that_fits_half_the_memory_within_its_cap():

@@ -14,6 +14,7 @@ from torch import nn
 
 from relaytrain.parallel.reduce import (
     GradReducer,
+    buckets,
     compiled_fold,
     exceeds,
     fold_kernel_builds,
@@ -256,6 +257,14 @@ def test_the_overlapped_fold_gives_today_s_gradient_and_overflow_bit_for_bit(m):
             assert all(torch.equal(got[n], want[n]) for n in grads), (fused, overlap)
 
 
+def test_buckets_are_consecutive_parameters_in_backward_order_closed_at_the_size():
+    """Each bucket is one slice of the accumulator, filled from the last parameter (whose
+    gradient the backward makes first), closed once it holds the size or more."""
+    assert buckets([5, 1, 2, 3, 4], 4) == [[4], [3, 2], [1, 0]]
+    assert buckets([5, 1, 2], 100) == [[2, 1, 0]]
+    assert buckets([2, 2], 1) == [[1], [0]]
+
+
 def test_a_gradient_accumulated_twice_in_one_micro_batch_is_refused_not_folded_in_parts():
     """Two backward calls into one micro-batch's gradient would fold as two parts, not as their
     float sum: the overlapped fold raises; outside `overlapping` nothing is hooked."""
@@ -299,12 +308,30 @@ def _mixed_ranks(rank: int, world: int, port: int) -> None:
         assert red.finish()
         return {n: p.grad for n, p in params.items()}, red
 
+    def overlapped(ks: list[int], fused: bool) -> dict:
+        """Folded by autograd's hooks, every parameter its own bucket (`unused` first, so its
+        bucket, the last, with the flags in its tail, waits for `after_backward`)."""
+        params = {n: nn.Parameter(torch.zeros(shapes[n])) for n in ("unused", "a", "b")}
+        red = GradReducer(list(params.values()), dist.group.WORLD, exact=True,
+                          total_micro_batches=m, fused=fused, bucket_values=1)
+        red.start()
+        with red.overlapping(len(ks)):
+            for k in ks:
+                sum((params[n] * g).sum() for n, g in grads_of(k).items()).backward()
+                assert red._sealed == (2 if k == ks[-1] else 0)  # b's, a's: in the backward
+                red.after_backward()
+        assert red._sealed == 3 and len(red._works) == 3
+        assert red.finish()
+        return {n: p.grad for n, p in params.items()}
+
     for fused in _fused_modes():
         alone, _ = reduce(None, list(range(m)), fused)
         mine, red = reduce(dist.group.WORLD, list(range(rank, m, world)), fused)
         assert all(torch.equal(mine[n], alone[n]) for n in shapes)
         assert 1 in red._wide and 0 not in red._wide  # b went wide everywhere, a did not
         assert red.stats.wire_bytes == 8 * (1 + 3) + 8 * 381 + 16 * 77
+        early = overlapped(list(range(rank, m, world)), fused)
+        assert all(torch.equal(early[n], alone[n]) for n in shapes)
     dist.destroy_process_group()
 
 
@@ -319,7 +346,8 @@ def _free_port() -> int:
 def test_ranks_agree_on_which_parameters_go_wide_and_sum_as_one_rank(world):
     """On real gloo ranks: packed sums, a parameter wide on one rank only reduced as two limbs on
     all, an unused one as zeros; the gradient that of one rank folding every micro-batch, and
-    8 bytes a packed value on the wire, 16 a wide one."""
+    8 bytes a packed value on the wire, 16 a wide one. The same bits when each bucket's
+    all-reduce starts within the last backward, as soon as its last fold is done."""
     mp.spawn(_mixed_ranks, args=(world, _free_port()), nprocs=world)
 
 

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from relaytrain.bench import progress
+from relaytrain.bench.dp_scaling import reduction_cost
 from relaytrain.config import load_config
 from relaytrain.config.sections import ModelSection, OptimSection, TrainSection
 from relaytrain.errors import UserError
@@ -74,12 +75,14 @@ FOLD_BYTES = 37
 
 
 def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
-                exact: bool = False, gather: str = "auto", cp: int = 1) -> dict[str, Any]:
+                exact: bool = False, gather: str = "auto", cp: int = 1,
+                checkpointing: str = "full") -> dict[str, Any]:
     """Bytes a training step of `cfg` needs on one CUDA device with fp32 master weights, as
-    arithmetic (full activation checkpointing, bf16 autocast, fused AdamW, chunked loss,
-    compiled blocks), unsharded or sharded over `fsdp` devices (parallel/fsdp.py), in fast or
-    `exact` mode, gathering parameters as `parallel.fsdp_param_dtype=gather` resolves on CUDA
-    (`auto`: bf16 in fast mode, fp32 in exact mode, which refuses bf16).
+    arithmetic (activation checkpointing as `model.checkpointing`: full or none, bf16
+    autocast, fused AdamW, chunked loss, compiled blocks), unsharded or sharded over `fsdp`
+    devices (parallel/fsdp.py), in fast or `exact` mode, gathering parameters as
+    `parallel.fsdp_param_dtype=gather` resolves on CUDA (`auto`: bf16 in fast mode, fp32 in
+    exact mode, which refuses bf16).
 
     n parameters cost 4n (fp32 weights) + 4n (fp32 gradients) + 8n (AdamW's two fp32
     moments) = 16n for the whole step; autocast's bf16 weight copies (2n) live only through
@@ -88,8 +91,11 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     in the residual stream's dtype), plus about two blocks' worth of recomputed activations
     and their gradients (estimated at tokens x (16 d_model + 6 mlp_hidden) bytes each: bf16
     projections, fp32 norm statistics, the SwiGLU's hidden-width tensors), plus the fused
-    loss's logit chunk. Without checkpointing every block keeps its activations (~10x the
-    estimate above per block), which does not fit at 7B.
+    loss's logit chunk. Without checkpointing (`checkpointing="none"`) every block keeps its
+    activations through the forward, the same estimate a block (no checkpoints, no recompute),
+    and the backward adds one block's gradients: at 7B and 8,192 tokens on one device, 34.5 GB
+    (it does not fit one H200 beside the state); over cp 8 at 65,536 tokens the same per device
+    (Olmo 3's 7B stage 3: OLMo-core's script sets `ac_config=None`).
 
     Sharded, the 16n bytes of state are split over the devices; FSDP2 gathers a unit's
     parameters whole while it runs: the root (embedding and head) for the whole step and a
@@ -117,6 +123,8 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     (probabilities, scores and their gradients, fp32), and the sums of dK/dV over the blocks it
     fetched (float, or two int64 limbs a value in exact mode).
     """
+    if checkpointing not in ("full", "none"):
+        raise ValueError(f"memory_plan: checkpointing {checkpointing!r}; planned: full, none")
     dtype = gather_dtype(gather, "cuda", exact) if fsdp > 1 else "fp32"
     if exact and dtype == "bf16":
         raise ValueError("memory_plan: exact mode gathers fp32 (config/checks.py refuses bf16)")
@@ -132,21 +140,24 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     exact_transient = ((FOLD_BYTES + 8) * min(unit, SLICE_VALUES) if fsdp > 1
                        else FOLD_BYTES * unit) if exact else 0
     in_flight = (width + 4) * unit if fsdp > 1 else 0  # the unit's gradient + fp32 RS input
-    checkpoints = cfg.n_layers * tokens * cfg.d_model * width
     block = tokens * (16 * cfg.d_model + 6 * cfg.mlp_hidden)
+    kept = checkpointing == "none"  # every block's activations kept, nothing recomputed
+    checkpoints = cfg.n_layers * (block if kept else tokens * cfg.d_model * width)
     loss_chunk = 2 * GPU_CHUNK_ELEMENTS * 4  # its fp32 logits and a bf16/fp32 neighbour
     bf16_copies = 2 * (gathered if fsdp > 1 else n) if width == 4 else 0  # of what is whole
     forward_peak = (12 * n // fsdp + (accumulator if fsdp == 1 else 0) + width * gathered
-                    + bf16_copies + checkpoints + block + context["forward"])
+                    + bf16_copies + checkpoints + (0 if kept else block) + context["forward"])
     backward_peak = (states + accumulator + width * gathered + in_flight + exact_transient
-                     + checkpoints + 2 * block + loss_chunk + context["backward"])
+                     + checkpoints + (1 if kept else 2) * block + loss_chunk
+                     + context["backward"])
     return {"params": n, "tokens": tokens, "fsdp": fsdp, "exact": exact,
             "gather_dtype": dtype if fsdp > 1 else None,
             "weights_fp32": 4 * n // fsdp, "grads_fp32": 4 * n // fsdp,
             "adamw_fp32": 8 * n // fsdp, "exact_accumulator": accumulator,
             "gathered": width * gathered, "reduce_in_flight": in_flight,
             "exact_transient": exact_transient, "autocast_bf16_copies": bf16_copies,
-            "checkpoints": checkpoints, "recompute_estimate": 2 * block,
+            "checkpointing": checkpointing, "checkpoints": checkpoints,
+            "recompute_estimate": (1 if kept else 2) * block,
             "loss_chunk": loss_chunk, "cp": cp, "context_attention": context["backward"],
             "forward_peak": forward_peak,
             "backward_peak": backward_peak, "peak": max(forward_peak, backward_peak)}
@@ -156,8 +167,10 @@ def context_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, cp: int, exac
                  ) -> dict[str, int]:
     """Bytes a device's context-parallel attention adds while one layer runs (`memory_plan`):
     a full layer's keys and values (the busiest rank's late chunk sees the whole sequence), one
-    query block's fp32 scores over them (two in the forward, four in the backward), and in the
-    backward the dK/dV sums of every block it holds or fetched. None at cp 1."""
+    query block's fp32 scores over them (two at once in the forward and in the backward: the
+    softmax's gradient is formed in place, parallel/context.py) and, in fast mode, the fp32
+    copy of its keys and values (held in bf16), and in the backward the dK/dV sums of every
+    block it holds or fetched. None at cp 1."""
     if cp == 1:
         return {"forward": 0, "backward": 0}
     from relaytrain.parallel.context import attention_block
@@ -167,7 +180,8 @@ def context_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, cp: int, exac
     kv = 2 * keys * kv_width * (4 if exact else 2)  # bf16 under autocast in fast mode
     scores = cfg.n_heads * attention_block(seq_len) * keys * 4
     sums = 2 * keys * kv_width * (16 if exact else 4)
-    return {"forward": kv + 2 * scores, "backward": kv + 4 * scores + sums}
+    fp32_copy = 0 if exact else 2 * keys * kv_width * 4
+    return {"forward": kv + fp32_copy + 2 * scores, "backward": kv + fp32_copy + 2 * scores + sums}
 
 
 GPU_80GB = 80e9  # an H100's or A100's memory, the bar of the memory tables
@@ -181,7 +195,8 @@ _TABLE_ROWS = (  # a row of `memory_table`: its label and the plan's keys it add
     ("packed int64 gradient accumulator, 8 B a value (1/fsdp)", ("exact_accumulator",)),
     ("a gradient (slice) while it is folded into packed limbs (37-45 B a value)",
      ("exact_transient",)),
-    ("block checkpoints (bf16 fast, fp32 exact) + recompute + loss chunk",
+    ("activations: block checkpoints (bf16 fast, fp32 exact) + a recomputed block, or without "
+     "checkpointing every block's + one's gradients; + loss chunk",
      ("checkpoints", "recompute_estimate", "loss_chunk")),
     ("**planned peak** (backward)", ("peak",)),  # the last two rows stay last
     ("planned peak gathering fp32 (`parallel.fsdp_param_dtype=fp32`)", ("peak_fp32_gathers",)),
@@ -193,16 +208,17 @@ _CONTEXT_ROW = ("context-parallel attention of a layer: its keys and values, a q
 
 
 def memory_table(cfg: Olmo3Config, seq_len: int, micro_batch: int,
-                 fsdps: tuple[int, ...], cp: int = 1) -> str:
+                 fsdps: tuple[int, ...], cp: int = 1, checkpointing: str = "full") -> str:
     """`memory_plan` of each sharding in `fsdps`, fast and exact, as the Markdown table
     docs/MEASURED.md shows (GB = 1e9 bytes; a test holds the docs to it): at the default
     gathers (`auto`), and the peak gathering fp32; whether the default fits 80 GB. With
     `cp` > 1, per device of a sequence split over cp, with the context's attention's row."""
-    plans = [memory_plan(cfg, seq_len, micro_batch, fsdp=f, exact=e, cp=cp)
-             for f in fsdps for e in (False, True)]
+    plans = [memory_plan(cfg, seq_len, micro_batch, fsdp=f, exact=e, cp=cp,
+                         checkpointing=checkpointing) for f in fsdps for e in (False, True)]
     for p in plans:
         p["peak_fp32_gathers"] = memory_plan(cfg, seq_len, micro_batch, fsdp=p["fsdp"],
-                                             exact=p["exact"], gather="fp32", cp=cp)["peak"]
+                                             exact=p["exact"], gather="fp32", cp=cp,
+                                             checkpointing=checkpointing)["peak"]
     rows = _TABLE_ROWS if cp == 1 else (*_TABLE_ROWS[:-2], _CONTEXT_ROW, *_TABLE_ROWS[-2:])
     head = "".join(f" fsdp {p['fsdp']} {'exact' if p['exact'] else 'fast'} |" for p in plans)
     lines = [f"| GB per GPU |{head}", "| --- |" + " ---: |" * len(plans)]
@@ -390,7 +406,7 @@ def _olmo3_7b(dev: torch.device, quick: bool) -> dict[str, Any]:
                         "autocast": "bf16" if cuda else None,
                         "optimizer": "AdamW fused" if cuda else "AdamW foreach"},
              memory_plan_gib={k: round(v / GIB, 2) for k, v in plan.items()
-                              if k not in ("params", "tokens", "gather_dtype")},
+                              if k not in ("params", "tokens", "gather_dtype", "checkpointing")},
              params=plan["params"])
     if cuda:
         r["peak_memory_gib"] = round(r["peak_memory_bytes"] / GIB, 2)
@@ -487,13 +503,11 @@ def _determinism(dev: torch.device, out_dir: Path) -> dict[str, Any]:
         and _equal(weights["first"], weights["resumed"]),
         "exact_step_s": step_time(first), "fast_step_s": step_time(fast),
         "exact_cost": step_time(first) / step_time(fast),
-        # the gradient reduction's share of the step and bytes reduced per parameter (one
-        # device: no collectives, so the fold alone; `bench dp-scaling` says more)
-        **{f"{mode}_fold_share": statistics.median(recs[s]["time_fold"] / recs[s]["time_compute"]
-                                                   for s in range(3, steps + 1))
-           for mode, recs in (("exact", first), ("fast", fast))},
-        **{f"{mode}_wire_bytes_per_param": recs[steps]["wire_bytes_per_param"]
-           for mode, recs in (("exact", first), ("fast", fast))},
+        # issue 44's two figures, each mode's: the gradient reduction's share of the step and
+        # the bytes it put on the wire per parameter (one device: no collectives, so 0 bytes
+        # and the fold alone; `bench dp-scaling` measures the wire at dp 2)
+        **{f"{mode}_{k}": v for mode, name in (("exact", "first"), ("fast", "fast"))
+           for k, v in reduction_cost(str(work / name), 2).items()},
         "fast_vs_exact_max_abs_loss_diff": max(abs(first[s]["loss"] - fast[s]["loss"])
                                                for s in first),
     }

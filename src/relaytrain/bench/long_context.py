@@ -1,10 +1,14 @@
 """`relaytrain bench long-context`: context parallelism on the `small` preset at the longest
 sequence this machine holds (within a cap, below): per-step time and peak resident memory per
-worker at cp 1, 2 and 4 (real runs on Ray actors), the activation memory of a worker's step,
-both as the bytes it saves for backward (counted by `model.memory`) and as its process's peak
-resident growth over one forward and backward (one step per rank on gloo ranks), and the bytes
-a rank exchanges per step for sliding layers against gathering every key (from the attention
-plans: what the exchange moves, counted, not timed).
+worker at cp 1, 2 and 4 (real runs on Ray actors); the activation memory of a worker's step
+(a forward and backward per rank on gloo ranks), all measured above its weights and gradients,
+both allocated before the step: the bytes it saves for backward (`model.memory.SavedBytes`),
+the peak bytes of the tensors alive at once, saved and temporaries (`LiveBytes`: the target's
+measure, what CUDA's `max_memory_allocated` counts on a GPU), and its process's peak resident
+growth (which also holds code pages first touched, gloo's and malloc's buffers); and the bytes
+the busiest rank receives in the step for sliding and for full layers, measured as its
+exchanges hand them to gloo (`parallel.context.metering`), against what gathering every key
+would move.
 
 The sequence is measured, not fixed: the longest power of two whose cp 1 step fits a budget of
 half the memory the machine has available (`longest_sequence`: a worker's state plus its
@@ -34,9 +38,9 @@ from relaytrain.bench.common import demo_data, run_training
 from relaytrain.model.accounting import param_count
 from relaytrain.model.config import PRESETS, SLIDING
 from relaytrain.model.init import init_weights
-from relaytrain.model.memory import SavedBytes
+from relaytrain.model.memory import LiveBytes, SavedBytes
 from relaytrain.model.olmo3 import Olmo3
-from relaytrain.parallel.context import ContextGroup, ContextSplit, plan_attention
+from relaytrain.parallel.context import ContextGroup, ContextSplit, metering, plan_attention
 from relaytrain.runlog import read_metrics
 from relaytrain.train.metrics import proc_bytes
 from relaytrain.train.stepper import peak_rss, reset_peak_rss
@@ -48,23 +52,29 @@ SEQ_CAP = 2_048  # tokens at most (module docstring: why)
 
 
 def fetched_tokens(seq_len: int, cp: int, window: int | None) -> int:
-    """Key tokens the busiest rank fetches per layer and sequence (`AttentionPlan`)."""
-    return max(plan_attention(ContextSplit(seq_len, cp, r), window).fetched_tokens
+    """Key tokens the busiest rank fetches per layer and sequence, as the plan lays them out
+    (`AttentionPlan.wire_tokens`): for lengths too long to run here (Olmo 3's stage 3)."""
+    return max(plan_attention(ContextSplit(seq_len, cp, r), window).wire_tokens
                for r in range(cp))
 
 
 def exchange_bytes(tokens: int, kv_width: int, exact: bool) -> int:
     """Bytes a rank receives for `tokens` fetched keys: K and V in the forward and again in the
     backward, and the dK/dV contributions its peers return (int64 limb pairs in exact mode:
-    4x float32's)."""
+    4x float32's). What gathering every key would move, to compare the measured bytes with."""
     kv = 2 * tokens * kv_width * 4
     return 2 * kv + kv * (4 if exact else 1)
 
 
-def _step_memory(rank: int, cp: int, seq_len: int, port: int, out: str) -> None:
-    """Rank `rank` of `cp`: one forward and backward of the small preset on its part of a
-    sequence; the bytes it saved for backward and its process's peak resident growth over the
-    step written to `out`/rank (JSON)."""
+def _step_memory(rank: int, cp: int, seq_len: int, port: int, out: str, resident: bool
+                 ) -> None:
+    """Rank `rank` of `cp`: a forward and backward of the small preset on its part of a
+    sequence, its gradients allocated before (a training step's baseline: weights, gradients;
+    optimizer state is untouched by the step). Written to `out`/rank (JSON): the bytes it saved
+    for backward, the peak bytes of the tensors alive at once (`LiveBytes`), the bytes its
+    exchanges received per layer kind (as handed to gloo), and, with `resident`, its process's
+    peak resident growth over a step before, run without the meters (whose Python bookkeeping
+    would be in it)."""
     torch.set_num_threads(1)
     if cp > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -73,6 +83,8 @@ def _step_memory(rank: int, cp: int, seq_len: int, port: int, out: str) -> None:
     cfg = PRESETS["small"].with_vocab(2048)
     model = Olmo3(cfg)
     init_weights(model, 0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
     tokens = torch.randint(0, 2048, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     kwargs = {}
@@ -80,29 +92,40 @@ def _step_memory(rank: int, cp: int, seq_len: int, port: int, out: str) -> None:
         context = ContextGroup(ContextSplit(seq_len, cp, rank), dist.group.WORLD)
         inputs, labels = context.split.local(inputs), context.split.local(labels)
         kwargs["context"] = context
+    def step() -> None:
+        model(inputs, labels=labels, **kwargs)[0].backward()
+
+    growth = 0
+    if resident:  # a step of its own: the meters' bookkeeping kept out of the resident size
+        before = proc_bytes("/proc/self/status", "VmRSS") or 0
+        reset_peak_rss()
+        step()
+        growth = max(0, peak_rss() - before)
     counter = SavedBytes(model.parameters())
-    before = proc_bytes("/proc/self/status", "VmRSS") or 0
-    reset_peak_rss()
-    with counter.counting():
-        loss = model(inputs, labels=labels, **kwargs)[0]
-    loss.backward()
-    growth = max(0, peak_rss() - before)
-    Path(out, str(rank)).write_text(json.dumps({"saved": counter.nbytes, "growth": growth}))
+    held = [t for p in model.parameters() for t in (p, p.grad)]
+    with counter.counting(), metering() as wire, LiveBytes(held) as live:
+        step()
+    Path(out, str(rank)).write_text(json.dumps({
+        "saved": counter.nbytes, "growth": growth, "live": live.peak,
+        "wire": {str(w): n for w, n in wire.received.items()}}))
     if cp > 1:
         dist.destroy_process_group()
 
 
-def step_memory(seq_len: int, cp: int) -> dict[str, int]:
-    """The most bytes any of `cp` ranks saves for backward in one step of one sequence
-    (`saved`), and the largest peak resident growth of a rank's process over it (`growth`;
-    0 where /proc is missing)."""
+def step_memory(seq_len: int, cp: int, resident: bool = True) -> dict[str, Any]:
+    """Over `cp` ranks' steps of one sequence, the most any rank saves for backward (`saved`),
+    holds in live tensors at once (`live`), grows its resident size by (`growth`; 0 where /proc
+    is missing or without `resident`), and receives for each layer kind's exchanges (`wire`:
+    window, or "None" for full layers -> bytes of the step, all such layers together)."""
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as out:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        mp.spawn(_step_memory, args=(cp, seq_len, port, out), nprocs=cp)
+        mp.spawn(_step_memory, args=(cp, seq_len, port, out, resident), nprocs=cp)
         ranks = [json.loads(Path(out, str(r)).read_text()) for r in range(cp)]
-        return {k: max(r[k] for r in ranks) for k in ("saved", "growth")}
+        kinds = {w for r in ranks for w in r["wire"]}
+        return {**{k: max(r[k] for r in ranks) for k in ("saved", "live", "growth")},
+                "wire": {w: max(r["wire"].get(w, 0) for r in ranks) for w in kinds}}
 
 
 def longest_sequence(available: int, per_token: float, cap: int = SEQ_CAP) -> dict[str, Any]:
@@ -147,22 +170,26 @@ def bench_long_context(quick: bool = False) -> dict[str, Any]:
             out["runs"][f"cp{cp}"] = {
                 "step_s": statistics.median(r["time_compute"] for r in recs),
                 "peak_rss_mib": max(r["peak_rss"] for r in recs) / 2**20,
-                "saved_mib": memory["saved"] / 2**20, "growth_mib": memory["growth"] / 2**20}
-    for key in ("saved", "growth"):  # the issue's target: <= 1.2 x cp 1's / cp
+                **{f"{k}_mib": memory[k] / 2**20 for k in ("saved", "live", "growth")}}
+            out["exchange"][f"cp{cp}"] = memory["wire"]
+    for key in ("saved", "live", "growth"):  # the issue's target: <= 1.2 x cp 1's / cp
         one = out["runs"]["cp1"][f"{key}_mib"]
         for cp in DEGREES[1:]:
             run = out["runs"][f"cp{cp}"]
             run[f"{key}_over_share"] = run[f"{key}_mib"] / (one / cp) if one else None
     kv_width = cfg.n_kv_heads * cfg.head_dim
+    sliding_layers = sum(t == SLIDING for t in cfg.layer_types)
+    layers = {str(cfg.sliding_window): sliding_layers, "None": cfg.n_layers - sliding_layers}
+    del out["exchange"]["cp1"]  # nothing exchanged
     for cp in DEGREES[1:]:
-        sliding, full, gather = (exchange_bytes(t, kv_width, exact=False) for t in (
-            fetched_tokens(seq, cp, cfg.sliding_window), fetched_tokens(seq, cp, None),
-            seq - seq // cp))
+        wire = out["exchange"][f"cp{cp}"]
+        sliding, full = (wire.get(k, 0) // n for k, n in layers.items())
+        gather = exchange_bytes(seq - seq // cp, kv_width, exact=False)
         out["exchange"][f"cp{cp}"] = {
             "sliding_bytes": sliding, "full_bytes": full, "all_gather_bytes": gather,
             "sliding_over_gather": sliding / gather, "target": cfg.sliding_window / (seq / cp)}
-    out["sliding_layers"] = sum(t == SLIDING for t in cfg.layer_types)
-    # Olmo 3's stage 3 (65,536 tokens, cp 8, a 4,096 window), counted the same way
+    out["sliding_layers"] = sliding_layers
+    # Olmo 3's stage 3 (65,536 tokens, cp 8, a 4,096 window): from the plan (not run here)
     stage3 = (fetched_tokens(STAGE3_SEQ, 8, STAGE3_WINDOW), STAGE3_SEQ - STAGE3_SEQ // 8)
     out["stage3_fetched_tokens"] = {"sliding": stage3[0], "all_gather": stage3[1],
                                     "ratio": stage3[0] / stage3[1],
@@ -187,20 +214,26 @@ def format_report(r: dict[str, Any]) -> str:
             f"{c['bytes_per_token']:,} B a token) holds {c['holds']:,} tokens, capped at "
             f"{c['cap']:,} so the bench ends in minutes on a 2-core host")
     lines.append("per worker: median step seconds, peak resident MiB (Ray runs); a step's "
-                 "activation memory, MiB saved for backward and peak resident growth, each "
-                 "with its ratio to cp 1's / cp (target <= 1.2):")
+                 "activation memory (the busiest rank's, above its weights and gradients, "
+                 "both allocated before the step; measured): MiB saved for backward, peak MiB "
+                 "of tensors alive at once (saved and temporaries: the target's measure), "
+                 "peak resident growth of the process (also code pages, gloo's and malloc's "
+                 "buffers), each with its ratio to cp 1's / cp (target <= 1.2):")
     lines += [f"  {k:<5} {v['step_s']:8.3f} s {v['peak_rss_mib']:7.0f} MiB "
-              f"{v['saved_mib']:8.1f} MiB saved{_share(v, 'saved')} "
-              f"{v['growth_mib']:8.1f} MiB growth{_share(v, 'growth')}"
+              f"{v['saved_mib']:8.1f} saved{_share(v, 'saved')} "
+              f"{v['live_mib']:8.1f} live{_share(v, 'live')} "
+              f"{v['growth_mib']:8.1f} growth{_share(v, 'growth')}"
               for k, v in r["runs"].items()]
-    lines.append(f"bytes one rank receives per layer and sequence (fast mode; window "
-                 f"{r['window']}):")
+    lines.append(f"bytes the busiest rank receives per layer and sequence, measured as its "
+                 f"exchanges hand them to gloo (fast mode; window {r['window']}), against "
+                 f"gathering every key:")
     for k, v in r["exchange"].items():
         lines.append(f"  {k:<5} sliding {v['sliding_bytes']:>12,}  full {v['full_bytes']:>12,}"
                      f"  all-gather {v['all_gather_bytes']:>12,}  sliding/gather "
                      f"{v['sliding_over_gather']:.3f} (target <= {v['target']:.3f})")
     s = r["stage3_fetched_tokens"]
-    lines.append(f"  65,536 tokens at cp 8, window 4,096: a rank fetches {s['sliding']:,} keys "
+    lines.append(f"  65,536 tokens at cp 8, window 4,096 (the plan's count): a rank fetches "
+                 f"{s['sliding']:,} keys "
                  f"for a sliding layer where gathering fetches {s['all_gather']:,} "
                  f"({s['ratio']:.3f}; target <= {s['target']:.3f})")
     return "\n".join(lines) + "\n" + json.dumps(r)

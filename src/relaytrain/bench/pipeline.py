@@ -10,24 +10,29 @@ Two layers, kept apart so that neither hides the other:
   worker per stage with one thread: on a 2-core machine S = 2 has a core per stage, S = 4 puts
   two stages on each core. The asynchronous schedules update every `a` = M micro-batches (one
   update per global batch, like the flush schedules, so all five take the same optimizer steps
-  on the same data and differ only in when; staleness <= 1 while a >= S - 1). With a = 1 an
-  update per micro-batch would cost as much as its forward at this model size on a CPU.
+  on the same data and differ only in when; staleness <= 1 while a >= S - 1). More updates per
+  token (a = M / 4, same learning rate) was tried and dropped: at S = 2 it reached the flush
+  schedules' loss later, not sooner (12 steps: 12 against 7.4; 128 steps: held-out 5.795 against
+  1f1b's 5.712 and a = M's 5.673; docs/MEASURED.md). An update costs about half a micro-batch's
+  forward at this model size on a CPU.
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
   measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
   measured by a gloo ping-pong of one activation (the runtime posts its receives ahead, so the
-  simulator puts the transfer on the link, not on the stages). The error against the real runs is
-  reported (the simulator is given the costs measured in that very run). For S in 4..32 every
-  stage does what one real S = 2 stage did (their mean: a balanced cut), i.e. a model S/2 times
-  deeper, as pipelines are used (the paper: GPT-2 Medium, 24 layers on 8 stages); the `small`
-  preset itself has 4 layers, so the runtime cannot cut it into more than 4 stages, and 1/S-thin
-  stages would make the fixed transfer weigh S/2 times more (`simulated_same_model` shows that
-  case). Spans of `parallel.span` steps, the default dispatch (the asynchronous pipelines drain
-  at every span end). Every schedule runs the same operations, so all are simulated with one set
-  of costs: per stage, the median over the S = 2 runs (each run's own costs would carry the
-  noise of whatever else the machine ran meanwhile into the comparison); zb-h1, whose backward
-  is split, with its own run's B and W (the split's extra work included) and the pooled F and U.
-  `sensitivity_at_8`
-  shows what the transfer time, the span length and the stage size do to paci and 1f1b.
+  simulator puts the transfer on the link, not on the stages); a flush schedule's updates start
+  together on every stage, as the global-norm all-gather before each of them makes the runtime's
+  (a stage that finishes its last backward first waits there: bubble in the real runs). The error
+  against the real runs is reported (the simulator is given the costs measured in that very run).
+  For S in 4..32 every stage does what one real S = 2 stage did (their mean: a balanced cut), i.e.
+  a model S/2 times deeper, as pipelines are used (the paper: GPT-2 Medium, 24 layers on 8
+  stages); the `small` preset itself has 4 layers, so the runtime cannot cut it into more than 4
+  stages, and 1/S-thin stages would make the fixed transfer weigh S/2 times more
+  (`simulated_same_model` shows that case). Spans of `parallel.span` steps, the default dispatch
+  (the asynchronous pipelines drain at every span end). Every schedule runs the same operations,
+  so all are simulated with one set of costs: per stage, the median over the S = 2 runs (each
+  run's own costs would carry the noise of whatever else the machine ran meanwhile into the
+  comparison); zb-h1, whose backward is split, with its own run's B and W (the split's extra work
+  included) and the pooled F and U. `sensitivity_at_8` shows what the transfer time, the span
+  length and the stage size do to paci and 1f1b.
 - **interleaved-1f1b** runs with V = 2 chunks per stage (`VIRTUAL`), for real only where the
   preset's 4 layers give every virtual stage one (S = 2); it is simulated with the pooled
   per-stage costs, each chunk's F and B 1/V of them (its own run's costs are summed over its
@@ -321,10 +326,11 @@ def measure_transfer(shape: tuple[int, ...], repeats: int = 200) -> float:
 # ---- simulation ------------------------------------------------------------------------------
 
 
-def _stage_bubbles(actions: Schedule, cost: Costs) -> tuple[float, list[float]]:
+def _stage_bubbles(actions: Schedule, cost: Costs, synchronised: bool
+                   ) -> tuple[float, list[float]]:
     """Makespan and each stage's idle share of its own active time (what the runtime measures:
-    a stage's span ends when its own list does)."""
-    res = simulate(actions, cost, timeline=True)
+    a stage's span ends when its own list does; a flush list's last U waits for every stage)."""
+    res = simulate(actions, cost, timeline=True, synchronised_updates=synchronised)
     end = [0.0] * len(actions)
     for span in res.timeline:
         end[span.stage] = max(end[span.stage], span.end)
@@ -357,7 +363,8 @@ def _predict_real(run: dict[str, Any], name: str, S: int, M: int, transfer: floa
     whole = tuple(b + w for b, w in zip(c["backward"], c["weight"], strict=True))
     cost = Costs(tuple(c["forward"]), whole, tuple(c["update"]), transfer,
                  weight=tuple(c["weight"]) if _is_split(name) else None)
-    makespan, bubbles = _stage_bubbles(_schedule(name, S, M, run["span"]), cost)
+    makespan, bubbles = _stage_bubbles(_schedule(name, S, M, run["span"]), cost,
+                                       not asynchronous(name))
     per_step = makespan / run["span"]
     return {"pipeline_time_per_step_s": per_step,
             "error": per_step / run["pipeline_time_per_step_s"] - 1,
@@ -407,7 +414,7 @@ def _simulate_scaled(costs: dict[str, list[float]], name: str, S: int, M: int, t
     """`scaled_costs` dispatched in spans of `span` steps (flush schedules: any span gives the
     same time per step)."""
     cost = scaled_costs(costs, S, transfer, deeper=deeper, split_lists=_is_split(name))
-    res = simulate(_schedule(name, S, M, span), cost)
+    res = simulate(_schedule(name, S, M, span), cost, synchronised_updates=not asynchronous(name))
     per_step = res.makespan / span
     return {"time_per_step_s": per_step, "utilisation": res.utilisation,
             "bubble": res.bubble_fraction}

@@ -17,14 +17,18 @@ contributions from the query blocks that see it, which sit on several ranks: in 
 are summed as integers (the fixed-point limbs of `parallel.reduce`), whose sum has no order, and
 rounded to float once by the block's owner; in fast mode in float, in rank order.
 
-**Exchange**: a rank fetches from their owners exactly the key/value blocks its query blocks
-need (point-to-point), and the backward returns those blocks' gradient contributions the same
-way. Full layers fetch every earlier block (what llama3's all-gather moves, less the blocks no
-query of the rank reaches), sliding layers only the window's: at cp 8 and 65,536 tokens a rank
-holds 8,192 tokens (two chunks of 4,096) and fetches the 4,096 keys before each chunk, 8,192
-keys where gathering everything fetches 57,344 (1/7 of the bytes; one neighbour's 4,096 under a
-contiguous split). Document masks (per-row document lengths) shrink both: a block no query of
-its document can see is neither fetched nor computed.
+**Exchange**: a rank fetches from their owners the key/value blocks its query blocks need
+(point-to-point), and of each block only the span of keys some query of the rank sees (its
+`spans`): the rest of the block travels as nothing and is zeros here, where every query's mask
+hides it anyway, so each query block still scores the same whole key blocks in the same order.
+The backward returns those spans' gradient contributions the same way. Full layers fetch every
+earlier key (what llama3's all-gather moves, less the keys no query of the rank reaches),
+sliding layers only the window's: the `window - 1` keys before each chunk's start. At cp 8 and
+65,536 tokens a rank holds 8,192 tokens (two chunks of 4,096) and fetches the 4,095 keys before
+each chunk, 8,190 keys where gathering everything fetches 57,344 (1/7 of the bytes; one
+neighbour's 4,095 under a contiguous split). Document masks (per-row document lengths) shrink
+both: a key no query of its document can see is neither fetched nor computed. What the
+exchanges move is counted as they move it (`metering`).
 
 **Why not torch's context-parallel API** (`torch.distributed.tensor.experimental
 .context_parallel`, torch 2.13): its SDPA ring attention takes `is_causal` only (an attention
@@ -37,10 +41,12 @@ which run on gloo (CPU) and NCCL alike.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -140,12 +146,44 @@ class AttentionPlan:
     needed: list[list[int]]  # per local query block, global key blocks in order
     fetch: dict[int, list[int]]  # peer -> its blocks this rank needs
     send: dict[int, list[int]]  # peer -> this rank's blocks the peer needs
+    # (receiving rank, block) -> [lo, hi): the keys of the block (offsets in it) that some
+    # query of the receiving rank sees, for every block in `fetch` and `send`
+    spans: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
     @property
     def fetched_tokens(self) -> int:
-        """Key tokens this rank fetches per exchange (K and V each; the backward returns as
-        many gradient values)."""
+        """Key tokens of the blocks this rank fetches from (the blocks its attention scores):
+        what a block-granular exchange would move; the wire carries `wire_tokens`."""
         return self.split.block * sum(len(b) for b in self.fetch.values())
+
+    @property
+    def wire_tokens(self) -> int:
+        """Key tokens this rank receives per exchange: the seen spans of the blocks it fetches
+        (K and V each; the backward returns as many gradient values)."""
+        return sum(hi - lo for blocks in self.fetch.values()
+                   for lo, hi in self.spans_for(self.split.rank, blocks))
+
+    def spans_for(self, rank: int, blocks: list[int]) -> list[tuple[int, int]]:
+        """The spans of `blocks` that `rank` receives, in the blocks' order."""
+        return [self.spans[rank, j] for j in blocks]
+
+    @functools.cached_property
+    def held(self) -> list[int]:
+        """The key blocks this rank holds while a layer runs, in global order: its own and
+        those it fetches (`_fetch`)."""
+        return sorted({*self.split.blocks(), *(j for b in self.fetch.values() for j in b)})
+
+    @functools.cached_property
+    def held_at(self) -> dict[int, int]:
+        """Global key block -> its place among the `held` ones."""
+        return {j: n for n, j in enumerate(self.held)}
+
+    def keys_of(self, index: int) -> slice:
+        """Where the keys of local query block `index` lie among the held ones: one slice, as
+        the blocks a query block sees are consecutive (causal, window and documents each
+        bound them from below) and all held."""
+        needed, blk = self.needed[index], self.split.block
+        return slice(self.held_at[needed[0]] * blk, (self.held_at[needed[-1]] + 1) * blk)
 
     def mask(self, index: int, device: torch.device) -> Tensor:
         """[B or 1, 1, block, keys] True where query sees key, for local query block `index`."""
@@ -183,9 +221,43 @@ def plan_attention(split: ContextSplit, window: int | None = None,
     fetch = {r: [j for j in needs[me] if split.owner(j) == r]
              for r in range(split.degree) if r != me}
     send = {r: [j for j in needs[r] if j in mine] for r in range(split.degree) if r != me}
+    ranks = sorted({me, *(r for r, b in send.items() if b)})  # this rank's receivers
+    lo, hi = _spans(_seen_keys(split, ranks, window, docs))
+    spans = {(r, j): (lo[n][j], hi[n][j]) for n, r in enumerate(ranks) for j in needs[r]
+             if split.owner(j) != r}
     return AttentionPlan(split, window, docs, [visible[i] for i in split.blocks()],
                          {r: b for r, b in fetch.items() if b},
-                         {r: b for r, b in send.items() if b})
+                         {r: b for r, b in send.items() if b}, spans)
+
+
+def _seen_keys(split: ContextSplit, ranks: list[int], window: int | None,
+               docs: Tensor | None) -> Tensor:
+    """[ranks, blocks, block] whether some query of each of `ranks` sees each key. A rank's first
+    query at or after a key is the one that sees it if any does (a later query is further off,
+    past the window sooner, and in the same document or a later one): the key itself where the
+    rank holds its chunk, else the start of the rank's next chunk (zig-zag: chunks r and
+    2N-1-r), else none."""
+    chunk, keys = split.chunk, torch.arange(split.seq_len)
+    c = keys // chunk
+    early = torch.tensor(ranks)[:, None]
+    late = 2 * split.degree - 1 - early
+    first = torch.where(c < early, early * chunk, torch.where(c < late, late * chunk, keys))
+    first = torch.where((c == early) | (c == late), keys, first)
+    seen = c <= late
+    if window is not None:
+        seen &= first - keys < window
+    if docs is not None:
+        seen &= (docs[:, first] == docs[:, None, keys]).any(0)
+    return seen.view(len(ranks), -1, split.block)
+
+
+def _spans(seen: Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """Per rank and block, [lo, hi) around its seen keys (a fetched block has some: the
+    block-level visibility holds for its last key and a query's first)."""
+    blk = seen.shape[-1]
+    lo = seen.int().argmax(-1)
+    hi = blk - seen.flip(-1).int().argmax(-1)
+    return lo.tolist(), hi.tolist()
 
 
 def _visible_blocks(seq_len: int, block: int, window: int | None, docs: Tensor | None
@@ -284,7 +356,7 @@ class _ContextAttention(torch.autograd.Function):
         n_rep = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)
         for index, rows in enumerate(_rows(plan)):
-            kb, vb = _keys(keys, plan.needed[index], n_rep)
+            kb, vb = _keys(keys, plan.keys_of(index), n_rep)
             p = _probs(q[:, :, rows].float().contiguous(), kb, plan.mask(index, q.device), scale)
             out[:, :, rows] = p @ vb  # cast back to q's dtype
         ctx.save_for_backward(q, k, v)
@@ -296,21 +368,20 @@ class _ContextAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         plan, comm, scale = ctx.plan, ctx.comm, ctx.scale
         keys = _fetch(k, v, plan, comm.group)  # fetched again: nothing of T x hd kept
-        n_rep, blk = q.shape[1] // k.shape[1], plan.split.block
+        n_rep = q.shape[1] // k.shape[1]
         dq = torch.empty_like(q)
-        sums = _BlockSums(comm.exact)
+        sums = _KeySums(comm.exact, keys, plan.split.block)
         for index, rows in enumerate(_rows(plan)):
-            needed = plan.needed[index]
-            kb, vb = _keys(keys, needed, n_rep)
+            at = plan.keys_of(index)
+            kb, vb = _keys(keys, at, n_rep)
             qi, gi = q[:, :, rows].float().contiguous(), grad[:, :, rows].float().contiguous()
             p = _probs(qi, kb, plan.mask(index, q.device), scale)
-            ds = torch._softmax_backward_data(gi @ vb.transpose(-1, -2), p, -1, p.dtype)
-            dq[:, :, rows] = (ds @ kb) * scale
-            dk = _fold_heads((ds.transpose(-1, -2) @ qi) * scale, n_rep)
-            dv = _fold_heads(p.transpose(-1, -2) @ gi, n_rep)
-            for n, j in enumerate(needed):
-                sums.add(j, torch.stack([dk[:, :, n * blk:(n + 1) * blk],
-                                         dv[:, :, n * blk:(n + 1) * blk]]))
+            sums.add(at, 1, _fold_heads(p.transpose(-1, -2) @ gi, n_rep))
+            ds = _softmax_grad(gi @ vb.transpose(-1, -2), p)
+            del p  # at most two [B, H, block, keys] tensors at once, freed as soon as used
+            dq[:, :, rows] = (ds @ kb).mul_(scale)
+            sums.add(at, 0, _fold_heads((ds.transpose(-1, -2) @ qi).mul_(scale), n_rep))
+            del ds
         dkv = _return_sums(sums, plan, comm.group, torch.stack([k, v]))
         return dq, dkv[0], dkv[1], None, None, None
 
@@ -321,14 +392,21 @@ def _rows(plan: AttentionPlan) -> list[slice]:
 
 
 def _probs(q: Tensor, kb: Tensor, mask: Tensor, scale: float) -> Tensor:
-    s = (q @ kb.transpose(-1, -2)) * scale
+    s = (q @ kb.transpose(-1, -2)).mul_(scale)
     return torch.softmax(s.masked_fill_(~mask, float("-inf")), -1)
 
 
-def _keys(keys: dict[int, Tensor], needed: list[int], n_rep: int) -> tuple[Tensor, Tensor]:
-    """The needed blocks' K and V, concatenated in global order, expanded to the query heads,
-    in fp32 (the scores, softmax and sums are fp32 whatever the inputs, as flash kernels')."""
-    kv = torch.cat([keys[j] for j in needed], dim=-2).float()
+def _softmax_grad(dp: Tensor, p: Tensor) -> Tensor:
+    """The scores' gradient p * (dp - sum(dp * p)) from the probabilities' `dp`, written over
+    `dp` (the row sums as a batched matmul): no third tensor of the scores' size."""
+    return dp.sub_((dp.unsqueeze(-2) @ p.unsqueeze(-1)).squeeze(-1)).mul_(p)
+
+
+def _keys(keys: Tensor, at: slice, n_rep: int) -> tuple[Tensor, Tensor]:
+    """A query block's key blocks (a slice of the held keys, global order), expanded to the
+    query heads, in fp32 (the scores, softmax and sums are fp32 whatever the inputs, as flash
+    kernels'): views, no copy, of fp32 keys without grouped heads."""
+    kv = keys[..., at, :].float()
     return repeat_kv(kv[0], n_rep), repeat_kv(kv[1], n_rep)
 
 
@@ -340,91 +418,130 @@ def _fold_heads(x: Tensor, n_rep: int) -> Tensor:
     return x.view(b, h // n_rep, n_rep, t, d).sum(2)
 
 
-def _blocks_of(kv: Tensor, ids: list[int], blk: int) -> dict[int, Tensor]:
-    """Global block -> [2, B, Hkv, block, hd] views of stacked K and V holding blocks `ids`."""
-    return {j: kv[..., n * blk:(n + 1) * blk, :] for n, j in enumerate(ids)}
+def _spans_of(held: Tensor, plan: AttentionPlan, rank: int, blocks: list[int]) -> Tensor:
+    """Blocks `blocks`' spans received by `rank`, cut from this rank's held keys (or their
+    sums) and concatenated along the sequence: what one message carries."""
+    blk = plan.split.block
+    return torch.cat([held[..., plan.held_at[j] * blk + lo:plan.held_at[j] * blk + hi, :]
+                      for j, (lo, hi) in zip(blocks, plan.spans_for(rank, blocks),
+                                             strict=True)], dim=-2)
+
+
+def _pieces(buf: Tensor, plan: AttentionPlan, rank: int, blocks: list[int]
+            ) -> Iterator[tuple[slice, Tensor]]:
+    """Where in the held keys each span of a message for `rank` goes, and its values."""
+    at, blk = 0, plan.split.block
+    for j, (lo, hi) in zip(blocks, plan.spans_for(rank, blocks), strict=True):
+        start = plan.held_at[j] * blk
+        yield slice(start + lo, start + hi), buf[..., at:at + hi - lo, :]
+        at += hi - lo
+
+
+def _tokens(spans: list[tuple[int, int]]) -> int:
+    return sum(hi - lo for lo, hi in spans)
 
 
 def _fetch(k: Tensor, v: Tensor, plan: AttentionPlan, group: dist.ProcessGroup | None
-           ) -> dict[int, Tensor]:
-    """Global block -> its stacked K and V, for this rank's blocks and those it fetches."""
-    kv, blk = torch.stack([k, v]), plan.split.block
-    keys = _blocks_of(kv, plan.split.blocks(), blk)
-    sends = {peer: torch.cat([keys[j] for j in blocks], dim=-2)
-             for peer, blocks in plan.send.items()}
-    recvs = {peer: kv.new_empty(_block_shape(kv, len(blocks) * blk))
+           ) -> Tensor:
+    """The keys this rank's queries see, K and V stacked [2, B, Hkv, held blocks x block, hd]
+    in global block order (`AttentionPlan.held`): its own blocks and the seen spans of those it
+    fetches, the rest of a fetched block zeros (masked for every query of this rank)."""
+    blk, me = plan.split.block, plan.split.rank
+    kv = torch.stack([k, v])
+    keys = kv.new_zeros(_block_shape(kv, len(plan.held) * blk))
+    for n, j in enumerate(plan.split.blocks()):
+        keys[..., plan.held_at[j] * blk:(plan.held_at[j] + 1) * blk, :] = \
+            kv[..., n * blk:(n + 1) * blk, :]
+    del kv
+    sends = {peer: _spans_of(keys, plan, peer, blocks) for peer, blocks in plan.send.items()}
+    recvs = {peer: keys.new_empty(_block_shape(keys, _tokens(plan.spans_for(me, blocks))))
              for peer, blocks in plan.fetch.items()}
-    _exchange(sends, recvs, group)
+    _exchange(sends, recvs, group, plan.window)
     for peer, blocks in plan.fetch.items():
-        keys.update(_blocks_of(recvs[peer], blocks, blk))
+        for at, piece in _pieces(recvs[peer], plan, me, blocks):
+            keys[..., at, :] = piece
     return keys
 
 
+@dataclass
+class WireBytes:
+    """Bytes this process's cp exchanges handed to the transport, per layer kind (the
+    window; None: full layers), each counted once as sent and once as received."""
+
+    sent: dict[int | None, int] = field(default_factory=dict)
+    received: dict[int | None, int] = field(default_factory=dict)
+
+
+_METERS: list[WireBytes] = []
+
+
+@contextlib.contextmanager
+def metering() -> Iterator[WireBytes]:
+    """Counts the bytes of every cp exchange of this process while open: the tensors given to
+    gloo's or NCCL's send and receive, as they are given (not derived from the plan)."""
+    meter = WireBytes()
+    _METERS.append(meter)
+    try:
+        yield meter
+    finally:
+        _METERS.remove(meter)
+
+
 def _exchange(sends: dict[int, Tensor], recvs: dict[int, Tensor],
-              group: dist.ProcessGroup | None) -> None:
+              group: dist.ProcessGroup | None, window: int | None) -> None:
     """Send and receive, peers named by their rank in `group`, all at once."""
     if not sends and not recvs:
         return
-    works = [dist.isend(t.contiguous(), group=group, group_dst=p) for p, t in sends.items()]
+    sends = {p: t.contiguous() for p, t in sends.items()}
+    works = [dist.isend(t, group=group, group_dst=p) for p, t in sends.items()]
     works += [dist.irecv(t, group=group, group_src=p) for p, t in recvs.items()]
     for w in works:
         w.wait()
+    for meter in _METERS:
+        for tally, msgs in ((meter.sent, sends), (meter.received, recvs)):
+            tally[window] = tally.get(window, 0) + sum(t.nbytes for t in msgs.values())
 
 
-class _BlockSums:
-    """Per key block, the sum of its dK/dV contributions: int64 limbs (exact) or float."""
+class _KeySums:
+    """The dK/dV contributions to each held key, summed [2, B, Hkv, held tokens, hd]: as int64
+    limbs (exact: hi and lo stacked in front, each block's converted on its own so the float64
+    temporaries stay a block's) or in float, in local query-block order."""
 
-    def __init__(self, exact: bool) -> None:
-        self.exact = exact
-        self.sums: dict[int, Tensor] = {}
+    def __init__(self, exact: bool, keys: Tensor, blk: int) -> None:
+        self.exact, self.blk = exact, blk
+        self.sums = (torch.zeros((2, *keys.shape), dtype=torch.int64, device=keys.device)
+                     if exact else torch.zeros_like(keys, dtype=torch.float32))
 
-    def add(self, block: int, g: Tensor) -> None:
-        if self.exact:
-            hi, lo = to_limbs(g, _LIMB_LIMIT, clamp=True)
-            g = torch.stack([hi, lo])
-        if block in self.sums:
-            self.sums[block] += g
-        else:
-            self.sums[block] = g  # a new tensor (a stack) either way
+    def add(self, at: slice, which: int, g: Tensor) -> None:
+        """Adds `g` [B, Hkv, keys, hd] to the dK (`which` 0) or dV (1) sums of keys `at`."""
+        sums = self.sums[:, which] if self.exact else self.sums[which]
+        for lo in range(0, g.shape[-2], self.blk):
+            piece, dst = g[..., lo:lo + self.blk, :], at.start + lo
+            if self.exact:
+                hi, low = to_limbs(piece, _LIMB_LIMIT, clamp=True)
+                piece = torch.stack([hi.view(piece.shape), low.view(piece.shape)])
+            sums[..., dst:dst + self.blk, :] += piece
 
 
-def _return_sums(sums: _BlockSums, plan: AttentionPlan, group: dist.ProcessGroup | None,
+def _return_sums(sums: _KeySums, plan: AttentionPlan, group: dist.ProcessGroup | None,
                  like: Tensor) -> Tensor:
     """This rank's blocks' dK/dV [2, B, Hkv, T/N, hd]: its own contributions plus those its
-    peers computed for them (received back along the fetch's routes), in rank order."""
-    sends = {peer: torch.cat([sums.sums[j] for j in blocks], dim=-1 if sums.exact else -2)
-             for peer, blocks in plan.fetch.items()}
-    recvs = {peer: torch.empty_like(torch.cat([sums.sums.get(j, _zeros(sums, like, plan))
-                                               for j in blocks], dim=-1 if sums.exact else -2))
+    peers computed for the spans they fetched (received back along the fetch's routes), added
+    in rank order."""
+    me, blk, held = plan.split.rank, plan.split.block, sums.sums
+    sends = {peer: _spans_of(held, plan, me, blocks) for peer, blocks in plan.fetch.items()}
+    recvs = {peer: held.new_empty((*held.shape[:-2], _tokens(plan.spans_for(peer, blocks)),
+                                   held.shape[-1]))
              for peer, blocks in plan.send.items()}
-    _exchange(sends, recvs, group)
-    out = []
-    blk = plan.split.block
-    for j in plan.split.blocks():
-        total = sums.sums.get(j, _zeros(sums, like, plan))
-        for peer in sorted(plan.send):
-            if j in plan.send[peer]:
-                n = plan.send[peer].index(j)
-                total = total + _part(recvs[peer], n, sums.exact, blk, like)
-        out.append(from_limbs(total[0], total[1]).view(_block_shape(like, blk)).to(like.dtype)
-                   if sums.exact else total.to(like.dtype))
-    return torch.cat(out, dim=-2)
+    _exchange(sends, recvs, group, plan.window)
+    for peer in sorted(plan.send):
+        for at, piece in _pieces(recvs[peer], plan, peer, plan.send[peer]):
+            held[..., at, :] += piece
+    out = [held[..., plan.held_at[j] * blk:(plan.held_at[j] + 1) * blk, :]
+           for j in plan.split.blocks()]
+    total = torch.cat(out, dim=-2)
+    return (from_limbs(total[0], total[1]) if sums.exact else total).to(like.dtype)
 
 
 def _block_shape(like: Tensor, blk: int) -> torch.Size:
     return torch.Size((*like.shape[:-2], blk, like.shape[-1]))
-
-
-def _zeros(sums: _BlockSums, like: Tensor, plan: AttentionPlan) -> Tensor:
-    shape = _block_shape(like, plan.split.block)
-    if sums.exact:
-        return torch.zeros((2, shape.numel()), dtype=torch.int64, device=like.device)
-    return like.new_zeros(shape, dtype=torch.float32)
-
-
-def _part(buf: Tensor, n: int, exact: bool, blk: int, like: Tensor) -> Tensor:
-    """Block `n` of a received buffer of concatenated blocks."""
-    if exact:
-        numel = _block_shape(like, blk).numel()
-        return buf[:, n * numel:(n + 1) * numel]
-    return buf[..., n * blk:(n + 1) * blk, :]

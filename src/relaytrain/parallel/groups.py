@@ -20,13 +20,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a worker sits in a generation's layout."""
+class Placement(NamedTuple):
+    """Where a worker sits in a generation's layout. A named tuple, not a dataclass: a
+    recovery at 1,024 workers forms 1,024 and sends each to its worker, and a tuple is built
+    and pickled in a fifth of a frozen dataclass's time (bench control-plane)."""
 
     rank: int
     world: int

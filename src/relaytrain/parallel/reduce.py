@@ -23,16 +23,18 @@ below 2^(63 - S), which every value below `pack_bound(M)` = 2^(3 - 2 bits(M)) in
 guarantees (M such values sum below 2^(33 - bits(M)) * 2^-30). So only such values are summed
 packed; the others (rare: gradients are mostly far smaller) go into two limbs' sums of their
 parameter, which the packed sums are added to at the end, the same integers again. The packed
-sums travel in one all-reduce with, in its tail, the overflow flag and which parameters hold
-two-limb sums on any rank (a second all-reduce carries those). So the accumulator and the
-all-reduce take 8 bytes a parameter instead of 16 (fast mode: 4), and the fold is one pass over
-the gradient and the accumulator: a fused CPU kernel (model/cpu_kernels.cpp) where it builds,
-on CUDA torch's ops compiled into one kernel (`compiled_fold`: inductor's Triton) where that
-builds, torch's ops as they are otherwise (the same integers every way). Within
-`GradReducer.overlapping` (the unpipelined step, train/step.py) each parameter's gradient folds
-as soon as autograd has accumulated it, still in cache, and is dropped, instead of in one pass
-over every gradient after the backward. ReduceStats counts the time and bytes; `relaytrain bench
-dp-scaling` measures the cost.
+sums travel in bucketed all-reduces, the last with, in its tail, the overflow flag and which
+parameters hold two-limb sums on any rank (a second all-reduce carries those). So the
+accumulator and the all-reduce take 8 bytes a parameter instead of 16 (fast mode: 4), and the
+fold is one pass over the gradient and the accumulator: a fused CPU kernel
+(model/cpu_kernels.cpp) where it builds, on CUDA torch's ops compiled into one kernel
+(`compiled_fold`: inductor's Triton) where that builds, torch's ops as they are otherwise (the
+same integers every way). Within `GradReducer.overlapping` (the unpipelined step,
+train/step.py) each parameter's gradient folds as soon as autograd has accumulated it, still in
+cache, and is dropped, instead of in one pass over every gradient after the backward; and, told
+how many backwards the step runs, in the last one each bucket's all-reduce starts as soon as its
+sums are final (`_seal`), under the rest of the backward. ReduceStats counts the time and
+bytes; `relaytrain bench dp-scaling` measures the cost.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import functools
 import itertools
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +56,7 @@ from relaytrain.model import cpu_kernels
 _SHIFT = float(2**30)
 _INV_HI = 2.0**-30
 _INV_LO = 2.0**-60
+BUCKET_VALUES = 2**19  # packed sums an all-reduce bucket holds, about (4 MiB)
 
 
 @dataclass
@@ -74,30 +77,44 @@ class GradReducer:
 
     The loss of each micro-batch is pre-scaled by 1 / (micro-batches in the global batch), so the
     sum is the global mean gradient. `fused`: fold with the CPU kernel (default: where it
-    applies and builds).
+    applies and builds). Exact mode all-reduces the packed sums in buckets of about
+    `bucket_values` values (`buckets`), each as soon as its sums are final.
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None,
-                 exact: bool, total_micro_batches: int, fused: bool | None = None):
+                 exact: bool, total_micro_batches: int, fused: bool | None = None,
+                 bucket_values: int = BUCKET_VALUES):
         self.params = [p for p in params if p.requires_grad]
         self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
         self.exact = exact
         self.limit = overflow_limit(total_micro_batches)
         self.shift = pack_shift(total_micro_batches)
         self.bound = pack_bound(total_micro_batches)
         self.numel = sum(p.numel() for p in self.params)
-        offsets = [0, *itertools.accumulate(p.numel() for p in self.params)][:-1]
-        self._slices = [slice(a, a + p.numel())
-                        for a, p in zip(offsets, self.params, strict=True)]
+        # the accumulator: the flags (overflow, then one a parameter: two limbs' sums on some
+        # rank), then each parameter's packed slice; flags first, so that they travel in the
+        # tail of the last bucket (the one holding parameter 0)
+        self._flags = slice(0, 1 + len(self.params))
+        ends = list(itertools.accumulate((p.numel() for p in self.params),
+                                         initial=self._flags.stop))
+        self._slices = [slice(a, b) for a, b in itertools.pairwise(ends)]
+        self._buckets = buckets([p.numel() for p in self.params], bucket_values)
+        self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
         on_cpu = bool(self.params) and self.params[0].device.type == "cpu"
         self.fused = (exact and on_cpu and fold_kernel_builds()) if fused is None else fused
         self.overflow = False
         self.stats = ReduceStats(self.numel)
-        self._acc: torch.Tensor | None = None  # packed sums, one int64 a value
+        self._acc: torch.Tensor | None = None  # the flags, then packed sums, one int64 a value
         self._fresh: list[bool] = []  # no micro-batch folded into the parameter's slice yet
         self._folded: list[bool] = []  # the parameter's gradient folded in this micro-batch
         # parameter index -> the [2, n] limbs' sums of its values the packed sums left out
         self._wide: dict[int, torch.Tensor] = {}
+        self._left: int | None = None  # backwards to come this global batch, where known
+        self._final: list[bool] = []  # the parameter's packed sum is final (last fold done)
+        self._waiting: list[int] = []  # per bucket: its parameters whose sums are not final
+        self._sealed = 0  # buckets sealed so far, in order
+        self._works: list[dist.Work] = []  # the sealed buckets' all-reduces in flight
 
     def start(self) -> None:
         """Begin a global batch."""
@@ -106,25 +123,33 @@ class GradReducer:
         for p in self.params:
             p.grad = None
         if self.exact:
-            if self._acc is None:  # the packed slices, then room for _all_reduce's flags
-                self._acc = torch.empty(self.numel + 1 + len(self.params), dtype=torch.int64,
+            if self._acc is None:
+                self._acc = torch.empty(self._flags.stop + self.numel, dtype=torch.int64,
                                         device=self.params[0].device)
             self._fresh = [True] * len(self.params)  # the first fold writes over the slice
             self._folded = [False] * len(self.params)
             self._wide = {}
+            self._left = None
+            self._final = [False] * len(self.params)
+            self._waiting = [len(members) for members in self._buckets]
+            self._sealed = 0
+            self._works = []
 
     @contextlib.contextmanager
-    def overlapping(self) -> Iterator[None]:
+    def overlapping(self, micro_batches: int | None = None) -> Iterator[None]:
         """Within (exact mode): each parameter's micro-batch gradient is folded the moment
         autograd has accumulated it (a post-accumulate-grad hook), while it is hot in cache, and
         dropped, so the rest of the backward can reuse its memory; `after_backward` then folds
         only gradients set otherwise (by hand). The same integers: each gradient is folded
         once, whole. A parameter whose gradient autograd accumulates twice in one micro-batch
         (two backward calls, reentrant checkpointing) would sum as two folds, not the fold of
-        one float sum, and raises instead."""
+        one float sum, and raises instead. Given the `micro_batches` (backwards) this rank
+        runs, the last one's backward also starts each bucket's all-reduce once every
+        parameter of the bucket (and of the buckets before it) has had its last fold."""
         if not self.exact:
             yield
             return
+        self._left = micro_batches
         handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                    for i, p in enumerate(self.params)]
         try:
@@ -134,15 +159,12 @@ class GradReducer:
                 h.remove()
 
     def _on_grad(self, i: int, p: nn.Parameter) -> None:
-        if self._folded[i]:
-            raise RuntimeError(
-                f"exact mode: parameter {i}'s gradient was accumulated twice in one "
-                "micro-batch's backward, which the overlapped fold cannot sum bit-exactly; "
-                "run one backward a micro-batch (non-reentrant checkpointing)")
         t0 = time.perf_counter()
         self._fold(i, p.grad)
         p.grad = None
         self.stats.fold_s += time.perf_counter() - t0
+        if self._left == 1:  # the last backward: parameter i's sum is final
+            self._finalize([i])
 
     def after_backward(self) -> None:
         """Fold this micro-batch's gradient into the integer accumulator (exact mode), parameter
@@ -158,10 +180,19 @@ class GradReducer:
             p.grad = None
         self._folded = [False] * len(self.params)
         self.stats.fold_s += time.perf_counter() - t0
+        if self._left is not None:
+            self._left -= 1
+            if self._left == 0:  # the last backward: every sum is final
+                self._finalize(range(len(self.params)))
 
     def _fold(self, i: int, g: torch.Tensor) -> None:
         """Parameter i's gradient `g` into its packed slice; its values at or above the packing
         bound (rare) into the parameter's two limbs' sums."""
+        if self._folded[i] or self._final[i]:
+            raise RuntimeError(
+                f"exact mode: parameter {i}'s gradient was accumulated twice in one "
+                "micro-batch's backward, which the overlapped fold cannot sum bit-exactly; "
+                "run one backward a micro-batch (non-reentrant checkpointing)")
         left = fold_packed(g, self._acc[self._slices[i]], self.shift, self.bound,
                            self._fresh[i], self.fused)
         self._fresh[i] = False
@@ -181,12 +212,44 @@ class GradReducer:
                                         dtype=torch.int64, device=self._acc.device)
         return self._wide[i]
 
+    def _finalize(self, params: Iterable[int]) -> None:
+        """Mark these parameters' sums final; seal, in order, every bucket whose sums all are."""
+        for i in params:
+            if not self._final[i]:
+                self._final[i] = True
+                self._waiting[self._bucket_of[i]] -= 1
+        while self._sealed < len(self._buckets) and self._waiting[self._sealed] == 0:
+            self._seal(self._sealed)
+            self._sealed += 1
+
+    def _seal(self, b: int) -> None:
+        """Bucket b's sums are final: a parameter no micro-batch folded into sums to zero; the
+        last bucket carries the flags (every fold is done by then); its all-reduce starts
+        (every rank seals the same buckets in the same order, so the collectives pair up)."""
+        members = self._buckets[b]
+        for i in members:
+            if self._fresh[i]:
+                self._acc[self._slices[i]].zero_()
+                self._fresh[i] = False
+        last = b == len(self._buckets) - 1
+        if last:
+            flags = self._acc[self._flags]
+            flags.zero_()
+            flags[0] = int(self.overflow)
+            flags[[1 + i for i in self._wide]] = 1
+        if self.world > 1:
+            t0 = time.perf_counter()
+            start = self._flags.start if last else self._slices[min(members)].start
+            part = self._acc[start:self._slices[max(members)].stop]
+            self._works.append(dist.all_reduce(part, group=self.group, async_op=True))
+            self.stats.wire_bytes += part.nbytes
+            self.stats.comm_s += time.perf_counter() - t0
+
     def finish(self) -> bool:
         """All-reduce and write the global mean gradient into .grad; False on overflow."""
-        world = dist.get_world_size(self.group) if self.group is not None else 1
         if self.exact:
-            self._finish_exact(world)
-        elif world > 1:
+            self._finish_exact()
+        elif self.world > 1:
             t0 = time.perf_counter()
             flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in self.params])
             t1 = time.perf_counter()
@@ -198,14 +261,11 @@ class GradReducer:
             self.stats.wire_bytes += flat.nbytes
         return not self.overflow
 
-    def _finish_exact(self, world: int) -> None:
+    def _finish_exact(self) -> None:
         assert self._acc is not None
-        for i, fresh in enumerate(self._fresh):
-            if fresh:  # no gradient all step: a sum of zero
-                self._acc[self._slices[i]].zero_()
-                self._fresh[i] = False
-        if world > 1:
-            self._all_reduce()
+        self._finalize(range(len(self.params)))  # those not sealed yet (no overlap: all)
+        if self.world > 1:
+            self._agree()
         t0 = time.perf_counter()
         for i, p in enumerate(self.params):
             packed = self._acc[self._slices[i]]
@@ -216,17 +276,13 @@ class GradReducer:
                 p.grad = unpack_float(packed, self.shift, p.dtype, self.fused).view_as(p)
         self.stats.fold_s += time.perf_counter() - t0
 
-    def _all_reduce(self) -> None:
-        """Sum the packed slices over the group, and with them (in the accumulator's tail) the
-        overflow flag and which parameters have two limbs' sums on any rank; then those."""
+    def _agree(self) -> None:
+        """Wait for the buckets' all-reduces; read the summed flags (the overflow, which
+        parameters have two limbs' sums on any rank) and all-reduce those limbs' sums."""
         t0 = time.perf_counter()
-        flags = self._acc[self.numel:]
-        flags.zero_()
-        flags[0] = int(self.overflow)
-        flags[[1 + i for i in self._wide]] = 1
-        dist.all_reduce(self._acc, group=self.group)
-        self.stats.wire_bytes += self._acc.nbytes
-        agreed = flags.tolist()
+        for work in self._works:
+            work.wait()
+        agreed = self._acc[self._flags].tolist()
         self.overflow = agreed[0] > 0
         wide = [i for i in range(len(self.params)) if agreed[1 + i] > 0]
         if wide:
@@ -241,6 +297,22 @@ class GradReducer:
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip the gradient to `max_norm` by its global norm (returned)."""
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+
+
+def buckets(sizes: list[int], values: int) -> list[list[int]]:
+    """The parameters (indices into `sizes`, their value counts) in all-reduce buckets: in
+    reverse order, the order the backward makes their gradients, each bucket closed once it
+    holds `values` values or more; each bucket is consecutive parameters, so one slice of the
+    accumulator."""
+    out: list[list[int]] = []
+    size = values
+    for i in reversed(range(len(sizes))):
+        if size >= values:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += sizes[i]
+    return out
 
 
 def overflow_limit(total_micro_batches: int) -> float:

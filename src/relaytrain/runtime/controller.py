@@ -43,6 +43,7 @@ from relaytrain.runtime.faults import (
     plan_faults,
     start_disk_full,
 )
+from relaytrain.runtime.heap import frozen_heap
 from relaytrain.runtime.liveness import kill_local
 from relaytrain.runtime.preemption import Notice, Preempted
 from relaytrain.runtime.recovery import Recovery
@@ -162,24 +163,8 @@ class Controller:
                                         cfg.runtime.threads_per_worker)
             self.reporter.start_progress(start, flops_per_token(self.model_cfg, cfg.seq_len),
                                          peak * cfg.world_size)
-            step, ahead = start, None
-            # after a notice, the steps already dispatched ahead are taken, then it stops
-            while step < cfg.train.max_steps and (ahead or not self.notice.received):
-                count = self._span(step)
-                done, in_flight = step, count
-                try:
-                    current, ahead = ahead or self._dispatch(step, count), None
-                    ahead = self._dispatch_ahead(step + count)
-                    self._train(current)
-                    done, in_flight = step + count, 0
-                    if not self.notice.received:
-                        self._between_steps(done)
-                except WorkerFailure as failure:
-                    done = self.recovery.recover(failure, done, in_flight,
-                                                 ahead=ahead.count if ahead else 0)
-                    ahead = None
-                step = done
-                self.reporter.progress(step)
+            with frozen_heap():  # runtime/heap.py: garbage-collection passes per step
+                step = self._loop(start)
             if step < cfg.train.max_steps:
                 raise self._preempt(step)
             self._finish_writes(wait=STORAGE_WAIT_S)
@@ -192,6 +177,28 @@ class Controller:
             if self.recovery is not None:
                 self.recovery.close()
             self.engine.shutdown()
+
+    def _loop(self, start: int) -> int:
+        """Train from `start` until train.max_steps or a notice; the step reached."""
+        step, ahead = start, None
+        # after a notice, the steps already dispatched ahead are taken, then it stops
+        while step < self.cfg.train.max_steps and (ahead or not self.notice.received):
+            count = self._span(step)
+            done, in_flight = step, count
+            try:
+                current, ahead = ahead or self._dispatch(step, count), None
+                ahead = self._dispatch_ahead(step + count)
+                self._train(current)
+                done, in_flight = step + count, 0
+                if not self.notice.received:
+                    self._between_steps(done)
+            except WorkerFailure as failure:
+                done = self.recovery.recover(failure, done, in_flight,
+                                             ahead=ahead.count if ahead else 0)
+                ahead = None
+            step = done
+            self.reporter.progress(step)
+        return step
 
     def _dispatch(self, step: int, count: int) -> Dispatched:
         """Start steps step+1 .. step+count on every worker (their planned faults delivered)."""

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -37,10 +36,10 @@ def _boot() -> str | None:
         return None
 
 
-@dataclass(frozen=True)
-class ProcessIdentity:
+class ProcessIdentity(NamedTuple):
     """A process as the OS knows it: a PID alone can be recycled, the PID and start time name one
-    process, and the boot says on which host (and which boot of it)."""
+    process, and the boot says on which host (and which boot of it). A named tuple: every
+    worker's answers carry one (1,024 unpickled per recovery at 1,024 workers)."""
 
     pid: int
     start: int  # clock ticks after boot (field 22 of /proc/PID/stat); 0 where /proc is missing

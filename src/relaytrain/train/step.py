@@ -77,7 +77,8 @@ def train_step(model: nn.Module, optimizer: AdamW,
     the means over all its tokens, whatever the split."""
     out = StepOutcome()
     reducer.start()
-    with reducer.overlapping():  # exact mode folds each gradient as the backward makes it
+    # exact mode folds each gradient as the backward makes it, and all-reduces in the last
+    with reducer.overlapping(len(micro_batches)):
         for index, tokens in micro_batches:
             docs = (documents or {}).get(index)
             losses, share = _forward_backward(model, tokens, z_loss, total_micro_batches,

@@ -68,6 +68,17 @@ def test_an_action_starts_when_its_stage_is_free_and_its_input_has_arrived():
     assert result.makespan == pytest.approx(10.7)
     assert result.busy == pytest.approx((4.5, 6.25))
     assert result.bubble_fraction == pytest.approx(1 - 10.75 / 21.4)
+
+
+def test_synchronised_updates_wait_for_every_stage_to_reach_them():
+    # the same lists as a flush schedule runs them (a global-norm all-gather at U): stage 1
+    # reaches U1 at 7.1 but starts it with stage 0, at 10.2
+    cost = Costs((1.0, 2.0), (3.0, 4.0), (0.5, 0.25), transfer=0.1)
+    result = simulate([[F(0), B(0), U], [F(0), B(0), U]], cost, timeline=True,
+                      synchronised_updates=True)
+    updates = {s.stage: (s.start, s.end) for s in result.timeline if s.action.kind == "U"}
+    assert updates == {0: pytest.approx((10.2, 10.7)), 1: pytest.approx((10.2, 10.45))}
+    assert result.busy == pytest.approx((4.5, 6.25))  # the wait is idle time
     assert result.utilisation == pytest.approx(10.75 / 21.4)
 
 

@@ -8,7 +8,9 @@ plus the transfer time, and no stage is charged for the transfer itself.
 That proves a schedule deadlock-free and gives its time per step, which the benchmark multiplies
 by the measured number of steps to a target loss. Lists with V model chunks per stage
 (interleaved-1f1b) follow the virtual stages' links, and an F, B or W of one chunk costs 1/V of
-the stage's (a chunk is 1/V of its layers).
+the stage's (a chunk is 1/V of its layers). With ``synchronised_updates`` (the flush schedules,
+which clip by the global norm: an all-gather over the pipeline at every U) the k-th U of every
+stage starts only once all stages have reached it; a stage that gets there first idles.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ class DeadlockError(RuntimeError):
     """The lists cannot complete under blocking receives; the message says who waits on what."""
 
 
-_Key = tuple[int, int, str, int]  # (stage, chunk, kind, mb) of a finished F, B or W
+_Key = tuple[int, int, str, int]  # (stage, chunk, kind, mb) of a finished F, B or W; or
+# (stage, 0, "U", k): the stage reached its k-th U (synchronised updates)
 
 
 def _dependencies(stage: int, action: Action, n_stages: int, chunks: int = 1
@@ -142,9 +145,11 @@ def _dependencies(stage: int, action: Action, n_stages: int, chunks: int = 1
     return []
 
 
-def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False) -> SimResult:
+def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False,
+             synchronised_updates: bool = False) -> SimResult:
     """List-schedule the actions: each starts when its stage is free and its inputs have arrived
-    (producer end + transfer). Raises DeadlockError when some stage can never proceed."""
+    (producer end + transfer), a U with `synchronised_updates` when every stage has reached its
+    U of that number. Raises DeadlockError when some stage can never proceed."""
     n_stages = len(actions)
     if len(cost.forward) != n_stages:
         raise ValueError(f"costs are for {len(cost.forward)} stages, schedule has {n_stages}")
@@ -157,11 +162,22 @@ def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False) -> SimRe
     ready = list(range(n_stages))
     is_split = [split(acts) for acts in actions]
     chunks = 1 + max((a.chunk for acts in actions for a in acts), default=0)
+
+    def needs(i: int, action: Action) -> list[tuple[_Key, bool]]:
+        if synchronised_updates and action.kind == "U":
+            return [((j, 0, "U", action.k), False) for j in range(n_stages)]
+        return _dependencies(i, action, n_stages, chunks)
+
     while ready:
         i = ready.pop()
         while position[i] < len(actions[i]):
             action = actions[i][position[i]]
-            deps = _dependencies(i, action, n_stages, chunks)
+            deps = needs(i, action)
+            if synchronised_updates and action.kind == "U":
+                arrived = (i, 0, "U", action.k)
+                if arrived not in finished:
+                    finished[arrived] = free[i]
+                    ready.extend(waiting.pop(arrived, ()))
             missing = next((key for key, _ in deps if key not in finished), None)
             if missing is not None:
                 waiting.setdefault(missing, []).append(i)
@@ -185,8 +201,7 @@ def simulate(actions: Schedule, cost: Costs, *, timeline: bool = False) -> SimRe
             f"stage {i} at action #{position[i]} ({actions[i][position[i]]}) waits for "
             + ", ".join(
                 f"{kind}{mb}{f'.c{c}' if c else ''} of stage {s}"
-                for (s, c, kind, mb), _ in _dependencies(i, actions[i][position[i]], n_stages,
-                                                          chunks)
+                for (s, c, kind, mb), _ in needs(i, actions[i][position[i]])
                 if (s, c, kind, mb) not in finished
             )
             for i in blocked
