@@ -55,7 +55,7 @@ from relaytrain.parallel.fsdp import SLICE_VALUES
 from relaytrain.parallel.precision import gather_dtype
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.execution import CUBLAS_WORKSPACE, prepare_model
-from relaytrain.train.metrics import peak_flops
+from relaytrain.train.metrics import peak_flops, run_peak_flops
 from relaytrain.train.optim import build_optimizer
 from relaytrain.train.step import train_step
 
@@ -337,7 +337,7 @@ def _time_steps(model: Olmo3, cfg: Olmo3Config, dev: torch.device, seq_len: int,
         losses.append(outcome.losses[0][0])
     step_s = statistics.median(times[warmup:])
     tokens = seq_len * micro_batch
-    peak_rate = peak_flops(dev, torch.get_num_threads())[0]
+    peak_rate = run_peak_flops(dev, torch.get_num_threads())[0]
     del opt
     return {"tokens_per_s": tokens / step_s, "step_s": step_s,
             "mfu": flops_per_token(cfg, seq_len) * tokens / step_s / peak_rate,
