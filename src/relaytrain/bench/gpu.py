@@ -286,7 +286,9 @@ def _throughput(dev: torch.device, quick: bool) -> dict[str, Any]:
     from relaytrain.bench.train_throughput import bench_train_throughput
 
     if dev.type == "cpu":
-        r = bench_train_throughput("cpu", quick=True, preset="tiny")
+        # the plumbing only, at its smallest (micro-batch 2, one round): the quick bench itself
+        # is `bench train-throughput --quick` (its own test)
+        r = bench_train_throughput("cpu", quick=True, preset="tiny", micro_batch=2, rounds=1)
     else:
         r = bench_train_throughput("cuda", preset="olmo3-1b", seq_len=4096, micro_batch=4,
                                    rounds=2 if quick else 3, steps=2 if quick else 3)
