@@ -1,8 +1,11 @@
-"""The alarms of a run: the loss-spike detector and the memorisation alarm."""
+"""The alarms of a run: the loss-spike detector and the memorisation alarm; the peak FLOP/s a
+run's MFU divides by."""
 
 import math
 
-from relaytrain.train.metrics import MemorisationAlarm, SpikeDetector
+import torch
+
+from relaytrain.train.metrics import MemorisationAlarm, SpikeDetector, run_peak_flops
 
 # --- spike detector: a loss above factor x the mean of the last `window` losses ---------------
 
@@ -60,3 +63,14 @@ def test_one_evaluation_against_the_trend_resets_the_patience():
     assert alarm.update(2.6, 3.2) is not None
     flat_train = MemorisationAlarm(gap=10.0, patience=2)
     assert [flat_train.update(3.0, h) for h in (3.0, 3.1, 3.2)] == [None] * 3
+
+
+# --- MFU's denominator: one measurement per process, device and thread count ----------------
+
+
+def test_the_runs_of_one_process_share_one_measured_peak():
+    cpu = torch.device("cpu")
+    first = run_peak_flops(cpu, 1)
+    assert first[0] > 0 and "1 thread(s)" in first[1]
+    assert run_peak_flops(cpu, 1) is first  # the second run measures nothing
+    assert "2 thread(s)" in run_peak_flops(cpu, 2)[1]  # another thread count is its own

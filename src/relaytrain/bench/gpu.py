@@ -56,7 +56,7 @@ from relaytrain.parallel.fsdp import SLICE_VALUES
 from relaytrain.parallel.precision import gather_dtype
 from relaytrain.parallel.reduce import GradReducer
 from relaytrain.train.execution import CUBLAS_WORKSPACE, prepare_model
-from relaytrain.train.metrics import peak_flops
+from relaytrain.train.metrics import peak_flops, run_peak_flops
 from relaytrain.train.optim import build_optimizer
 from relaytrain.train.step import train_step
 
@@ -302,7 +302,9 @@ def _throughput(dev: torch.device, quick: bool) -> dict[str, Any]:
     from relaytrain.bench.train_throughput import bench_train_throughput
 
     if dev.type == "cpu":
-        r = bench_train_throughput("cpu", quick=True, preset="tiny")
+        # the plumbing only, at its smallest (micro-batch 2, one round): the quick bench itself
+        # is `bench train-throughput --quick` (its own test)
+        r = bench_train_throughput("cpu", quick=True, preset="tiny", micro_batch=2, rounds=1)
     else:
         r = bench_train_throughput("cuda", preset="olmo3-1b", seq_len=4096, micro_batch=4,
                                    rounds=2 if quick else 3, steps=2 if quick else 3)
@@ -353,7 +355,7 @@ def _time_steps(model: Olmo3, cfg: Olmo3Config, dev: torch.device, seq_len: int,
         losses.append(outcome.losses[0][0])
     step_s = statistics.median(times[warmup:])
     tokens = seq_len * micro_batch
-    peak_rate = peak_flops(dev, torch.get_num_threads())[0]
+    peak_rate = run_peak_flops(dev, torch.get_num_threads())[0]
     del opt
     return {"tokens_per_s": tokens / step_s, "step_s": step_s,
             "mfu": flops_per_token(cfg, seq_len) * tokens / step_s / peak_rate,

@@ -53,7 +53,7 @@ from relaytrain.train.auto_backends import settle_backends
 from relaytrain.train.execution import pick_device
 from relaytrain.train.init_from import continue_at
 from relaytrain.train.init_from import resolve as resolve_init
-from relaytrain.train.metrics import peak_flops
+from relaytrain.train.metrics import run_peak_flops
 from relaytrain.train.skip_step import SkipRule, SkipWindow
 
 __all__ = ["Controller", "TrainingStopped", "WorkNotSaved"]
@@ -159,8 +159,8 @@ class Controller:
                                      self.catalogue, self.reporter, self.faults)
             self.recovery.start(start)
             setup_s = time.perf_counter() - t_run
-            peak, peak_src = peak_flops(pick_device(cfg.train.device),
-                                        cfg.runtime.threads_per_worker)
+            peak, peak_src = run_peak_flops(pick_device(cfg.train.device),
+                                            cfg.runtime.threads_per_worker)
             self.reporter.start_progress(start, flops_per_token(self.model_cfg, cfg.seq_len),
                                          peak * cfg.world_size)
             with frozen_heap():  # runtime/heap.py: garbage-collection passes per step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -88,6 +89,14 @@ def peak_flops(device: torch.device, threads: int) -> tuple[float, str]:
         torch.set_num_threads(prev)
     best = max(rates, key=rates.__getitem__)
     return rates[best], f"measured fp32 matmul ({best}), {threads} thread(s)"
+
+
+@functools.cache
+def run_peak_flops(device: torch.device, threads: int) -> tuple[float, str]:
+    """`peak_flops` as a run's MFU divides by it: measured once per process, device and thread
+    count (0.4 s on a CPU), so the runs one process starts (`bench gpu`'s, a test session's)
+    share one denominator instead of each timing the GEMMs again."""
+    return peak_flops(device, threads)
 
 
 class SpikeDetector:
