@@ -87,15 +87,8 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     n parameters cost 4n (fp32 weights) + 4n (fp32 gradients) + 8n (AdamW's two fp32
     moments) = 16n for the whole step; autocast's bf16 weight copies (2n) live only through
     the forward, before any gradient exists (`zero_grad(set_to_none=True)`), so the peak is
-    the backward's: 16n, plus every block's input (the checkpoints: layers x tokens x d_model
-    in the residual stream's dtype), plus about two blocks' worth of recomputed activations
-    and their gradients (estimated at tokens x (16 d_model + 6 mlp_hidden) bytes each: bf16
-    projections, fp32 norm statistics, the SwiGLU's hidden-width tensors), plus the fused
-    loss's logit chunk. Without checkpointing (`checkpointing="none"`) every block keeps its
-    activations through the forward, the same estimate a block (no checkpoints, no recompute),
-    and the backward adds one block's gradients: at 7B and 8,192 tokens on one device, 34.5 GB
-    (it does not fit one H200 beside the state); over cp 8 at 65,536 tokens the same per device
-    (Olmo 3's 7B stage 3: OLMo-core's script sets `ac_config=None`).
+    the backward's: 16n, plus the blocks' activations (`activation_plan`), plus the fused
+    loss's logit chunk.
 
     Sharded, the 16n bytes of state are split over the devices; FSDP2 gathers a unit's
     parameters whole while it runs: the root (embedding and head) for the whole step and a
@@ -123,8 +116,6 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     (probabilities, scores and their gradients, fp32), and the sums of dK/dV over the blocks it
     fetched (float, or two int64 limbs a value in exact mode).
     """
-    if checkpointing not in ("full", "none"):
-        raise ValueError(f"memory_plan: checkpointing {checkpointing!r}; planned: full, none")
     dtype = gather_dtype(gather, "cuda", exact) if fsdp > 1 else "fp32"
     if exact and dtype == "bf16":
         raise ValueError("memory_plan: exact mode gathers fp32 (config/checks.py refuses bf16)")
@@ -140,9 +131,8 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
     exact_transient = ((FOLD_BYTES + 8) * min(unit, SLICE_VALUES) if fsdp > 1
                        else FOLD_BYTES * unit) if exact else 0
     in_flight = (width + 4) * unit if fsdp > 1 else 0  # the unit's gradient + fp32 RS input
-    block = tokens * (16 * cfg.d_model + 6 * cfg.mlp_hidden)
+    checkpoints, block = activation_plan(cfg, tokens, width, checkpointing)
     kept = checkpointing == "none"  # every block's activations kept, nothing recomputed
-    checkpoints = cfg.n_layers * (block if kept else tokens * cfg.d_model * width)
     loss_chunk = 2 * GPU_CHUNK_ELEMENTS * 4  # its fp32 logits and a bf16/fp32 neighbour
     bf16_copies = 2 * (gathered if fsdp > 1 else n) if width == 4 else 0  # of what is whole
     forward_peak = (12 * n // fsdp + (accumulator if fsdp == 1 else 0) + width * gathered
@@ -161,6 +151,24 @@ def memory_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, fsdp: int = 1,
             "loss_chunk": loss_chunk, "cp": cp, "context_attention": context["backward"],
             "forward_peak": forward_peak,
             "backward_peak": backward_peak, "peak": max(forward_peak, backward_peak)}
+
+
+def activation_plan(cfg: Olmo3Config, tokens: int, width: int, checkpointing: str
+                    ) -> tuple[int, int]:
+    """Bytes the blocks' activations hold through the forward, and one block's activations
+    (estimated at tokens x (16 d_model + 6 mlp_hidden) bytes: bf16 projections, fp32 norm
+    statistics, the SwiGLU's hidden-width tensors). Full checkpointing keeps every block's
+    input (layers x tokens x d_model in the residual stream's `width` bytes) and the backward
+    recomputes about two blocks' worth with their gradients; without (`none`) every block keeps
+    its activations and the backward adds one block's gradients: at 7B and 8,192 tokens on one
+    device, 34.5 GB (it does not fit one H200 beside the state); over cp 8 at 65,536 tokens the
+    same per device (Olmo 3's 7B stage 3: OLMo-core's script sets `ac_config=None`)."""
+    if checkpointing not in ("full", "none"):
+        raise ValueError(f"memory_plan: checkpointing {checkpointing!r}; planned: full, none")
+    block = tokens * (16 * cfg.d_model + 6 * cfg.mlp_hidden)
+    if checkpointing == "none":
+        return cfg.n_layers * block, block
+    return cfg.n_layers * tokens * cfg.d_model * width, block
 
 
 def context_plan(cfg: Olmo3Config, seq_len: int, micro_batch: int, cp: int, exact: bool
