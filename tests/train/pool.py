@@ -28,22 +28,24 @@ JOB_TIMEOUT = 90.0
 def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
     from relaytrain.checkpoint.keys import model_tensors
     from relaytrain.parallel.groups import placements
+    from relaytrain.parallel.shards import whole_tensor
     from relaytrain.runtime.worker import Worker
 
     cfg = job["config"]
-    dp, pp = cfg.parallel.dp, cfg.parallel.pp
+    dp, pp = cfg.data_parallel, cfg.parallel.pp  # dp: replicas x fsdp shards
     if rank >= dp * pp:
         return None
     worker = Worker(cfg, job["vocab"])
     try:
-        worker.setup(job["generation"], placements(range(dp * pp), dp, pp)[rank], job["store"],
+        worker.setup(job["generation"],
+                     placements(range(dp * pp), dp, pp, cfg.parallel.fsdp)[rank], job["store"],
                      30.0)
         worker.build(0)
         steps, first = [], 1
         for count in job["spans"]:
             steps += worker.run_steps(first, count)
             first += count
-        weights = {k: v.numpy().copy()
+        weights = {k: whole_tensor(v).numpy().copy()  # gathered over a sharded stage's group
                    for k, v in model_tensors(worker.state.state_tensors()).items()}
     finally:
         worker.close()
@@ -62,7 +64,8 @@ def _serve(rank: int, conn: Any) -> None:
 
 
 class WorkerPool:
-    """`n` worker processes; `train(cfg, spans)` runs one job on the first dp x pp of them."""
+    """`n` worker processes; `train(cfg, spans)` runs one job on the first dp x fsdp x pp of
+    them."""
 
     def __init__(self, n: int):
         self.n = n

@@ -407,6 +407,10 @@ def test_every_flush_schedule_reruns_bit_identically(runs):
     (("parallel.pp=4", "parallel.schedule=zb-h1"), ("model.n_layers=4",)),
     # two chunks per rank (virtual stages 0, 2 on rank 0 and 1, 3 on rank 1), with DP
     (("parallel.pp=2", "parallel.dp=2", "parallel.schedule=interleaved-1f1b",
+      "parallel.virtual_stages=2"), ("model.n_layers=4",)),
+    # and sharded: each chunk's blocks and the root (embedding on rank 0, head on rank 1)
+    # FSDP units over the stage's two workers, reduce-scattered as integers
+    (("parallel.pp=2", "parallel.fsdp=2", "parallel.schedule=interleaved-1f1b",
       "parallel.virtual_stages=2"), ("model.n_layers=4",))])
 def test_dp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_model(runs, layout, model):
     ref = runs("determinism=exact", *model)
@@ -417,6 +421,6 @@ def test_dp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_model(runs, 
         s["grad_norm"] for s in ref[0]["steps"]]
     w, ref_w = final_weights([r for r in res if r["dp_rank"] == 0]), final_weights(ref)
     assert all(torch.equal(w[k], ref_w[k]) for k in ref_w)
-    if "parallel.dp=2" in layout:
+    if "parallel.dp=2" in layout or "parallel.fsdp=2" in layout:
         replica = final_weights([r for r in res if r["dp_rank"] == 1])
         assert all(torch.equal(w[k], replica[k]) for k in ref_w)

@@ -139,8 +139,6 @@ def _validate_virtual_stages(cfg: RunConfig, n_layers: int,
          f"(model n_layers={n_layers})")
     need(p.stage_layers is None, "config key 'parallel.stage_layers': set with "
          "interleaved-1f1b, whose virtual stages are balanced by cost; expected it unset")
-    need(p.fsdp == 1, f"config key 'parallel.fsdp': got {p.fsdp} with interleaved-1f1b, whose "
-         "sharded stages are not wired yet; expected parallel.fsdp=1")
 
 
 def _validate_context(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

@@ -55,7 +55,11 @@ What B then computes depends on the schedule:
 weights and reduce-scatter its gradients (exact mode: as integers, parallel/fsdp.py), so F calls
 the module itself and B runs ``autograd.backward``, the input gradient read from ``x.grad``; no
 aliases are needed, since nothing updates the weights between a micro-batch's F and its B. The
-global norm takes each whole tensor's norm (gathered over the stage's shard group).
+global norm takes each whole tensor's norm (gathered over the stage's shard group). Under
+interleaved-1f1b each block is a unit of one chunk, reduce-scattered once per micro-batch by
+that chunk's B; the root unit (embedding, final norm, head) runs in every chunk's F, but only
+the chunk that reads the tokens (embedding) or computes the loss (head) gives it gradients, so
+it too reduces once per micro-batch, as each unit's integer accumulator counts on.
 
 **Loss scale, learning rate, clipping.** Every update averages its *update group* (the B's since
 the previous update, `schedules.update_groups`) over all DP replicas: micro-batch losses are
