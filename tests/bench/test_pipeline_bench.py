@@ -1,8 +1,18 @@
-"""The pipeline benchmark's analysis: steps to a target loss and the pooled per-op costs."""
+"""The pipeline benchmark's analysis: steps to a target loss, the pooled per-op costs, and
+which runs need the whole length."""
 
 import pytest
 
-from relaytrain.bench.pipeline import pooled_costs, scaled_costs, steps_to_target
+from relaytrain.bench.pipeline import (
+    FULL,
+    _runs_for_real,
+    heldout_curves,
+    pooled_costs,
+    run_steps,
+    scaled_costs,
+    steps_to_target,
+)
+from relaytrain.parallel.pipeline.schedules import SCHEDULES
 
 
 def test_steps_to_target_interpolates_between_evaluations():
@@ -40,3 +50,23 @@ def test_deeper_pipelines_keep_the_measured_stage_and_the_same_model_thins_it():
     thin = scaled_costs(measured, 8, 0.25, deeper=False)
     assert (thin.forward, thin.backward, thin.update) == ((0.5,) * 8, (1.0,) * 8, (0.25,) * 8)
     assert deeper.transfer == thin.transfer == 0.25  # the measured hop, whatever the stage size
+
+
+def test_only_the_runs_whose_curves_are_used_run_the_whole_length():
+    """Every flush schedule's curve is 1f1b's at S = 2; the asynchronous ones' change with S."""
+    plan = {(S, n): run_steps(FULL, S, n) for S in FULL.stages for n in SCHEDULES
+            if _runs_for_real(n, S)}
+    whole = sorted(k for k, steps in plan.items() if steps == FULL.steps)
+    assert whole == [(2, "1f1b"), (2, "paci"), (2, "pipedream"), (4, "paci"), (4, "pipedream")]
+    assert all(steps == FULL.probe_steps for k, steps in plan.items() if k not in whole)
+    assert len(plan) == 11  # interleaved-1f1b (V 2) runs for real at S = 2 only
+
+    def run(loss: float) -> dict:
+        return {"heldout": [[8, loss, 1.0]]}
+
+    real = {2: {n: run(2.0 + i) for i, n in enumerate(SCHEDULES)},
+            4: {n: run(10.0 + i) for i, n in enumerate(SCHEDULES)}}
+    curves = heldout_curves(real, FULL)
+    assert {n: c[0][1] for n, c in curves.items()} == {
+        "gpipe": 3.0, "1f1b": 3.0, "zb-h1": 3.0, "interleaved-1f1b": 3.0,
+        "pipedream": 10.0 + SCHEDULES.index("pipedream"), "paci": 10.0 + SCHEDULES.index("paci")}

@@ -6,8 +6,14 @@ Two layers, kept apart so that neither hides the other:
 - **Real.** The `small` preset trained through the controller on the Ray engine (gloo) with
   S = 2 and S = 4 stages (S = 2 only with `quick`), one run per schedule: time per step,
   throughput, each stage's bubble and peak memory (as the runtime measures them,
-  `train/pipeline_stage.py`), held-out loss against steps and against training time. One
-  worker per stage with one thread: on a 2-core machine S = 2 has a core per stage, S = 4 puts
+  `train/pipeline_stage.py`), held-out loss against steps and against training time. Only the
+  held-out curves need the whole `steps`, and only one flush schedule's: every flush schedule
+  makes the same updates at every S (bit for bit in exact mode, tests/train/
+  test_pipeline_stage.py; the same held-out losses here), so 1f1b at the shallowest S runs them
+  for all and the asynchronous schedules (whose updates depend on S) at every S, while the other
+  flush runs stop after `probe_steps`, enough for their medians of time, bubble and costs (the
+  default bench: 6 of its 11 runs, about a third of its time). One worker per stage with one
+  thread: on a 2-core machine S = 2 has a core per stage, S = 4 puts
   two stages on each core. The asynchronous schedules update every `a` = M micro-batches (one
   update per global batch, like the flush schedules, so all five take the same optimizer steps
   on the same data and differ only in when; staleness <= 1 while a >= S - 1). More updates per
@@ -41,11 +47,11 @@ Two layers, kept apart so that neither hides the other:
   only the time per step differs.
 
 Time to a target held-out loss at larger S = the real number of steps each schedule needed to reach
-it (in the deepest real pipeline: staleness grows with S, so the asynchronous schedules' counts are
-optimistic for deeper ones) x the simulated time per step. The target is the held-out loss every
-schedule reaches: the highest of the schedules' best held-out losses (interpolated between
-evaluations). The machine's load averages before and after are recorded: on a shared machine the
-real timings carry other people's work.
+it (`heldout_curves`: an asynchronous schedule's in the deepest real pipeline, since staleness
+grows with S, so their counts are optimistic for deeper ones) x the simulated time per step.
+The target is the held-out loss every schedule reaches: the highest of the schedules' best
+held-out losses (interpolated between evaluations). The machine's load averages before and
+after are recorded: on a shared machine the real timings carry other people's work.
 
 What it gave is in the README's "Measured" section, dated.
 """
@@ -96,14 +102,17 @@ class Setup:
     eval_every: int  # also the span of the asynchronous schedules
     eval_instances: int
     max_docs: int | None
+    probe_steps: int  # the runs whose held-out curve is another's (see the module docstring)
     seq_len: int = 64
     vocab: int = 2048
     global_batch: int = 8
     micro_batch: int = 1  # M = 8 micro-batches per step
 
 
-QUICK = Setup(stages=(2,), steps=12, eval_every=4, eval_instances=8, max_docs=200)
-FULL = Setup(stages=(2, 4), steps=128, eval_every=8, eval_instances=16, max_docs=1000)
+QUICK = Setup(stages=(2,), steps=12, eval_every=4, eval_instances=8, max_docs=200, probe_steps=8)
+FULL = Setup(stages=(2, 4), steps=128, eval_every=8, eval_instances=16, max_docs=1000,
+             probe_steps=16)
+CURVE_FLUSH = "1f1b"  # the flush schedule whose run gives every flush schedule's curve
 SIM_SPAN = ParallelSection().span
 
 
@@ -113,10 +122,12 @@ def bench_pipeline(quick: bool, out_dir: str = "runs/bench-pipeline") -> dict[st
     the predictions and the targets met or missed; writes the runs' metrics under `out_dir/runs`,
     the plot to `out_dir/pipeline.png` and the result to `out_dir/result.json`."""
     setup = QUICK if quick else FULL
-    plan = [(S, name) for S in setup.stages for name in SCHEDULES if _runs_for_real(name, S)]
+    plan = [(S, name, run_steps(setup, S, name)) for S in setup.stages for name in SCHEDULES
+            if _runs_for_real(name, S)]
+    long = sum(n == setup.steps for _, _, n in plan)
     progress.start("pipeline", f"{len(plan)} runs (each schedule at S = "
-                   f"{', '.join(map(str, setup.stages))} where the model is deep enough) of "
-                   f"{setup.steps} steps each")
+                   f"{', '.join(map(str, setup.stages))} where the model is deep enough): "
+                   f"{long} of {setup.steps} steps, {len(plan) - long} of {setup.probe_steps}")
     t0, load0 = time.perf_counter(), os.getloadavg()
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="relaytrain-bench-") as tmp:
@@ -125,11 +136,14 @@ def bench_pipeline(quick: bool, out_dir: str = "runs/bench-pipeline") -> dict[st
         prepare(None, data, f"bpe:{setup.vocab}", max_docs=setup.max_docs)
         transfer = measure_transfer((setup.micro_batch, setup.seq_len, _d_model()))
         real: dict[int, dict[str, dict[str, Any]]] = {}
+        phases = {"prepare_s": time.perf_counter() - t0}
         with _private_ray():
-            for i, (S, name) in enumerate(plan, start=1):
-                progress.report(f"S = {S}, {name}", i, len(plan))
-                real.setdefault(S, {})[name] = _real_run(setup, S, name, str(data),
+            phases["ray_start_s"] = time.perf_counter() - t0 - phases["prepare_s"]
+            for i, (S, name, steps) in enumerate(plan, start=1):
+                progress.report(f"S = {S}, {name}, {steps} steps", i, len(plan))
+                real.setdefault(S, {})[name] = _real_run(setup, S, name, steps, str(data),
                                                          out / "runs", Path(tmp) / "ckpt")
+    phases["runs_s"] = time.perf_counter() - t0 - sum(phases.values())  # and Ray's shutdown
     M = setup.global_batch // setup.micro_batch
     for S, runs in real.items():
         for name, r in runs.items():
@@ -139,7 +153,8 @@ def bench_pipeline(quick: bool, out_dir: str = "runs/bench-pipeline") -> dict[st
                for name in SCHEDULES if _fits(name, S, M)} for S in SIM_STAGES}
     same_model = {S: {name: _simulate_scaled(costs, name, S, M, transfer, deeper=False)
                       for name in SCHEDULES if _fits(name, S, M)} for S in SIM_STAGES}
-    ttt = _time_to_target(real[setup.stages[-1]], sim, setup.stages[-1])
+    curves = heldout_curves(real, setup)
+    ttt = _time_to_target(curves, sim, setup.stages[-1])
     result = {
         "bench": "pipeline", "quick": quick, "setup": setup.__dict__, "micro_per_batch": M,
         "async_a": M, "sim_span": SIM_SPAN,
@@ -155,13 +170,13 @@ def bench_pipeline(quick: bool, out_dir: str = "runs/bench-pipeline") -> dict[st
             for model in ("deeper", "same_model")
             for tr_name, tr in (("measured", transfer), ("0", 0.0)) for span in (SIM_SPAN, 8)},
         "time_to_target": ttt,
-        "time_to_target_same_model": _time_to_target(real[setup.stages[-1]], same_model,
-                                                     setup.stages[-1]),
+        "time_to_target_same_model": _time_to_target(curves, same_model, setup.stages[-1]),
         "targets": _targets(real, sim, ttt, setup.stages[0]),
     }
     out.mkdir(parents=True, exist_ok=True)
-    result["plot"] = _plot(result, str(out / "pipeline.png"))
+    result["plot"] = _plot(result, curves, str(out / "pipeline.png"))
     result["seconds"] = time.perf_counter() - t0
+    result["phases_s"] = {**phases, "analysis_s": result["seconds"] - sum(phases.values())}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -199,9 +214,28 @@ def _runs_for_real(name: str, S: int) -> bool:
     return S * (VIRTUAL if name == "interleaved-1f1b" else 1) <= SMALL_LAYERS
 
 
-def _real_run(setup: Setup, S: int, name: str, data: str, runs: Path, ckpt: Path
+def run_steps(setup: Setup, S: int, name: str) -> int:
+    """The length of the run of `name` on S stages: `setup.steps` where its held-out curve is
+    used (asynchronous schedules, and `CURVE_FLUSH` at the shallowest S for every flush
+    schedule), else `setup.probe_steps` (see the module docstring)."""
+    curve = asynchronous(name) or (name == CURVE_FLUSH and S == setup.stages[0])
+    return setup.steps if curve else setup.probe_steps
+
+
+def heldout_curves(real: dict[int, dict[str, dict[str, Any]]], setup: Setup
+                   ) -> dict[str, list[list[float]]]:
+    """Each schedule's held-out curve for the time to target: an asynchronous schedule's from
+    its run in the deepest real pipeline (staleness grows with S, so its counts are optimistic
+    for deeper ones), a flush schedule's `CURVE_FLUSH`'s (the same updates at any S)."""
+    deepest, flush = real[setup.stages[-1]], real[setup.stages[0]][CURVE_FLUSH]["heldout"]
+    return {name: deepest[name]["heldout"] if asynchronous(name) else flush
+            for name in SCHEDULES}
+
+
+def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path, ckpt: Path
               ) -> dict[str, Any]:
-    """One training run of schedule `name` on S stages; its measurements from metrics.jsonl."""
+    """One training run of schedule `name` on S stages, `steps` long; its measurements from
+    metrics.jsonl."""
     from relaytrain.runtime.controller import Controller
 
     run_dir = runs / f"S{S}-{name}"
@@ -214,7 +248,7 @@ def _real_run(setup: Setup, S: int, name: str, data: str, runs: Path, ckpt: Path
         paci_a.append(f"parallel.virtual_stages={chunks}")
     cfg = load_config(None, [
         f"run_dir={run_dir}", f"data.path={data}", "model.preset=small",
-        f"data.seq_len={setup.seq_len}", f"train.max_steps={setup.steps}",
+        f"data.seq_len={setup.seq_len}", f"train.max_steps={steps}",
         f"train.global_batch={setup.global_batch}", f"train.micro_batch={setup.micro_batch}",
         "optim.lr=3e-3", f"optim.warmup={max(1, setup.steps // 10)}",
         f"eval.every={setup.eval_every}", f"eval.instances={setup.eval_instances}",
@@ -270,7 +304,7 @@ def summarise_run(run_dir: Path, S: int, span: int, chunks: int = 1) -> dict[str
                   "backward": [chunks * c for c in per_stage("backward_s")],
                   "update": per_stage("update_s"),
                   "weight": [chunks * c for c in per_stage("weight_s")]},
-        "heldout": curve, "span": span,
+        "heldout": curve, "span": span, "steps": order[-1],
     }
 
 
@@ -432,13 +466,12 @@ def steps_to_target(curve: list[list[float]], target: float) -> float | None:
     return None
 
 
-def _time_to_target(runs: dict[str, dict[str, Any]], sim: dict[int, dict[str, dict[str, Any]]],
-                    real_S: int) -> dict[str, Any]:
-    """Steps each schedule's real run needed (a flush schedule not run at `real_S` takes
-    1f1b's: the same updates) x its simulated time per step."""
-    target = max(min(loss for _, loss, _ in r["heldout"]) for r in runs.values())
-    steps = {name: steps_to_target(runs.get(name, runs["1f1b"])["heldout"], target)
-             for name in SCHEDULES}
+def _time_to_target(curves: dict[str, list[list[float]]],
+                    sim: dict[int, dict[str, dict[str, Any]]], real_S: int) -> dict[str, Any]:
+    """Steps each schedule's held-out curve (`heldout_curves`) needed x its simulated time per
+    step."""
+    target = max(min(loss for _, loss, _ in curve) for curve in curves.values())
+    steps = {name: steps_to_target(curves[name], target) for name in SCHEDULES}
     seconds = {str(S): {name: (None if steps[name] is None
                                else steps[name] * v[name]["time_per_step_s"])
                         for name in v} for S, v in sim.items()}
@@ -492,9 +525,10 @@ def _baseline_targets(real: dict[int, dict[str, dict[str, Any]]],
 # ---- plot ------------------------------------------------------------------------------------
 
 
-def _plot(result: dict[str, Any], path: str) -> str:
+def _plot(result: dict[str, Any], curves: dict[str, list[list[float]]], path: str) -> str:
     """Held-out loss against simulated time at S = 8 (left) and against real training time at
-    S = 2 (right), every schedule."""
+    S = 2 (right), every schedule; a flush run stopped early (`run_steps`) is drawn dashed, its
+    schedule's curve at its own median time per step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -504,21 +538,23 @@ def _plot(result: dict[str, Any], path: str) -> str:
     sim8 = result["simulated"]["8"]
     stages = result["setup"]["stages"]
     for name in SCHEDULES:
-        deepest = result["real"][str(stages[-1])]
-        curve = deepest.get(name, deepest["1f1b"])["heldout"]  # see `_time_to_target`
         per_step = sim8[name]["time_per_step_s"]
-        ax_sim.plot([s * per_step for s, _, _ in curve], [v for _, v, _ in curve], "o-", ms=3,
-                    label=name)
-        curve2 = result["real"][str(stages[0])][name]["heldout"]  # every schedule runs at S=2
-        ax_real.plot([t for _, _, t in curve2], [v for _, v, _ in curve2], "o-", ms=3,
-                     label=name)
+        ax_sim.plot([s * per_step for s, _, _ in curves[name]], [v for _, v, _ in curves[name]],
+                    "o-", ms=3, label=name)
+        run = result["real"][str(stages[0])][name]  # every schedule runs at S=2
+        whole = run["steps"] == result["setup"]["steps"]
+        curve2 = run["heldout"] if whole else [
+            [s, v, s * run["time_per_step_s"]] for s, v, _ in curves[name]]
+        ax_real.plot([t for _, _, t in curve2], [v for _, v, _ in curve2],
+                     "o-" if whole else "o--", ms=3, label=name)
     target = result["time_to_target"]["target_heldout_loss"]
     for ax in (ax_sim, ax_real):
         ax.axhline(target, color="grey", lw=0.8, ls="--")
         ax.set_ylabel("held-out loss (nats)")
         ax.legend()
     ax_sim.set_xlabel(f"simulated time at S = 8 (s; steps from the real S = {stages[-1]} runs)")
-    ax_real.set_xlabel(f"real training time at S = {stages[0]} (s)")
+    ax_real.set_xlabel(f"real training time at S = {stages[0]} (s; dashed: {CURVE_FLUSH}'s "
+                       "curve at the run's time per step)")
     fig.suptitle("relaytrain bench pipeline: small preset, "
                  f"{result['micro_per_batch']} micro-batches per step")
     fig.tight_layout()
