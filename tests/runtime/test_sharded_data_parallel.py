@@ -37,18 +37,31 @@ def test_resume_at_another_sharding_continues_to_the_same_bits(tmp_path, corpus_
     assert_bit_identical(run, exact_reference, steps=range(1, 7))
 
 
-# 1f1b's sharded stages run the same executor as zb-h1's: on demand (`-m soak`)
-@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.soak), "zb-h1"])
+# 1f1b's sharded stages run the same executor as zb-h1's, and interleaved-1f1b's (two chunks
+# a stage, so four layers and a reference of its own; its bits against pp 1 are tests/train/
+# test_pipeline_stage.py's, in seconds): on demand (`-m soak`)
+DEEPER = {"interleaved-1f1b": ("model.n_layers=4",)}
+
+
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.soak), "zb-h1",
+                                      pytest.param("interleaved-1f1b", marks=pytest.mark.soak)])
 def test_sharded_pipeline_stages_give_the_unsharded_bits_across_a_kill_and_a_resume(
         tmp_path, corpus_data, ray_cluster, exact_reference, schedule):
     """pp 2 x fsdp 2: each stage's weights, gradients and moments sharded over its two
     workers. A worker killed at step 3 is replaced alone (its rows are held by no peer: the
     checkpoint); the checkpoint, written shard by shard per stage, then resumes unsharded on
     two workers, and the six steps are the single worker's to the bit."""
+    model = DEEPER.get(schedule, ())
+    if model:
+        exact_reference = tmp_path / "reference"
+        run_layout(exact_reference, corpus_data, 1, *DP, "determinism=exact",
+                   "train.max_steps=6", *model)
+    chunks = ("parallel.virtual_stages=2",) if schedule == "interleaved-1f1b" else ()
     run = tmp_path / "pipelined"
     run_layout(run, corpus_data, 1, *DP, "determinism=exact", "train.max_steps=4",
                "checkpoint.every=2", "faults.kill_at=[3]", "runtime.call_timeout=120",
-               "runtime.collective_timeout=120", f"parallel.schedule={schedule}", fsdp=2, pp=2)
+               "runtime.collective_timeout=120", f"parallel.schedule={schedule}", *model,
+               *chunks, fsdp=2, pp=2)
     [rec] = records(run, "recovery")
     # Step 2's checkpoint was saved just before the kill, and no write had been reported yet:
     # the survivors' writes are waited for, and if the dead worker had finished its part, its
@@ -62,7 +75,7 @@ def test_sharded_pipeline_stages_give_the_unsharded_bits_across_a_kill_and_a_res
     assert sorted(manifest["files"]) == [f"stage{s}-shard{k}.safetensors" for s in (0, 1)
                                          for k in (0, 1)]
     assert manifest["topology"]["fsdp_param_dtype"] == "fp32"  # exact mode's `auto`
-    run_layout(run, corpus_data, 2, *DP, "determinism=exact", "train.max_steps=6")
+    run_layout(run, corpus_data, 2, *DP, "determinism=exact", "train.max_steps=6", *model)
     assert_bit_identical(run, exact_reference, steps=range(1, 7))
 
 
