@@ -19,8 +19,13 @@ Two layers, kept apart so that neither hides the other:
   on the same data and differ only in when; staleness <= 1 while a >= S - 1). More updates per
   token (a = M / 4, same learning rate) was tried and dropped: at S = 2 it reached the flush
   schedules' loss later, not sooner (12 steps: 12 against 7.4; 128 steps: held-out 5.795 against
-  1f1b's 5.712 and a = M's 5.673; docs/MEASURED.md). An update costs about half a micro-batch's
-  forward at this model size on a CPU.
+  1f1b's 5.712 and a = M's 5.673; docs/MEASURED.md). So was a learning-rate correction for
+  stale gradients, each stage's weight gradient of a micro-batch that crossed t updates scaled
+  by w^t (w = 0.5: staleness-aware SGD's 1 / (1 + t)): at S = 4, 128 steps, the final held-out
+  loss went 5.810, 5.738, 5.707, 5.777, 5.739 for w = 0, 0.125, 0.25, 0.375, 0.5 against
+  5.760 at w = 1, no trend in w, one seed's spread (PACI's time to target at S = 8 from 1.12x
+  to 1.37x the best flush schedule's). An update costs about half a micro-batch's forward at
+  this model size on a CPU.
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
   measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
   measured by a gloo ping-pong of one activation (the runtime posts its receives ahead, so the
