@@ -190,7 +190,6 @@ def test_a_killed_or_hung_cp_worker_is_replaced_alone_from_its_cp_peer_to_the_sa
      "the sequence needs a multiple of 2 x cp x 1"),
     (["parallel.cp=2", "parallel.pp=2", "parallel.schedule=pipedream"],
      "'parallel.cp': got 2 with parallel.pp=2 and the asynchronous schedule 'pipedream'"),
-    (["parallel.cp=2", "parallel.pp=2"], "context parallelism runs unpipelined for now"),
     (["parallel.cp=0"], "'parallel.cp': got 0, expected >= 1"),
 ])
 def test_bad_context_layouts_are_one_line_exit_2_and_write_nothing(tmp_path, corpus_data,
