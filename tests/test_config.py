@@ -145,6 +145,22 @@ def test_sharded_pipeline_stages_run_the_flush_schedules_only(schedule):
                                           "parallel.pp=2", f"parallel.schedule={flush}"])
 
 
+@pytest.mark.parametrize("schedule", ["pipedream", "paci"])
+def test_context_parallel_pipelines_run_the_flush_schedules_only(schedule):
+    """Each stage's DP rank is cp workers (world = dp x fsdp x cp x pp) under the flush
+    schedules; an asynchronous one runs its stages' micro-batches out of step: refused."""
+    with pytest.raises(ConfigError, match=f"'parallel.cp': got 2 with parallel.pp=2 and the "
+                                          f"asynchronous schedule '{schedule}'"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.cp=2",
+                                          "parallel.pp=2", f"parallel.schedule={schedule}"])
+    for flush, shards in [("gpipe", "parallel.fsdp=2"), ("1f1b", "parallel.fsdp=2"),
+                          ("zb-h1", "parallel.dp=2"), ("interleaved-1f1b", "parallel.dp=2")]:
+        cfg = load_config("configs/tiny.yaml", [
+            "runtime.engine=ray", "parallel.cp=2", "parallel.pp=2", shards, "model.n_layers=4",
+            f"parallel.schedule={flush}"])
+        assert cfg.world_size == 8
+
+
 @pytest.mark.parametrize("schedule", [
     ["parallel.schedule=pipedream"], ["parallel.schedule=paci"],
     ["parallel.schedule=paci", "parallel.paci.flush=true", "parallel.paci.a=3"]])

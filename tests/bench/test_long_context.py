@@ -1,16 +1,21 @@
 """The long-context bench's exchange counts: a sliding layer fetches only the window's keys,
 within the issue's target of window / (seq / cp) of gathering every key, in the plan and on the
-wire; and a cp worker's activation memory is its share of cp 1's."""
+wire; a cp worker's activation memory is its share of cp 1's; and the cost of bit identity
+across cp degrees is measured on every weight-gradient product of the model."""
 
 import pytest
 
 from relaytrain.bench.long_context import (
+    chunked_weight_grads,
     exchange_bytes,
     fetched_tokens,
     longest_sequence,
     step_memory,
+    weight_shapes,
 )
 from relaytrain.model.config import PRESETS, SLIDING
+from relaytrain.model.matmul import Linear
+from relaytrain.model.olmo3 import Olmo3
 
 
 def test_sliding_layers_fetch_the_window_not_the_whole_sequence():
@@ -59,3 +64,17 @@ def test_the_bench_runs_at_the_longest_power_of_two_that_fits_half_the_memory_wi
     assert longest_sequence(fits - 2, 1_000, cap=8_192)["seq_len"] == 2_048
     got = longest_sequence(fits, 1_000, cap=1_024)
     assert (got["holds"], got["seq_len"], got["state"]) == (4_096, 1_024, state)
+
+
+def test_the_chunked_gradient_cost_covers_every_linear_weight_of_the_model():
+    """What bit identity across cp degrees would chunk: the product dY^T X of every linear
+    layer's weight, the head's included (the model's own shapes, in any order); each chunk
+    count is timed against one product and one fold."""
+    cfg = PRESETS["tiny"].with_vocab(64)
+    model = Olmo3(cfg)
+    linear = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)]
+    assert sorted(weight_shapes(cfg)) == sorted(linear)
+    got = chunked_weight_grads(cfg, 32, chunks=(2, 4), repeats=1)
+    assert sorted(got["chunks"]) == ["2", "4"]
+    assert all(v["s"] > 0 and v["ratio"] == v["s"] / got["exact_s"]
+               for v in got["chunks"].values())

@@ -36,6 +36,21 @@ def test_placements_agree_with_the_process_groups(dp, pp):
         assert replica_ranks(d, dp, pp) == [p.rank for p in got.values() if p.dp_rank == d]
 
 
+def test_a_pipelined_cp_layout_s_stages_span_dp_x_cp_ranks_and_link_equal_cp_ranks():
+    """dp 2 x cp 2 x pp 2: a stage's DP group is its dp x cp ranks (they reduce every part of
+    every micro-batch), and the pipeline groups (the activations' links) join the ranks of the
+    same DP rank and cp rank, each holding the same part of the sequences."""
+    got = placements(range(8), dp=2, pp=2, cp=2)
+    assert [(p.stage, p.dp_rank, p.cp_rank) for p in got.values()] == [
+        (s, d, c) for s in range(2) for d in range(2) for c in range(2)]
+    for s in range(2):
+        assert stage_ranks(s, 2 * 2) == [p.rank for p in got.values() if p.stage == s]
+    for at in range(4):
+        link = [p for p in got.values() if p.dp_rank * 2 + p.cp_rank == at]
+        assert replica_ranks(at, 2 * 2, 2) == [p.rank for p in link]
+        assert len({(p.dp_rank, p.cp_rank) for p in link}) == 1
+
+
 def test_members_must_fill_the_layout():
     with pytest.raises(ValueError, match="3 members for a layout of dp 2 x pp 2"):
         placements([0, 1, 2], dp=2, pp=2)

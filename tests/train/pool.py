@@ -32,26 +32,26 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
     from relaytrain.runtime.worker import Worker
 
     cfg = job["config"]
-    dp, pp = cfg.data_parallel, cfg.parallel.pp  # dp: replicas x fsdp shards
-    if rank >= dp * pp:
+    p = cfg.parallel
+    if rank >= cfg.world_size:
         return None
+    place = placements(range(cfg.world_size), cfg.data_parallel, p.pp, p.fsdp, p.cp,
+                       p.shard_over_cp)[rank]
     worker = Worker(cfg, job["vocab"])
     try:
-        worker.setup(job["generation"],
-                     placements(range(dp * pp), dp, pp, cfg.parallel.fsdp)[rank], job["store"],
-                     30.0)
+        worker.setup(job["generation"], place, job["store"], 30.0)
         worker.build(0)
         steps, first = [], 1
         for count in job["spans"]:
             steps += worker.run_steps(first, count)
             first += count
-        weights = {k: whole_tensor(v).numpy().copy()  # gathered over a sharded stage's group
+        weights = {k: whole_tensor(v).numpy().copy()  # sharded: gathered (collectively)
                    for k, v in model_tensors(worker.state.state_tensors()).items()}
     finally:
         worker.close()
     records = [{k: v for k, v in asdict(s).items() if k != "written"} for s in steps]
-    return {"rank": rank, "stage": rank // dp, "dp_rank": rank % dp, "steps": records,
-            "weights": weights}
+    return {"rank": rank, "stage": place.stage, "dp_rank": place.dp_rank,
+            "cp_rank": place.cp_rank, "steps": records, "weights": weights}
 
 
 def _serve(rank: int, conn: Any) -> None:
@@ -64,8 +64,8 @@ def _serve(rank: int, conn: Any) -> None:
 
 
 class WorkerPool:
-    """`n` worker processes; `train(cfg, spans)` runs one job on the first dp x fsdp x pp of
-    them."""
+    """`n` worker processes; `train(cfg, spans)` runs one job on the first dp x fsdp x cp x
+    pp of them."""
 
     def __init__(self, n: int):
         self.n = n

@@ -2,7 +2,8 @@
 micro-batch's F and B (in-process, a middle stage with scripted neighbours), then real
 multi-process pipelines of the production Worker over gloo (a pool of processes started once):
 flush schedules equal the unpipelined model, every schedule reruns bit for bit, measured
-staleness stays within its bound, weight versions are as scheduled, DP x PP in exact mode."""
+staleness stays within its bound, weight versions are as scheduled, DP x PP and CP x PP in
+exact mode."""
 
 from __future__ import annotations
 
@@ -424,3 +425,30 @@ def test_dp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_model(runs, 
     if "parallel.dp=2" in layout or "parallel.fsdp=2" in layout:
         replica = final_weights([r for r in res if r["dp_rank"] == 1])
         assert all(torch.equal(w[k], replica[k]) for k in ref_w)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("layout", "model"), [
+    (("parallel.schedule=1f1b",), ()),
+    # each stage's state sharded over its cp ranks (FSDP2's hooks, the integer reduce-scatter)
+    (("parallel.schedule=1f1b", "parallel.shard_over_cp=true"), ()),
+    # deferred weight gradients around the cp attention's own backward
+    (("parallel.schedule=zb-h1",), ()),
+    # two chunks per rank: the wrap link joins the last stage's cp rank to the first's (on
+    # demand: 7 s here, a reference of its own)
+    pytest.param(("parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"),
+                 ("model.n_layers=4",), marks=pytest.mark.soak)])
+def test_pp_by_cp_in_exact_mode_is_bit_identical_to_the_unpipelined_cp_run(runs, layout, model):
+    """pp 2 x cp 2: each stage's two cp ranks hold their halves of every micro-batch and send
+    them to the next stage's rank of the same cp rank; its cp group runs the attention exchange
+    and the last stage's loss is the cp-weighted mean: the losses, global norms and every
+    rank's final weights are pp 1 x cp 2's bits."""
+    ref = runs("determinism=exact", "parallel.cp=2", *model)
+    res = runs("determinism=exact", "parallel.cp=2", *model, "parallel.pp=2", *layout)
+    assert sorted((r["stage"], r["cp_rank"]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert step_losses(res) == step_losses(ref)
+    norms = [s["grad_norm"] for s in ref[0]["steps"]]
+    assert all([s["grad_norm"] for s in r["steps"]] == norms for r in res)
+    ref_w = final_weights(ref)
+    for r in res:
+        assert all(torch.equal(w, ref_w[k]) for k, w in r["weights"].items()), r["rank"]

@@ -8,7 +8,10 @@ measure, what CUDA's `max_memory_allocated` counts on a GPU), and its process's 
 growth (which also holds code pages first touched, gloo's and malloc's buffers); and the bytes
 the busiest rank receives in the step for sliding and for full layers, measured as its
 exchanges hand them to gloo (`parallel.context.metering`), against what gathering every key
-would move.
+would move. And what bit identity across cp degrees would cost (`chunked_weight_grads`,
+docs/DETERMINISM.md): the small preset's weight-gradient products over a sequence formed per
+fixed token chunk, each folded into exact mode's fixed-point integers, against one product and
+one fold (exact mode today) and one product (fast mode).
 
 The sequence is measured, not fixed: the longest power of two whose cp 1 step fits a budget of
 half the memory the machine has available (`longest_sequence`: a worker's state plus its
@@ -26,6 +29,8 @@ import os
 import socket
 import statistics
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +40,14 @@ import torch.multiprocessing as mp
 
 from relaytrain.bench import progress
 from relaytrain.bench.common import demo_data, run_training
+from relaytrain.data.dataset import TokenDataset
 from relaytrain.model.accounting import param_count
-from relaytrain.model.config import PRESETS, SLIDING
+from relaytrain.model.config import PRESETS, SLIDING, Olmo3Config
 from relaytrain.model.init import init_weights
 from relaytrain.model.memory import LiveBytes, SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.context import ContextGroup, ContextSplit, metering, plan_attention
+from relaytrain.parallel.reduce import fold_kernel_builds, fold_packed, pack_bound, pack_shift
 from relaytrain.runlog import read_metrics
 from relaytrain.train.metrics import proc_bytes
 from relaytrain.train.stepper import peak_rss, reset_peak_rss
@@ -49,6 +56,9 @@ DEGREES = (1, 2, 4)
 STAGE3_SEQ, STAGE3_WINDOW = 65_536, 4_096
 PROBE_SEQ = 256  # the step whose memory per token sizes the sequence
 SEQ_CAP = 2_048  # tokens at most (module docstring: why)
+# token chunks a weight gradient would be formed in: bit identity across cp 1, 2 (and 4)
+# needs the chunks of the finest split, 2 x cp (the zig-zag's)
+CHUNKS = (2, 4, 8)
 
 
 def fetched_tokens(seq_len: int, cp: int, window: int | None) -> int:
@@ -64,6 +74,61 @@ def exchange_bytes(tokens: int, kv_width: int, exact: bool) -> int:
     4x float32's). What gathering every key would move, to compare the measured bytes with."""
     kv = 2 * tokens * kv_width * 4
     return 2 * kv + kv * (4 if exact else 1)
+
+
+def weight_shapes(cfg: Olmo3Config) -> list[tuple[int, int]]:
+    """(out, in) of every linear layer's weight of `cfg` (its vocabulary set), the head's
+    included: the weight gradients a backward forms as products over the tokens (dY^T X)."""
+    d, h = cfg.d_model, cfg.mlp_hidden
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    block = [(q, d), (kv, d), (kv, d), (d, q), (h, d), (h, d), (d, h)]
+    assert cfg.vocab_size is not None
+    return block * cfg.n_layers + [(cfg.vocab_size, d)]
+
+
+def chunked_weight_grads(cfg: Olmo3Config, seq_len: int, chunks: Sequence[int] = CHUNKS,
+                         repeats: int = 7) -> dict[str, Any]:
+    """Median seconds (one thread, as the bench's workers) of `cfg`'s weight gradients for
+    one sequence of `seq_len` tokens: `one` product over the sequence (fast mode), `exact`
+    that product folded into the fixed-point integers (`reduce.fold_packed`, as exact mode
+    folds a micro-batch's gradient), and per C in `chunks` C products over the sequence's C
+    token chunks each folded (what bit identity across cp degrees would need of every linear
+    layer); `ratio`: C's over exact's, `over_one`: over fast mode's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        pairs = [(torch.randn(seq_len, o, generator=gen) * 1e-3,
+                  torch.randn(seq_len, i, generator=gen))
+                 for o, i in weight_shapes(cfg)]
+        accs = [torch.zeros(dy.shape[1], x.shape[1], dtype=torch.int64) for dy, x in pairs]
+        fused = fold_kernel_builds()
+
+        def run(c: int | None) -> float:
+            n = c or 1
+            shift, bound = pack_shift(n), pack_bound(n)
+            t0 = time.perf_counter()
+            for (dy, x), acc in zip(pairs, accs, strict=True):
+                for dyc, xc in zip(dy.chunk(n), x.chunk(n), strict=True):
+                    g = dyc.T @ xc
+                    if c is not None:
+                        fold_packed(g, acc, shift, bound, False, fused)
+            return time.perf_counter() - t0
+
+        variants: list[int | None] = [None, 1, *chunks]
+        for c in variants:
+            run(c)  # warm: kernels, pages
+        # each repeat times every variant in turn, so a shared host's load drifts over all alike
+        times = [[run(c) for c in variants] for _ in range(repeats)]
+        one, exact, *chunked = (statistics.median(t[k] for t in times)
+                                for k in range(len(variants)))
+        out: dict[str, Any] = {"seq_len": seq_len, "vocab": cfg.vocab_size, "fused_fold": fused,
+                               "repeats": repeats, "one_s": one, "exact_s": exact, "chunks": {}}
+        for c, t in zip(chunks, chunked, strict=True):
+            out["chunks"][str(c)] = {"s": t, "ratio": t / exact, "over_one": t / one}
+        return out
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _step_memory(rank: int, cp: int, seq_len: int, port: int, out: str, resident: bool
@@ -172,6 +237,11 @@ def bench_long_context(quick: bool = False) -> dict[str, Any]:
                 "peak_rss_mib": max(r["peak_rss"] for r in recs) / 2**20,
                 **{f"{k}_mib": memory[k] / 2**20 for k in ("saved", "live", "growth")}}
             out["exchange"][f"cp{cp}"] = memory["wire"]
+        vocab = TokenDataset.open(data).vocab_size
+        out["chunked_grads"] = chunked_weight_grads(cfg.with_vocab(vocab), seq)
+    step = out["runs"]["cp1"]["step_s"]
+    for v in out["chunked_grads"]["chunks"].values():  # the seconds C chunks add to a step
+        v["step_ratio"] = 1 + (v["s"] - out["chunked_grads"]["exact_s"]) / step
     for key in ("saved", "live", "growth"):  # the issue's target: <= 1.2 x cp 1's / cp
         one = out["runs"]["cp1"][f"{key}_mib"]
         for cp in DEGREES[1:]:
@@ -231,6 +301,14 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  {k:<5} sliding {v['sliding_bytes']:>12,}  full {v['full_bytes']:>12,}"
                      f"  all-gather {v['all_gather_bytes']:>12,}  sliding/gather "
                      f"{v['sliding_over_gather']:.3f} (target <= {v['target']:.3f})")
+    g = r["chunked_grads"]
+    lines.append(f"bit identity across cp degrees: every weight gradient of a sequence formed "
+                 f"per token chunk and each folded into the fixed-point integers, one thread "
+                 f"(fused fold: {g['fused_fold']}); one product {g['one_s']:.4f} s, one product "
+                 f"+ one fold (exact mode today) {g['exact_s']:.4f} s:")
+    lines += [f"  {c} chunks {v['s']:.4f} s: {v['ratio']:.2f}x exact's weight-gradient work, "
+              f"{v['over_one']:.2f}x one product's; the cp 1 step x {v['step_ratio']:.3f}"
+              for c, v in g["chunks"].items()]
     s = r["stage3_fetched_tokens"]
     lines.append(f"  65,536 tokens at cp 8, window 4,096 (the plan's count): a rank fetches "
                  f"{s['sliding']:,} keys "

@@ -150,10 +150,6 @@ def _validate_context(cfg: RunConfig, need: Callable[[bool, str], None]) -> None
          f"with parallel.pp={p.pp} and the asynchronous schedule '{p.schedule}', whose stages "
          "run micro-batches out of step; context parallelism needs a flush schedule "
          f"({', '.join(FLUSH_SCHEDULES)}) or parallel.cp=1")
-    need(p.pp == 1, f"config key 'parallel.cp': got {p.cp} with parallel.pp={p.pp}; context "
-         "parallelism runs unpipelined for now (the stages' transport carries whole sequences "
-         "and the stage executor has no cp group to split them over): expected parallel.pp=1 "
-         "or parallel.cp=1")
     problem = split_problem(cfg.seq_len, p.cp)
     need(problem is None, f"config key 'data.seq_len': {problem}")
 

@@ -1,13 +1,16 @@
-"""Placements and process groups of a data-parallel x pipeline-parallel layout.
+"""Placements and process groups of a data-parallel x context-parallel x pipeline-parallel
+layout: world = dp x cp x pp, dp counting data-parallel ranks (replicas x fsdp).
 
-Rank r is DP rank r % dp of stage r // dp (`placements`; with context parallelism each DP rank
-is cp consecutive ranks). Under sharding (fsdp > 1, or `parallel.shard_over_cp` at fsdp 1)
-the dp data-parallel ranks of a stage are dp / fsdp replicas of fsdp DP ranks, each replica's
-state sharded over its fsdp x cp consecutive ranks (`form_shard_groups`): a cp group's ranks
-would hold the same weights, so they shard them, and the shards' reduce-scatter sums the cp
-ranks' parts of the gradient with the DP ranks'. A stage's DP replicas reduce their gradients
-together; one replica's stages agree on a global gradient norm; each rank exchanges activations
-with the same DP rank of the neighbouring stages.
+Rank r is DP rank r % dp of stage r // dp (`placements`); with context parallelism each DP rank
+is cp consecutive ranks (cp rank r % cp of DP rank r // cp % dp of stage r // (dp x cp)). Under
+sharding (fsdp > 1, or `parallel.shard_over_cp` at fsdp 1) the dp data-parallel ranks of a stage
+are dp / fsdp replicas of fsdp DP ranks, each replica's state sharded over its fsdp x cp
+consecutive ranks (`form_shard_groups`): a cp group's ranks would hold the same weights, so they
+shard them, and the shards' reduce-scatter sums the cp ranks' parts of the gradient with the DP
+ranks'. A stage's DP replicas reduce their gradients together (with cp, all the stage's dp x cp
+ranks: each holds its part of every micro-batch's gradient); one replica's stages agree on a
+global gradient norm; each rank exchanges activations with the rank of the same DP rank and cp
+rank in the neighbouring stages (both hold the same part of the same sequences).
 
 `torch.distributed.new_group` is collective over the whole world and must be called for every
 group in the same order on every rank, so `form_groups` creates all of them, always in the same
@@ -74,7 +77,7 @@ def placements(members: Sequence[int], dp: int, pp: int, fsdp: int = 1, cp: int 
                shard_over_cp: bool = False) -> dict[int, Placement]:
     """Worker id -> its place, members in rank order: rank r is DP rank r % dp of stage r // dp,
     so a stage's DP ranks are consecutive ranks (and so are a replica's shards). `dp` counts
-    data-parallel ranks: replicas x fsdp. With context parallelism (cp > 1, unpipelined) each DP
+    data-parallel ranks: replicas x fsdp. With context parallelism (cp > 1) each DP
     rank is cp consecutive ranks, cp rank r % cp of DP rank r // cp: they share its batches,
     each holding its part of every sequence (and with `shard_over_cp` its shard of the state)."""
     if len(members) != dp * pp * cp or dp % fsdp:
@@ -109,27 +112,31 @@ def replica_ranks(dp_rank: int, dp: int, pp: int) -> list[int]:
 
 
 def form_groups(stage: int, dp_rank: int, dp: int, pp: int,
-                timeout: timedelta | None = None) -> PipelineGroups:
-    """Create every DP group (per stage) then every pipeline group (per DP rank) and return this
-    rank's. Needs an initialised default process group of dp * pp ranks."""
-    if dist.get_world_size() != dp * pp:
-        raise ValueError(f"world of {dist.get_world_size()} ranks, layout needs dp {dp} x pp {pp}")
+                timeout: timedelta | None = None, cp: int = 1, cp_rank: int = 0
+                ) -> PipelineGroups:
+    """Create every DP group (per stage: its dp x cp ranks) then every pipeline group (per DP
+    rank and cp rank: the ranks holding the same part of the same micro-batches) and return
+    this rank's. Needs an initialised default process group of dp x cp x pp ranks."""
+    span, at = dp * cp, dp_rank * cp + cp_rank  # a stage's ranks, this rank's place among them
+    if dist.get_world_size() != span * pp:
+        raise ValueError(f"world of {dist.get_world_size()} ranks, layout needs dp {dp} x "
+                         f"cp {cp} x pp {pp}")
     mine_dp = mine_pipe = None
-    if dp > 1:
+    if span > 1:
         for s in range(pp):
-            group = dist.new_group(stage_ranks(s, dp), timeout=timeout)
+            group = dist.new_group(stage_ranks(s, span), timeout=timeout)
             if s == stage:
                 mine_dp = group
-        for d in range(dp):
-            group = dist.new_group(replica_ranks(d, dp, pp), timeout=timeout)
-            if d == dp_rank:
+        for d in range(span):
+            group = dist.new_group(replica_ranks(d, span, pp), timeout=timeout)
+            if d == at:
                 mine_pipe = group
-    rank = stage * dp + dp_rank
+    rank = stage * span + at
     return PipelineGroups(dp=mine_dp, pipe=mine_pipe,
-                          prev=rank - dp if stage > 0 else None,
-                          next=rank + dp if stage < pp - 1 else None,
+                          prev=rank - span if stage > 0 else None,
+                          next=rank + span if stage < pp - 1 else None,
                           wrap=None if 0 < stage < pp - 1 else
-                          (pp - 1 - stage) * dp + dp_rank if pp > 1 else None)
+                          (pp - 1 - stage) * span + at if pp > 1 else None)
 
 
 def form_shard_groups(placement: Placement, timeout: timedelta | None = None
@@ -164,16 +171,17 @@ def form_shard_groups(placement: Placement, timeout: timedelta | None = None
 
 
 def form_cp_group(placement: Placement, timeout: timedelta | None = None) -> dist.ProcessGroup:
-    """Create every cp group (a DP rank's cp consecutive ranks; unpipelined layouts) in rank
-    order and return this rank's. Needs an initialised default process group."""
+    """Create every cp group (a DP rank's cp consecutive ranks, stage by stage) in rank order
+    and return this rank's. Needs an initialised default process group of dp x cp x pp
+    ranks."""
     p = placement
-    if p.pp != 1 or dist.get_world_size() != p.dp * p.cp:
+    if dist.get_world_size() != p.dp * p.cp * p.pp:
         raise ValueError(f"world of {dist.get_world_size()} ranks, layout needs dp {p.dp} x "
-                         f"cp {p.cp} (unpipelined)")
+                         f"cp {p.cp} x pp {p.pp}")
     mine = None
-    for d in range(p.dp):
+    for d in range(p.dp * p.pp):
         group = dist.new_group(list(range(d * p.cp, (d + 1) * p.cp)), timeout=timeout)
-        if d == p.dp_rank:
+        if d == p.stage * p.dp + p.dp_rank:
             mine = group
     assert mine is not None
     return mine

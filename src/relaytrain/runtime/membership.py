@@ -69,7 +69,8 @@ class Membership:
                                 world_size=placement.world, timeout=timedelta(seconds=timeout_s))
         if placement.pp > 1:
             self.groups = form_groups(placement.stage, placement.dp_rank, placement.dp,
-                                      placement.pp, timedelta(seconds=timeout_s))
+                                      placement.pp, timedelta(seconds=timeout_s),
+                                      placement.cp, placement.cp_rank)
         if placement.shards > 1:
             self.shard_group, self.replica_group = form_shard_groups(
                 placement, timedelta(seconds=timeout_s))

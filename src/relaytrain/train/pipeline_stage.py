@@ -61,6 +61,18 @@ that chunk's B; the root unit (embedding, final norm, head) runs in every chunk'
 the chunk that reads the tokens (embedding) or computes the loss (head) gives it gradients, so
 it too reduces once per micro-batch, as each unit's integer accumulator counts on.
 
+**Context parallelism** (`parallel.cp` > 1, flush schedules only: config/checks.py): a stage's
+DP rank is cp ranks, each holding its part of every micro-batch's sequences (the zig-zag split,
+parallel/context.py). The first stage embeds its part of the tokens; activations and their
+gradients travel between the ranks of the same cp rank of neighbouring stages, each sending its
+part only (a message is [micro_batch, seq_len / cp, d_model]); each stage's cp group exchanges
+keys and values in its attention layers as an unpipelined cp group does, all its ranks running
+the same list in step; the last stage scores its part of the labels, its loss weighted by its
+share of the scored tokens (`label_share`) and the micro-batch's losses the cp-weighted means
+(`sequence_mean`), as `train.step` does. The DP group's reduction covers the stage's dp x cp
+ranks (parallel/groups.py), so exact mode's integer sums take every part of every micro-batch:
+the same bits as the unpipelined run at the same cp.
+
 **Loss scale, learning rate, clipping.** Every update averages its *update group* (the B's since
 the previous update, `schedules.update_groups`) over all DP replicas: micro-batch losses are
 scaled by 1 / (group size x dp). For the flush schedules a group is a global batch, so this is
@@ -104,6 +116,7 @@ from relaytrain.data.loader import Batch
 from relaytrain.model.matmul import DeferredGrad, Linear, deferring
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
+from relaytrain.parallel.context import ContextGroup, label_share, sequence_mean
 from relaytrain.parallel.pipeline.schedules import (
     Action,
     asynchronous,
@@ -378,8 +391,13 @@ class StageRunner:
     def __init__(self, module: Olmo3, optimizer: AdamW, reducer: GradReducer | Any,
                  spec: StageSpec, transport: Transport, prev: int | None, next: int | None,
                  pipe_group: dist.ProcessGroup | None, lr_of: Callable[[int], float],
-                 device: torch.device, sharded: bool = False, wrap: int | None = None):
+                 device: torch.device, sharded: bool = False, wrap: int | None = None,
+                 context: ContextGroup | None = None):
         self.module, self.optimizer, self.reducer, self.spec = module, optimizer, reducer, spec
+        self.context = context  # parallel.cp: this rank's part of every sequence
+        degree = 1 if context is None else context.split.degree
+        # a message between stages: this rank's part of a micro-batch's activations
+        self.shape = (spec.micro_batch, spec.seq_len // degree, spec.d_model)
         self.transport, self.pipe_group = transport, pipe_group
         self.lr_of, self.device = lr_of, device
         if sharded and not spec.global_clip:
@@ -425,8 +443,7 @@ class StageRunner:
         self.module.train()
         self.reducer.start()
         t_span = time.perf_counter()
-        self.transport.expect(self._receives(actions),
-                              (spec.micro_batch, spec.seq_len, spec.d_model))
+        self.transport.expect(self._receives(actions), self.shape)
         for act in actions:
             t0, w0 = time.perf_counter(), self.transport.waited
             transient = 0
@@ -514,6 +531,8 @@ class StageRunner:
                                                             "z_loss": self.spec.z_loss}
         if place.layers is not None:
             kwargs["chunk"] = place.layers
+        if self.context is not None:
+            kwargs["context"] = self.context
         with meter.counting(), autocast_for(self.device):
             if leaves is None:
                 return self.module(x, **kwargs)
@@ -522,10 +541,13 @@ class StageRunner:
     def _input(self, mb: int, place: _Place, batches: list[Batch]) -> Tensor:
         b, j = divmod(mb, self.spec.micro_per_batch)
         if place.first:
-            return batches[b].micro_batches[j][1][:, :-1].to(self.device)
-        s = self.spec
-        return self.transport.recv((s.micro_batch, s.seq_len, s.d_model), place.src,
-                                   _tag(mb, False, place.below, s.virtual))
+            return self._local(batches[b].micro_batches[j][1][:, :-1].to(self.device))
+        return self.transport.recv(self.shape, place.src,
+                                   _tag(mb, False, place.below, self.spec.virtual))
+
+    def _local(self, x: Tensor) -> Tensor:
+        """This rank's part of whole sequences `x` [B, T] (all of them without cp)."""
+        return x if self.context is None else self.context.split.local(x)
 
     def _forward(self, mb: int, place: _Place, batches: list[Batch], divisor: dict[int, int],
                  losses: dict[int, tuple[float, float, float]], updates: int,
@@ -541,10 +563,13 @@ class StageRunner:
         if not place.first:
             x.requires_grad_()
         leaves = self._aliases()
-        labels = None
+        labels, share = None, 1.0
         if place.last:
             b, j = divmod(mb, spec.micro_per_batch)
             labels = batches[b].micro_batches[j][1][:, 1:].to(self.device)
+            if self.context is not None:  # its loss weighs its share of the scored tokens
+                share = label_share(labels, self.context)
+            labels = self._local(labels)
         defer = is_split and leaves is not None and not getattr(self.module, "compiled", False)
         with deferring([] if defer else None) as records:
             out = self._run(x, leaves, meter := self._meter(), place, labels)
@@ -554,8 +579,9 @@ class StageRunner:
                                "gradient would be split")
         if place.last:
             total, ce, z = out
-            losses[mb] = (float(total.detach()), float(ce), float(z))
-            out = total / divisor[mb]
+            losses[mb] = sequence_mean([float(v.detach()) for v in out], share, self.context,
+                                       self.device)
+            out = total * share / divisor[mb]
         else:
             self.transport.send(out, place.dst, out_tag)
         meter.add(out)
@@ -570,8 +596,8 @@ class StageRunner:
         spec = self.spec
         grad_out = None
         if not place.last:
-            grad_out = self.transport.recv((spec.micro_batch, spec.seq_len, spec.d_model),
-                                           place.dst, _tag(mb, True, place.chunk, spec.virtual))
+            grad_out = self.transport.recv(self.shape, place.dst,
+                                           _tag(mb, True, place.chunk, spec.virtual))
         up = _tag(mb, True, place.below, spec.virtual)
         extra = 0
         out, leaves, x = held.out, held.leaves, held.x
@@ -646,6 +672,8 @@ class StageRunner:
             norm, ok = self._global_norm(grads, order, ok)
             if check is not None:  # every rank joins, whatever its own losses hold
                 pipe = dist.group.WORLD if self.pipe_group is None else self.pipe_group  # dp 1
+                if self.context is not None and self.context.split.rank:
+                    own = {}  # its cp group's first rank fills the slots (they hold the same)
                 ce = global_ce(own or {}, spec.micro_per_batch * spec.dp,
                                self.reducer.group, self.device, pipe)
             self.transport.waited += time.perf_counter() - t0

@@ -206,15 +206,15 @@ def make_stepper(cfg: RunConfig, state: TrainState, reducer: GradReducer | Shard
                  cp: tuple[int, dist.ProcessGroup] | None = None) -> Stepper:
     """The local stepper, or with pipeline `groups` (pp > 1) that of the state's stage, in a
     generation of `dp` DP ranks per stage; with `cp` (this rank's cp rank and its cp group)
-    the local stepper trains its part of every sequence."""
+    either trains its part of every sequence."""
+    context = None if cp is None else ContextGroup(
+        ContextSplit(cfg.seq_len, cfg.parallel.cp, cp[0]), cp[1], cfg.determinism == "exact")
     if groups is None:
-        context = None if cp is None else ContextGroup(
-            ContextSplit(cfg.seq_len, cfg.parallel.cp, cp[0]), cp[1],
-            cfg.determinism == "exact")
         return LocalStepper(state, reducer, loader, cfg, context)
     spec = StageSpec.from_config(cfg, state.layout[0], state.model_cfg.d_model, dp)
     runner = StageRunner(state.model, state.optimizer, reducer, spec, Transport(state.device),
                          groups.prev, groups.next, groups.pipe,
                          lambda step: lr_at(step, cfg.optim, cfg.train.max_steps),
-                         state.device, sharded=state.sharded, wrap=groups.wrap)
+                         state.device, sharded=state.sharded, wrap=groups.wrap,
+                         context=context)
     return PipelineStepper(runner, loader, state.device, cfg.batch_offset)
