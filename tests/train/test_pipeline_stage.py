@@ -460,6 +460,10 @@ PACKED = ("data.instances=packed", "data.source_group_size=2",
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("cp", "layout"), [
     (1, ("parallel.schedule=1f1b",)),
+    # deferred weight gradients; a forward recomputed at B (flushing, one update a batch)
+    (1, ("parallel.schedule=zb-h1",)),
+    (1, ("parallel.schedule=paci", "parallel.paci.mode=mem", "parallel.paci.flush=true",
+         "parallel.paci.a=4")),
     (2, ("parallel.schedule=1f1b",))])
 def test_packed_masked_instances_in_pipeline_stages_train_the_unpipelined_bits(
         runs, packed_mix, cp, layout):
