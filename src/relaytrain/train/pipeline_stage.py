@@ -69,6 +69,14 @@ share of the scored tokens (`label_share`) and the micro-batch's losses the cp-w
 ranks (parallel/groups.py), so exact mode's integer sums take every part of every micro-batch:
 the same bits as the unpipelined run at the same cp.
 
+**Packed instances** (`data.instances: packed`, any schedule): every stage forms each
+micro-batch's inputs, labels and document lengths from its own copy of the batch
+(`data.packing.model_inputs`, as `train.step` does; the loader is a pure function of the seed),
+so every stage's attention and RoPE positions stay within documents (`model.document_masking`;
+with cp, its part carrying its rows' document ids) and the last stage ignores the padding's
+labels, with nothing about documents sent down the pipe. A message's length is the inputs'
+(packed instances' are seq_len - 1 tokens, seq_len whole under cp).
+
 **Loss scale, learning rate, clipping.** Every update averages its *update group* (the B's since
 the previous update, `schedules.update_groups`) over all DP replicas: micro-batch losses are
 scaled by 1 / (group size x dp). For the flush schedules a group is a global batch, so this is
