@@ -494,3 +494,18 @@ def test_packed_masked_instances_in_pipeline_stages_train_the_unpipelined_bits(
     ref_w = final_weights(ref)
     for r in res:
         assert all(torch.equal(w, ref_w[k]) for k, w in r["weights"].items()), r["rank"]
+
+
+@pytest.mark.timeout(120)
+def test_indexed_instances_of_seq_len_tokens_train_in_pipeline_stages(runs, packed_mix):
+    """Concatenated instances cut from OLMo-core token arrays are seq_len tokens (their inputs
+    one fewer, as packed ones'), not the prepared data's seq_len + 1: the messages between
+    stages take the inputs' length, so pp 2 trains and evaluates pp 1's bits on them too."""
+    args = ("determinism=exact", "data.order=olmo-core")
+    ref = runs(*args, data=packed_mix, heldout=HELDOUT)
+    res = runs(*args, "parallel.pp=2", data=packed_mix, heldout=HELDOUT)
+    assert step_losses(res) == step_losses(ref)
+    assert heldout_losses(res) == heldout_losses(ref)
+    ref_w = final_weights(ref)
+    for r in res:
+        assert all(torch.equal(w, ref_w[k]) for k, w in r["weights"].items()), r["rank"]
