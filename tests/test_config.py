@@ -360,13 +360,22 @@ def test_a_checkpoint_from_before_data_seed_existed_resumes_as_the_seeds_order()
     (["data.source_permutation_seed=123"], "expected data.instances=packed"),
     (["data.source_group_size=0", "data.instances=packed"], "expected >= 1"),
     (["model.document_masking=true"], "concatenated instances keep no document lengths"),
-    (["data.instances=packed", "parallel.pp=2", "runtime.engine=ray"],
-     "pipeline stages carry neither the document lengths nor the padding's label mask"),
 ])
 def test_packed_instances_and_document_masking_refuse_what_cannot_run(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["run_dir=x", *overrides])
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.pp=2"], ["parallel.pp=2", "parallel.cp=2"],
+    ["parallel.pp=2", "parallel.schedule=paci", "parallel.paci.mode=mem"]])
+def test_packed_instances_run_in_pipeline_stages(layout):
+    """Every stage reads each micro-batch's document lengths from its own batch
+    (train/pipeline_stage.py), so packed, masked instances take any pipeline layout."""
+    cfg = load_config(None, ["run_dir=x", "data.instances=packed", "runtime.engine=ray",
+                             *layout])
+    assert cfg.document_masking and cfg.parallel.pp == 2
 
 
 def test_document_masking_is_on_for_packed_instances_unless_turned_off():

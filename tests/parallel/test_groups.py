@@ -9,6 +9,7 @@ from relaytrain.parallel.groups import (
     replica_ranks,
     replica_shards,
     shard_size,
+    stage_members,
     stage_ranks,
 )
 
@@ -98,3 +99,13 @@ def test_a_resized_sharded_run_keeps_whole_replicas_else_shards_over_everyone():
     assert shard_size(4, 2) == 2 and shard_size(2, 2) == 2  # 2 replicas; 1
     assert shard_size(3, 2) == 3  # part of a replica lost: one replica of 3 (uneven chunks)
     assert shard_size(1, 4) == 1 and shard_size(6, 1) == 1
+
+
+@pytest.mark.parametrize(("dp", "pp", "cp"), [(1, 2, 2), (2, 2, 2), (3, 2, 1), (1, 3, 4)])
+def test_a_stage_s_members_are_its_dp_x_cp_ranks(dp, pp, cp):
+    """What recovery groups a stage's survivors by: with cp > 1 a stage is dp x cp workers
+    (dp 1 x cp 2 x pp 2: [a, b] and [c, d], not [a] and [b])."""
+    members = [10 + r for r in range(dp * pp * cp)]
+    got = placements(members, dp, pp, cp=cp)
+    assert stage_members(members, dp, pp, cp) == [
+        [w for w, p in got.items() if p.stage == s] for s in range(pp)]

@@ -1,3 +1,4 @@
-"""The training fixtures of tests/runtime (the corpus), for the pipeline stage's tests."""
+"""The training fixtures of tests/runtime (the corpus, the packed mix), for the pipeline
+stage's tests."""
 
-from tests.runtime.conftest import corpus_data  # noqa: F401
+from tests.runtime.conftest import corpus_data, packed_mix  # noqa: F401

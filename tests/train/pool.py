@@ -27,6 +27,7 @@ JOB_TIMEOUT = 90.0
 
 def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
     from relaytrain.checkpoint.keys import model_tensors
+    from relaytrain.data.eval_sets import OWN_EVAL_SET
     from relaytrain.parallel.groups import placements
     from relaytrain.parallel.shards import whole_tensor
     from relaytrain.runtime.worker import Worker
@@ -45,13 +46,15 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any] | None:
         for count in job["spans"]:
             steps += worker.run_steps(first, count)
             first += count
+        heldout = worker.evaluate({OWN_EVAL_SET: job["heldout"]})[OWN_EVAL_SET] \
+            if job["heldout"] else {}
         weights = {k: whole_tensor(v).numpy().copy()  # sharded: gathered (collectively)
                    for k, v in model_tensors(worker.state.state_tensors()).items()}
     finally:
         worker.close()
     records = [{k: v for k, v in asdict(s).items() if k != "written"} for s in steps]
     return {"rank": rank, "stage": place.stage, "dp_rank": place.dp_rank,
-            "cp_rank": place.cp_rank, "steps": records, "weights": weights}
+            "cp_rank": place.cp_rank, "steps": records, "weights": weights, "heldout": heldout}
 
 
 def _serve(rank: int, conn: Any) -> None:
@@ -96,12 +99,16 @@ class WorkerPool:
                 proc.kill()
         self.store.close()
 
-    def train(self, cfg: RunConfig, spans: tuple[int, ...]) -> list[dict[str, Any]]:
-        """One result per rank: per-step results of `run_steps` and the final weights."""
+    def train(self, cfg: RunConfig, spans: tuple[int, ...], heldout: tuple[int, ...] = ()
+              ) -> list[dict[str, Any]]:
+        """One result per rank: per-step results of `run_steps`, the held-out losses of
+        instances `heldout` of the run's own held-out split after them (those this rank
+        computes) and the final weights."""
         if cfg.world_size > self.n:
             raise ValueError(f"{cfg.world_size} ranks, pool of {self.n}")
         job = {"config": cfg, "vocab": TokenDataset.open(cfg.data.path).vocab_size,
-               "generation": self.generation, "store": self.store.access, "spans": spans}
+               "generation": self.generation, "store": self.store.access, "spans": spans,
+               "heldout": list(heldout)}
         self.generation += 1
         for conn in self.conns:
             conn.send(job)

@@ -113,9 +113,6 @@ def _validate_packing(cfg: RunConfig, need: Callable[[bool, str], None]) -> None
     seq = cfg.seq_len
     need(seq >= 2 and not seq & (seq - 1), f"config key 'data.seq_len': got {seq}, but packed "
          "instances need a power of two (OLMo-core's packer)")
-    need(cfg.parallel.pp == 1, "config key 'data.instances': got packed with parallel.pp="
-         f"{cfg.parallel.pp}, but pipeline stages carry neither the document lengths nor the "
-         "padding's label mask yet; expected parallel.pp=1 (or data.instances=concatenated)")
 
 
 def _validate_virtual_stages(cfg: RunConfig, n_layers: int,

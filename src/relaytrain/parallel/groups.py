@@ -107,6 +107,12 @@ def stage_ranks(stage: int, dp: int) -> list[int]:
     return [stage * dp + d for d in range(dp)]
 
 
+def stage_members(members: Sequence[int], dp: int, pp: int, cp: int = 1) -> list[list[int]]:
+    """Each stage's members (in rank order, as `placements` takes them): its dp x cp ranks."""
+    span = dp * cp
+    return [list(members[s * span:(s + 1) * span]) for s in range(pp)]
+
+
 def replica_ranks(dp_rank: int, dp: int, pp: int) -> list[int]:
     return [s * dp + dp_rank for s in range(pp)]
 

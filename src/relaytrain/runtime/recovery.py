@@ -19,7 +19,13 @@ from typing import Any
 
 from relaytrain.config.sections import RunConfig
 from relaytrain.errors import warn
-from relaytrain.parallel.groups import Placement, placements, replica_shards, shard_size
+from relaytrain.parallel.groups import (
+    Placement,
+    placements,
+    replica_shards,
+    shard_size,
+    stage_members,
+)
 from relaytrain.parallel.shards import misaligned, parameter_shapes
 from relaytrain.runtime import rendezvous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
@@ -274,9 +280,9 @@ class Recovery:
         if not missing:
             self.members = members
             return replaced, False, None
-        # each stage's workers left, in DP-rank order (rank r is stage r // dp)
-        stages = [[w for w in members[s * self.dp:(s + 1) * self.dp] if w not in failed]
-                  for s in range(self.cfg.parallel.pp)]
+        # each stage's workers left, in rank order (a stage is dp x cp ranks)
+        stages = [[w for w in stage if w not in failed] for stage in stage_members(
+            members, self.dp, self.cfg.parallel.pp, self.cfg.parallel.cp)]
         why = self._why_not_shrink(min(map(len, stages)))
         if why is None:
             self.members = self._shrink(stages)

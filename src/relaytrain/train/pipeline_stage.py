@@ -73,6 +73,14 @@ share of the scored tokens (`label_share`) and the micro-batch's losses the cp-w
 ranks (parallel/groups.py), so exact mode's integer sums take every part of every micro-batch:
 the same bits as the unpipelined run at the same cp.
 
+**Packed instances** (`data.instances: packed`, any schedule): every stage forms each
+micro-batch's inputs, labels and document lengths from its own copy of the batch
+(`data.packing.model_inputs`, as `train.step` does; the loader is a pure function of the seed),
+so every stage's attention and RoPE positions stay within documents (`model.document_masking`;
+with cp, its part carrying its rows' document ids) and the last stage ignores the padding's
+labels, with nothing about documents sent down the pipe. A message's length is the inputs'
+(packed instances' are seq_len - 1 tokens, seq_len whole under cp).
+
 **Loss scale, learning rate, clipping.** Every update averages its *update group* (the B's since
 the previous update, `schedules.update_groups`) over all DP replicas: micro-batch losses are
 scaled by 1 / (group size x dp). For the flush schedules a group is a global batch, so this is
@@ -113,6 +121,7 @@ from torch.func import functional_call
 
 from relaytrain.config.sections import RunConfig
 from relaytrain.data.loader import Batch
+from relaytrain.data.packing import model_inputs
 from relaytrain.model.matmul import DeferredGrad, Linear, deferring
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
@@ -156,6 +165,7 @@ class StageSpec:
     recompute: bool = False
     skip: SkipRule | None = None  # optim.skip_spikes (flush schedules only: config.py)
     virtual: int = 1  # model chunks on this rank (interleaved-1f1b's V)
+    document_masking: bool = False  # model.document_masking: attention within documents
 
     @classmethod
     def from_config(cls, cfg: RunConfig, stage: int, d_model: int, dp: int) -> StageSpec:
@@ -173,7 +183,8 @@ class StageSpec:
                    flush=p.paci.flush and p.schedule == "paci",
                    recompute=p.paci.mode == "mem" and p.schedule == "paci",
                    skip=SkipRule.from_config(cfg),
-                   virtual=p.virtual_stages if p.schedule == "interleaved-1f1b" else 1)
+                   virtual=p.virtual_stages if p.schedule == "interleaved-1f1b" else 1,
+                   document_masking=cfg.document_masking)
 
     @property
     def first(self) -> bool:
@@ -347,6 +358,7 @@ class _InFlight:
     weights: int | None  # data pointer of the weight storage the graph holds
     # split lists: what each linear layer's weight gradient needs, by parameter name (for W)
     deferred: dict[str, DeferredGrad] = field(default_factory=dict)
+    doc_lens: Tensor | None = None  # document lengths of a recomputed forward (paci mem)
 
 
 @dataclass
@@ -395,9 +407,9 @@ class StageRunner:
                  context: ContextGroup | None = None):
         self.module, self.optimizer, self.reducer, self.spec = module, optimizer, reducer, spec
         self.context = context  # parallel.cp: this rank's part of every sequence
-        degree = 1 if context is None else context.split.degree
-        # a message between stages: this rank's part of a micro-batch's activations
-        self.shape = (spec.micro_batch, spec.seq_len // degree, spec.d_model)
+        # a message between stages: this rank's part of a micro-batch's activations (its
+        # length is the batches' inputs', set by each span: `_message_shape`)
+        self.shape = (spec.micro_batch, spec.seq_len, spec.d_model)
         self.transport, self.pipe_group = transport, pipe_group
         self.lr_of, self.device = lr_of, device
         if sharded and not spec.global_clip:
@@ -443,6 +455,7 @@ class StageRunner:
         self.module.train()
         self.reducer.start()
         t_span = time.perf_counter()
+        self.shape = self._message_shape(self._micro(0, batches)[0].shape[1])
         self.transport.expect(self._receives(actions), self.shape)
         for act in actions:
             t0, w0 = time.perf_counter(), self.transport.waited
@@ -523,25 +536,52 @@ class StageRunner:
             return None
         return {n: p.data.requires_grad_() for n, p in self.params.items()}
 
-    def _run(self, x: Tensor, leaves: dict[str, Tensor] | None, meter: SavedBytes,
-             place: _Place, labels: Tensor | None = None) -> Any:
-        """The chunk's output, or on the last virtual stage given `labels` its (total, ce, z)
-        loss; through the weight aliases `leaves`, or (sharded) the module itself."""
+    def _kwargs(self, place: _Place, doc_lens: Tensor | None,
+                labels: Tensor | None = None) -> dict[str, Any]:
+        """The module's keyword arguments for chunk `place`: its layers, the cp group, the
+        micro-batch's document lengths (attention within documents), the last stage's labels."""
         kwargs: dict[str, Any] = {} if labels is None else {"labels": labels,
                                                             "z_loss": self.spec.z_loss}
         if place.layers is not None:
             kwargs["chunk"] = place.layers
         if self.context is not None:
             kwargs["context"] = self.context
+        if doc_lens is not None:
+            kwargs["doc_lens"] = doc_lens
+        return kwargs
+
+    def _run(self, x: Tensor, leaves: dict[str, Tensor] | None, meter: SavedBytes,
+             place: _Place, doc_lens: Tensor | None, labels: Tensor | None = None) -> Any:
+        """The chunk's output, or on the last virtual stage given `labels` its (total, ce, z)
+        loss; through the weight aliases `leaves`, or (sharded) the module itself."""
+        kwargs = self._kwargs(place, doc_lens, labels)
         with meter.counting(), autocast_for(self.device):
             if leaves is None:
                 return self.module(x, **kwargs)
             return functional_call(self.module, leaves, (x,), kwargs, strict=True)
 
-    def _input(self, mb: int, place: _Place, batches: list[Batch]) -> Tensor:
+    def _micro(self, mb: int, batches: list[Batch]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(inputs, labels, document lengths or None) of the span's micro-batch `mb`, whole
+        sequences, as `train.step` forms them: packed instances' padding is no label and with
+        `document_masking` every stage's attention and positions stay within documents. Every
+        stage reads them from the same batch (the loader is a pure function of the seed), so
+        no document structure travels down the pipe."""
         b, j = divmod(mb, self.spec.micro_per_batch)
+        index, tokens = batches[b].micro_batches[j]
+        inputs, labels, doc_lens = model_inputs(tokens.to(self.device),
+                                                batches[b].documents.get(index),
+                                                whole=self.context is not None)
+        return inputs, labels, doc_lens if self.spec.document_masking else None
+
+    def _message_shape(self, tokens: int) -> tuple[int, int, int]:
+        """A message between stages of micro-batches of `tokens` inputs a row (packed
+        instances' are seq_len - 1, or seq_len whole for a cp split): this rank's part."""
+        degree = 1 if self.context is None else self.context.split.degree
+        return self.spec.micro_batch, tokens // degree, self.spec.d_model
+
+    def _input(self, mb: int, place: _Place, inputs: Tensor) -> Tensor:
         if place.first:
-            return self._local(batches[b].micro_batches[j][1][:, :-1].to(self.device))
+            return self._local(inputs)
         return self.transport.recv(self.shape, place.src,
                                    _tag(mb, False, place.below, self.spec.virtual))
 
@@ -553,26 +593,27 @@ class StageRunner:
                  losses: dict[int, tuple[float, float, float]], updates: int,
                  is_split: bool = False) -> _InFlight:
         spec = self.spec
-        x = self._input(mb, place, batches)
+        inputs, labels, doc_lens = self._micro(mb, batches)
+        x = self._input(mb, place, inputs)
         out_tag = _tag(mb, False, place.chunk, spec.virtual)
         if spec.recompute and not place.last:
             with torch.no_grad(), autocast_for(self.device):
-                out = self.module(x)
+                out = self.module(x, **self._kwargs(place, doc_lens))
             self.transport.send(out, place.dst, out_tag)
-            return _InFlight(x, None, None, updates, x.untyped_storage().nbytes(), None)
+            return _InFlight(x, None, None, updates, x.untyped_storage().nbytes(), None,
+                             doc_lens=doc_lens)
         if not place.first:
             x.requires_grad_()
         leaves = self._aliases()
-        labels, share = None, 1.0
-        if place.last:
-            b, j = divmod(mb, spec.micro_per_batch)
-            labels = batches[b].micro_batches[j][1][:, 1:].to(self.device)
-            if self.context is not None:  # its loss weighs its share of the scored tokens
-                share = label_share(labels, self.context)
+        share = 1.0
+        if not place.last:
+            labels = None
+        elif self.context is not None:  # its loss weighs its share of the scored tokens
+            share = label_share(labels, self.context)
             labels = self._local(labels)
         defer = is_split and leaves is not None and not getattr(self.module, "compiled", False)
         with deferring([] if defer else None) as records:
-            out = self._run(x, leaves, meter := self._meter(), place, labels)
+            out = self._run(x, leaves, meter := self._meter(), place, doc_lens, labels)
         deferred = {self._linear_weights[d.layer]: d for d in records or ()}
         if len(deferred) != len(records or ()):
             raise RuntimeError("a linear layer ran twice in one forward: its deferred weight "
@@ -605,7 +646,7 @@ class StageRunner:
             leaves = self._aliases()
             if not place.first:
                 x.requires_grad_()
-            out = self._run(x, leaves, meter := self._meter(), place)
+            out = self._run(x, leaves, meter := self._meter(), place, held.doc_lens)
             extra = meter.nbytes
         if leaves is None:  # sharded: FSDP2's hooks take the weight gradients
             torch.autograd.backward(out, grad_out)
@@ -738,6 +779,9 @@ class StageRunner:
         the others return {}."""
         spec = self.spec
         out: dict[int, float] = {}
+        # the inputs a row: an indexed split's instances are seq_len tokens, a prepared one's
+        # seq_len + 1 (no tokens read: the stages between read none)
+        width = split.instances([], spec.seq_len).shape[1] - 1
         self.module.eval()
         for c, chunk in enumerate(eval_chunks(ids, spec.micro_batch, part, parts)):
             tokens = None
@@ -747,7 +791,7 @@ class StageRunner:
                 if place.first:
                     x = tokens[:, :-1]
                 else:
-                    x = self.transport.recv((len(chunk), spec.seq_len, spec.d_model), place.src,
+                    x = self.transport.recv((len(chunk), width, spec.d_model), place.src,
                                             _tag(c, False, place.below, spec.virtual))
                 with autocast_for(self.device):
                     y = self.module(x) if place.layers is None else \
