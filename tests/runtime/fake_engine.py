@@ -94,7 +94,7 @@ class FakeEngine(Engine):
         out, self.settled = self.settled, {}
         return out
 
-    def hold_capacity(self, seconds: float) -> None:
+    def hold_capacity(self, wid: int, seconds: float) -> None:
         self.capacity = 0
 
     def pid(self, wid: int) -> int:
