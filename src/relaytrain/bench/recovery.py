@@ -63,25 +63,30 @@ def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
             "max_lost_steps": max(r["lost_steps"] for r in recs)}
 
 
-def goodput(faulty: Any, fault_free: Any) -> dict[str, float]:
+def goodput(faulty: Any, fault_free: Any, resize_s: float = 0.0) -> dict[str, float]:
     """The faulty run's goodput against the same run without faults (`RunSummary`s: the
     fault-free wall over the faulty wall), its productive share with and without its start-up
     (the Ray cluster, the workers and the standby, which any run pays), and where its extra
-    wall went: the recoveries (fault -> next completed step; of them detection, a hang's ping
-    deadline), the steps lost and trained again (at the fault-free run's step time), the
-    start-up's difference."""
+    wall went: the start-up's difference; training's (steps lost and trained again, steps on
+    fewer workers or beside a replacement starting on the same cores); the recoveries outside
+    their first step (of them detection: a hang's ping deadline); growing back (`resize_s`,
+    its `resize` records); the rest (the standby's refills, the final save, the host)."""
     productive = faulty.goodput * faulty.wall_s
-    step_s = fault_free.goodput * fault_free.wall_s / fault_free.steps
-    lost = sum(r["lost_steps"] for r in faulty.recoveries)
-    return {"goodput": fault_free.wall_s / faulty.wall_s,
-            "faulty_wall_s": faulty.wall_s, "fault_free_wall_s": fault_free.wall_s,
-            "productive_share": faulty.goodput,
-            "productive_share_after_start_up": productive / (faulty.wall_s - faulty.setup_s),
-            "start_up_s": faulty.setup_s, "extra_s": faulty.wall_s - fault_free.wall_s,
-            "recoveries_s": sum(r["total_s"] for r in faulty.recoveries),
-            "detect_s": sum(r["phases"]["detect"] or 0.0 for r in faulty.recoveries),
-            "lost_steps": lost, "lost_steps_s": lost * step_s,
-            "start_up_extra_s": faulty.setup_s - fault_free.setup_s}
+    clean_productive = fault_free.goodput * fault_free.wall_s
+    recs = faulty.recoveries
+    out = {"goodput": fault_free.wall_s / faulty.wall_s,
+           "faulty_wall_s": faulty.wall_s, "fault_free_wall_s": fault_free.wall_s,
+           "productive_share": faulty.goodput,
+           "productive_share_after_start_up": productive / (faulty.wall_s - faulty.setup_s),
+           "start_up_s": faulty.setup_s, "extra_s": faulty.wall_s - fault_free.wall_s,
+           "start_up_extra_s": faulty.setup_s - fault_free.setup_s,
+           "training_extra_s": productive - clean_productive,
+           "lost_steps": sum(r["lost_steps"] for r in recs),
+           "recoveries_s": sum(r["total_s"] - r["phases"]["first_step"] for r in recs),
+           "detect_s": sum(r["phases"]["detect"] or 0.0 for r in recs), "resize_s": resize_s}
+    out["rest_s"] = out["extra_s"] - sum(out[k] for k in ("start_up_extra_s", "training_extra_s",
+                                                          "recoveries_s", "resize_s"))
+    return out
 
 
 def settings(overrides: list[str]) -> dict[str, Any]:
@@ -124,7 +129,9 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
         progress.report("the same run without faults (the goodput's baseline)")
         clean = run_training([*common, f"run_dir={os.path.join(tmp, 'fault-free')}",
                               f"train.max_steps={steps}"])
-        recs = summary.recoveries
+        good = goodput(summary, clean, sum(r["seconds"] for r in _records(
+            os.path.join(tmp, "run"), "resize")))
+        recs = list(summary.recoveries)
         if sharded:
             kill_at = [s for s, _ in fault_plan(2 if quick else 3, 0)]
             progress.report(f"{len(kill_at)} kills in a sharded run (dp 2 x fsdp 2)")
@@ -152,7 +159,7 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
             back_s = _back_at_full_size(run_dir)
     out: dict[str, Any] = {"kills": kills, "hangs": hangs, "settings": used, "overrides": given,
                            "recoveries": len(recs), "steps": steps,
-                           "goodput": goodput(summary, clean),
+                           "goodput": good,
                            # issue 42's: no survivor waits for a process to start
                            "targets_s": {"died": 1.0, "hung": PING_TIMEOUT + 1.0,
                                          "died, sharded": 1.5, "shrunk": 1.0},
@@ -163,12 +170,17 @@ def bench_recovery(quick: bool = False, kills: int | None = None, hangs: int | N
     return out
 
 
+def _records(run_dir: str, kind: str) -> list[dict[str, Any]]:
+    """The run's metrics records of `kind`."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
 def _back_at_full_size(run_dir: str) -> float | None:
     """From the shrink's fault until the run was back at 4 workers (its `resize` record);
     None if it never was."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        back = [r["since_failure_s"] for r in map(json.loads, f)
-                if r["kind"] == "resize" and r.get("since_failure_s") is not None]
+    back = [r["since_failure_s"] for r in _records(run_dir, "resize")
+            if r.get("since_failure_s") is not None]
     return back[0] if back else None
 
 
@@ -203,8 +215,10 @@ def format_report(r: dict[str, Any]) -> str:
               f"    the faulty run's productive share: {g['productive_share']:.1%} of its wall, "
               f"{g['productive_share_after_start_up']:.1%} after its start-up "
               f"({g['start_up_s']:.1f}s: Ray, the workers, the standby)",
-              f"    its {g['extra_s']:.1f}s more: recoveries {g['recoveries_s']:.1f}s (fault -> "
-              f"next completed step; detection {g['detect_s']:.1f}s of it), "
-              f"{g['lost_steps']} steps lost (~{g['lost_steps_s']:.1f}s trained again), "
-              f"start-up {g['start_up_extra_s']:+.1f}s"]
+              f"    its {g['extra_s']:.1f}s more: start-up {g['start_up_extra_s']:+.1f}s, "
+              f"training {g['training_extra_s']:+.1f}s ({g['lost_steps']} steps lost and "
+              f"trained again, steps on fewer workers or beside a process starting), "
+              f"recoveries {g['recoveries_s']:.1f}s outside their first step (detection "
+              f"{g['detect_s']:.1f}s), growing back {g['resize_s']:.1f}s, the rest "
+              f"{g['rest_s']:+.1f}s"]
     return "\n".join(lines)
