@@ -441,6 +441,9 @@ class Recovery:
                             since_failure_s=time.time() - self._shrunk_at if back else None)
         if back:
             self._shrunk_at = None
+        # the standby a growth took is started again now, as after a recovery: else the next
+        # failure finds none and goes on shrunk while a process starts beside the survivors
+        self.engine.refill()
 
     def _give_up(self, step: int) -> None:
         """elastic.replace_timeout passed without the run back at its size: the workers
