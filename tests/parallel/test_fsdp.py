@@ -232,3 +232,29 @@ def test_gradients_are_summed_on_torch_with_and_without_fsdp2_s_forced_sums():
     sum_gradients(older)
     assert newer.calls == [("divide", 1.0), ("sum", True)]
     assert older.calls == [("rs-divide", 1.0)]
+
+
+_FIRST_SHARD = """
+import sys
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import relaytrain.parallel.fsdp as fsdp
+from relaytrain.model.config import PRESETS
+from relaytrain.model.olmo3 import Olmo3
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+before = set(sys.modules)
+model = Olmo3(PRESETS["tiny"].with_vocab(64))
+fsdp.shard_model(model, list(model.layers.values()), dist.group.WORLD, torch.device("cpu"), 0)
+print(sorted(m for m in set(sys.modules) - before if m.startswith("torch._dynamo")))
+"""
+
+
+def test_a_process_s_first_fully_shard_imports_nothing_the_module_did_not():
+    """A standby warms up by importing this module: a replacement of a sharded worker must
+    not import dynamo (1-2 s) inside the recovery, as FSDP2's first `fully_shard` did."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_SHARD], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

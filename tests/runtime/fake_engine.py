@@ -66,6 +66,7 @@ class FakeEngine(Engine):
         self.up_now = True  # whether a worker is up at once (else it is starting)
         self.prestarted = 0  # how many workers the last prestart() asked to start
         self.waited: list[float] = []  # each spawn() that waited for a start: its wait
+        self.refills = 0  # refill() calls: a new standby started after one was taken
 
     def spawn_ready(self, worker_args: tuple) -> int | None:
         return super().spawn_ready(worker_args) if self.up_now else None
@@ -94,7 +95,10 @@ class FakeEngine(Engine):
         out, self.settled = self.settled, {}
         return out
 
-    def hold_capacity(self, seconds: float) -> None:
+    def refill(self) -> None:
+        self.refills += 1
+
+    def hold_capacity(self, wid: int, seconds: float) -> None:
         self.capacity = 0
 
     def pid(self, wid: int) -> int:

@@ -133,11 +133,13 @@ def test_with_no_worker_up_the_survivors_go_on_at_once_and_the_replacement_joins
     assert (record["continued_on"], record["waited_for_replacement"]) == (3, None)
     assert record["phases"]["wait_replacement"] == 0.0
     rec.maybe_grow(3)  # still starting
-    assert rec.dp == 3
+    assert rec.dp == 3 and engine.refills == 1  # after the recovery's first step
     engine.up_now = True
     rec.maybe_grow(4)
     assert rec.dp == 4 and rec.members[:3] == [0, 2, 3]
     assert engine.workers[rec.members[3]].built == (4, {"from": 0, "step": 4})
+    # the growth took the worker up (the standby): a new one starts, for the next failure
+    assert engine.refills == 2
     [resize] = _metrics(tmp_path, "resize")
     assert resize["dp"] == 4 and resize["since_failure_s"] >= 0
     assert [r["dp"] for r in _ledger(tmp_path) if r["kind"] == "header"] == [4, 3, 4]

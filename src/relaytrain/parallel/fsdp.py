@@ -38,7 +38,11 @@ for every (dp, fsdp) whose chunks are whole CPU vectors (parallel/shards.py's `m
 which says why), and every layout restores any other's state (parallel/shards.py converts
 between sharded tensors and whole ones).
 
-Imported only by a worker that shards (see parallel/shards.py: the import is 1.2 s).
+Imported only by a worker that shards (see parallel/shards.py: the import is 1.2 s), and by a
+sharded run's standby and spares as they warm up. The import takes `torch._dynamo` too, which a
+process's first `fully_shard` would otherwise import (FSDP2 turns dynamo off around its
+`DTensor.from_local`: 1.0-1.9 s on 2 loaded cores): a standby that replaced a sharded worker
+paid it inside the recovery's restore phase.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import time
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401  (see above: what a first fully_shard would import)
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh

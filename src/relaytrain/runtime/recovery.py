@@ -216,11 +216,11 @@ class Recovery:
         """The workers that failed, and the failure to report: a collective error that a
         peer's death caused is collateral, the dead or hung peer is named instead."""
         failed: set[int] = set()
+        if self.cfg.faults.hold_capacity_s > 0:  # the failed worker's slot, once it is killed
+            self.engine.hold_capacity(failure.wid, self.cfg.faults.hold_capacity_s)
         if not isinstance(failure, WorkerRaised):
             failed.add(failure.wid)
             self.engine.retire(failure.wid)  # a hung peer must go before its partners unblock
-        if self.cfg.faults.hold_capacity_s > 0:  # the failed worker's slot, before a replacement
-            self.engine.hold_capacity(self.cfg.faults.hold_capacity_s)
         # Abort the generation's collectives on every survivor now (runtime/abort.py), so none
         # waits for runtime.collective_timeout (the last resort); a replacement starts meanwhile.
         self.engine.abort([w for w in self.members if w not in failed], self.generation)
@@ -447,6 +447,9 @@ class Recovery:
                             since_failure_s=time.time() - self._shrunk_at if back else None)
         if back:
             self._shrunk_at = None
+        # the standby a growth took is started again now, as after a recovery: else the next
+        # failure finds none and goes on shrunk while a process starts beside the survivors
+        self.engine.refill()
 
     def _give_up(self, step: int) -> None:
         """elastic.replace_timeout passed without the run back at its size: the workers

@@ -254,10 +254,14 @@ def _available_cpus(ray, expected: float) -> float:
         time.sleep(0.1)
 
 
-def test_a_failed_worker_s_slot_is_kept_for_the_standby(tmp_path, corpus_data, ray_cluster):
+def test_a_failed_worker_s_slot_is_kept_for_the_standby_or_held_from_everyone(
+        tmp_path, corpus_data, ray_cluster):
     """The cluster is full (4 workers, 4 CPUs): the standby, which reserved nothing, becomes
     the replacement in the very slot the retired worker held, with nothing to free and place
-    again."""
+    again. A slot held (`faults.hold_capacity_s`: a lost node) is that same placement group,
+    kept from everyone for its seconds: holding it waits for nothing."""
+    import ray
+
     cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "parallel.dp=4")
     engine = RayEngine(cfg)
     args = (cfg, TokenDataset.open(corpus_data).vocab_size)
@@ -269,5 +273,15 @@ def test_a_failed_worker_s_slot_is_kept_for_the_standby(tmp_path, corpus_data, r
         assert workers[1] not in engine.actors
         new = engine.spawn(args, wait=60)
         assert new == standby and engine.groups[new] is slot
+        engine.refill()  # a new standby, which the held slot must not go to
+        held = engine.groups[workers[2]]
+        engine.hold_capacity(workers[2], 2.0)
+        engine.retire(workers[2])
+        assert engine._reserved is None  # not the standby's
+        assert ray.util.placement_group_table(held)["state"] == "CREATED"
+        deadline = time.monotonic() + 30  # then given up, by a timer
+        while ray.util.placement_group_table(held)["state"] != "REMOVED":
+            assert time.monotonic() < deadline, "the held slot was never given up"
+            time.sleep(0.1)
     finally:
         engine.shutdown()

@@ -214,9 +214,10 @@ class Engine(ABC):
         Engines without spares have nothing to do."""
         return None
 
-    def hold_capacity(self, seconds: float) -> None:
-        """Occupy one worker's worth of resources for `seconds` (fault injection: a lost node
-        whose capacity does not come back at once), taking the slot a failed worker freed."""
+    def hold_capacity(self, wid: int, seconds: float) -> None:
+        """When worker `wid` is killed, its slot stays occupied for `seconds` (fault
+        injection: a lost node whose capacity does not come back at once): nothing started
+        after the failure can take it first."""
         raise NotImplementedError(f"{type(self).__name__} cannot hold capacity")
 
     @abstractmethod

@@ -250,6 +250,7 @@ class RayEngine(Engine):
         self._warming: dict[int, Any] = {}  # spare -> its warm_up() call
         self._aborting: list[Any] = []  # abort() calls not yet collected
         self._worker_args: tuple | None = None
+        self._held: dict[int, float] = {}  # worker -> seconds its slot outlives it
         self._owns_cluster = False
         self._connect()
 
@@ -472,19 +473,11 @@ class RayEngine(Engine):
         remove_placement_group(pg)
         return None
 
-    def hold_capacity(self, seconds: float) -> None:
-        """Placed before returning (within 5 s), so that no replacement started after it can
-        take the slot first; a slot kept for a replacement (`retire`) is given up first."""
-        if self._reserved is not None:
-            remove_placement_group(self._reserved)
-            self._reserved = None
-        pg = placement_group([self._bundle()], strategy="PACK")
-        deadline = time.monotonic() + 5.0
-        while not _placed(pg) and time.monotonic() < deadline:  # not pg.ready(): a task, slower
-            time.sleep(0.01)
-        timer = threading.Timer(seconds, remove_placement_group, (pg,))
-        timer.daemon = True
-        timer.start()
+    def hold_capacity(self, wid: int, seconds: float) -> None:
+        """See `Engine.hold_capacity`: the worker's own placement group outlives it. (A new
+        one placed in its stead waited 0.1-1 s for Ray to take back the killed process's
+        CPUs, inside the recovery it was to make wait for nothing.)"""
+        self._held[wid] = seconds
 
     def run(self, invocations: dict[int, Invocation], timeout: float) -> dict[int, Any]:
         """See `Engine.call`. In a WATCHED call, a worker that stops answering pings is named
@@ -631,7 +624,7 @@ class RayEngine(Engine):
         which for a stopped one takes seconds."""
         pg = self.groups.get(wid)
         keep = (self._standby is not None and pg is not None and self._reserved is None
-                and _placed(pg))
+                and wid not in self._held and _placed(pg))
         if keep:
             del self.groups[wid]
         self.kill(wid)
@@ -642,8 +635,12 @@ class RayEngine(Engine):
         actor = self.actors.pop(wid, None)
         if actor is not None:
             ray.kill(actor, no_restart=True)
-        pg = self.groups.pop(wid, None)
-        if pg is not None:
+        pg, held = self.groups.pop(wid, None), self._held.pop(wid, None)
+        if pg is not None and held:
+            timer = threading.Timer(held, remove_placement_group, (pg,))
+            timer.daemon = True
+            timer.start()
+        elif pg is not None:
             remove_placement_group(pg)
         self._outstanding = {r: w for r, w in self._outstanding.items() if w != wid}
         if wid in self._spares:
