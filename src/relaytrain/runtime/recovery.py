@@ -135,24 +135,24 @@ class Recovery:
         def build(t: dict[str, Any] | None) -> WorkerCall:
             return lambda w: w.build(step, t)
 
-        placements, kept, same = self.placements(), self._joined, setup(None)
+        placements, kept = self.placements(), self._joined
+        placed = [w for w, p in placements.items() if kept.get(w) is not p]
         self._joined = {}  # until every member has joined this generation
-        joined = self.engine.call({wid: same if kept.get(wid) is p else setup(p)
-                                   for wid, p in placements.items()}, timeout)
+        joined = self.engine.call({**dict.fromkeys(placements, setup(None)),
+                                   **{w: setup(placements[w]) for w in placed}}, timeout)
         formed = time.time()
         self._joined = placements
         # Each rank's process as it reported itself: who survived a recovery can be checked. A
         # member that kept its place kept its rank in a world of the same size: the ranks of
         # the last record stand but for those the others joined at.
-        fresh = {w: info.process for w, info in joined.items() if info is not None}
-        self._ranks = {**(self._ranks if len(fresh) < len(joined) else {}),
-                       **{str(placements[w].rank): {"pid": p.pid, "start": p.start}
-                          for w, p in fresh.items()}}
+        ranks = {str(placements[w].rank): joined[w].process for w in placed}
+        self._ranks = {**(self._ranks if len(placed) < len(placements) else {}),
+                       **{r: {"pid": p.pid, "start": p.start} for r, p in ranks.items()}}
         self.reporter.write("generation", generation=self.generation, step=step,
                             workers=self._ranks)
-        given, own = tensors or {}, build(None)  # one call for those restoring their own
-        self.engine.call({wid: build(given[wid]) if wid in given else own
-                          for wid in self.members}, timeout)
+        # one call for those restoring their own state
+        self.engine.call({**dict.fromkeys(self.members, build(None)),
+                          **{w: build(t) for w, t in (tensors or {}).items()}}, timeout)
         return formed
 
     def close(self) -> None:
@@ -265,7 +265,8 @@ class Recovery:
         # The survivors' writes still in progress may complete the newest checkpoint (a failed
         # writer's finished part counts by its record): wait for them, as long as for storage
         # (a write stuck on unresponsive storage must not make its worker look hung).
-        writers = [w for w in self.save_parts() if w in survivors]
+        alive = set(survivors)
+        writers = [w for w in self.save_parts() if w in alive]
         done = self.engine.call_all(writers, lambda w: w.flush_writes(STORAGE_WAIT_S),
                                     self.cfg.runtime.call_timeout)
         self.catalogue.record([r for reports in done.values() for r in reports])
@@ -353,10 +354,9 @@ class Recovery:
         by_shard: dict[tuple[int, int], int] = {}
         for w in holders:
             by_shard.setdefault((old[w].stage, old[w].shard), w)
-        out = {}
+        held, out = set(holders), {}
         for w, p in self.placements().items():
-            if w in old and w in holders and (old[w].shards, old[w].shard) == \
-                    (p.shards, p.shard):
+            if w in held and (old[w].shards, old[w].shard) == (p.shards, p.shard):
                 continue  # restores its own snapshot
             asked = [h for (stage, _), h in by_shard.items() if stage == p.stage]
             got = self.engine.call({h: _rows_of(step, p) for h in asked},

@@ -157,7 +157,7 @@ class Engine(ABC):
     def call_all(self, wids: list[int], call: WorkerCall, timeout: float) -> dict[int, Any]:
         """The same call on every worker of `wids`."""
         inv = invocation(call)
-        return self.run({w: inv for w in wids}, timeout)
+        return self.run(dict.fromkeys(wids, inv), timeout)
 
     @abstractmethod
     def run(self, invocations: dict[int, Invocation], timeout: float) -> dict[int, Any]:
@@ -170,7 +170,7 @@ class Engine(ABC):
         counts from `finish`. Here the call runs in `finish`: an engine that cannot queue
         calls stays strictly one call at a time."""
         inv = invocation(call)
-        return {w: inv for w in wids}, timeout
+        return dict.fromkeys(wids, inv), timeout
 
     def finish(self, started: Any) -> dict[int, Any]:
         """The results of a `start_all`; its failures are raised as `call`'s are (`settle`

@@ -494,7 +494,7 @@ class RayEngine(Engine):
 
     def start_all(self, wids: list[int], call: Callable, timeout: float) -> _Started:
         inv = invocation(call)
-        return self._start({w: inv for w in wids}, timeout)
+        return self._start(dict.fromkeys(wids, inv), timeout)
 
     def _start(self, invocations: dict[int, Invocation], timeout: float) -> _Started:
         refs = {getattr(self.actors[w], inv.method).remote(*inv.args, **inv.kwargs): w

@@ -374,7 +374,7 @@ class SimulatedEngine(Engine):
 
     def start_all(self, wids: list[int], call: Callable, timeout: float) -> int:
         inv = invocation(call)
-        return self._start({w: inv for w in wids})
+        return self._start(dict.fromkeys(wids, inv))
 
     def _start(self, invocations: dict[int, Invocation]) -> int:
         # one pickling per distinct call (start_all's one call to every worker: a broadcast;
