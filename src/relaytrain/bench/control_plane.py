@@ -107,7 +107,7 @@ def format_report(r: dict[str, Any]) -> str:
              f"{'workers':>8} {'ctl ms/step':>11} {'(lockstep)':>10} {'ctl CPU ms':>10} "
              f"{'idle ms':>8} "
              f"{'(lockstep)':>10} {'ledger B/step':>13} {'audit s/1k':>10} "
-             f"{'decide s':>8} {'re-form s':>9} {'rec CPU s':>9} {'lost':>4}"]
+             f"{'decide s':>8} {'re-form s':>9} {'rec CPU ms':>10} {'lost':>4}"]
     for n, s in r["sizes"].items():
         a, b = s["ahead"], s["lockstep"]
         lines.append(f"{n:>8} {a['controller_ms_per_step']:>11.2f} "
@@ -115,7 +115,8 @@ def format_report(r: dict[str, Any]) -> str:
                      f"{a['controller_cpu_ms_per_step']:>10.2f} {a['idle_ms_median']:>8.2f} "
                      f"{b['idle_ms_median']:>10.2f} {a['ledger_bytes_per_step']:>13,.0f} "
                      f"{a['audit_s_per_1000_steps']:>10.2f} {a['recovery_decision_s']:>8.3f} "
-                     f"{a['recovery_reform_s']:>9.3f} {a['recovery_controller_cpu_s']:>9.3f} "
+                     f"{a['recovery_reform_s']:>9.3f} "
+                     f"{1e3 * a['recovery_controller_cpu_s']:>10.2f} "
                      f"{a['lost_steps'] + a['discarded_ahead']:>4}")
         if a["overruns"] + b["overruns"] > r["steps"] // 20:  # more than the first steps
             lines.append(f"{'':>8} (the simulated workers' host took longer than a step "
