@@ -301,12 +301,13 @@ class Recovery:
         why = self._why_not_shrink(min(map(len, stages)))
         if why is None:
             self.members = self._shrink(stages)
+            kept = set(self.members)
             # those the layout leaves out (survivors, replacements that were up) are warm
             # processes: they wait to join, and growing back takes them first
-            self._joining += [w for stage in stages for w in stage if w not in self.members]
+            self._joining += [w for stage in stages for w in stage if w not in kept]
             self.engine.prestart(self.target_dp * self.cfg.parallel.pp - len(self.members)
                                  - len(self._joining))
-            return {n: o for n, o in replaced.items() if n in self.members}, True, None
+            return {n: o for n, o in replaced.items() if n in kept}, True, None
         warn(f"waiting for a replacement: {why}")
         deadline = t_detect + self.cfg.elastic.replace_timeout
         for wid in missing:
