@@ -115,9 +115,10 @@ class Recovery:
 
         A member whose place is the one it joined the last generation at (a survivor of a
         failure replaced in its rank) is sent the same small call as every other such member,
-        the new generation and its store only, and answers nothing new: the controller pickles
-        it once and records the process it knows (the same worker id is the same process).
-        The others are sent their place and report their process.
+        the new generation and its store only (one call object: checked once, pickled once by
+        an engine that sends a call to many at once), and answers nothing new: the controller
+        records the process it knows (the same worker id is the same process). The others are
+        sent their place and report their process.
         `tensors` gives a state to some workers (replacements pulling a peer's snapshot); the
         others restore their own snapshot of `step`, or the checkpoint. Returns when the
         groups were formed (the rest is restoring state)."""
