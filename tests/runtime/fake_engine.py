@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from relaytrain.runtime.engines.base import Engine, Invocation
-from relaytrain.runtime.failures import WorkerDied
+from relaytrain.runtime.failures import WorkerDied, WorkerFailure
 from relaytrain.runtime.wire import ProcessIdentity, WorkerInfo, WriteReport
 
 
@@ -27,9 +27,11 @@ class FakeWorker:
         return ProcessIdentity(pid=1000 + self.wid, start=0, boot=None)
 
     def setup(self, generation: int, placement: Any, store: Any, timeout_s: float
-              ) -> WorkerInfo:
-        self.placement = placement
+              ) -> WorkerInfo | None:
         self.calls.append(f"setup{generation}")
+        if placement is None:  # kept its place
+            return None
+        self.placement = placement
         return WorkerInfo(self.ping(), "fake", "cpu")
 
     def build(self, step: int, given: Any) -> int:
@@ -61,7 +63,7 @@ class FakeEngine(Engine):
         self.workers = {w: FakeWorker(w, s) for w, s in enumerate(snapshots)}
         self.next_id = len(snapshots)
         self.capacity = capacity  # how many more workers can be placed
-        self.settled: dict[int, BaseException | None] = {}  # what settle() reports next
+        self.settled: dict[int, WorkerFailure] = {}  # what settle() reports next
         self.killed: list[int] = []
         self.up_now = True  # whether a worker is up at once (else it is starting)
         self.prestarted = 0  # how many workers the last prestart() asked to start
@@ -91,7 +93,7 @@ class FakeEngine(Engine):
         return {w: getattr(self.workers[w], i.method)(*i.args, **i.kwargs)
                 for w, i in invocations.items()}
 
-    def settle(self, timeout: float) -> dict[int, BaseException | None]:
+    def settle(self, timeout: float) -> dict[int, WorkerFailure]:
         out, self.settled = self.settled, {}
         return out
 

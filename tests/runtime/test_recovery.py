@@ -86,7 +86,7 @@ def test_without_agreeing_snapshots_the_newest_checkpoint_is_restored(tmp_path):
 
 def test_a_collective_error_is_blamed_on_the_peer_that_died(tmp_path):
     rec, engine = _recovery(tmp_path, [3, 3, 3, 3])
-    engine.settled = {1: WorkerDied(1, "SIGKILL"), 2: None, 3: None}
+    engine.settled = {1: WorkerDied(1, "SIGKILL")}  # 2 and 3 raised: not gone
     rec.recover(WorkerRaised(0, "gloo: connection closed"), done=3, in_flight=1)
     assert set(engine.killed) == {1}  # not the worker that raised
     assert rec.members[0] == 0 and rec.members[1] == 4

@@ -38,5 +38,11 @@ class NodeLost(WorkerFailure):
     kind = "lost its node"
 
 
+# The failures that take a worker's process, which a recovery replaces (a survivor's collective
+# error, a peer's death seen from its side, does not)
+GONE = (WorkerDied, WorkerHung, NodeLost)
+
+
 class RecoveryLimitExceeded(RuntimeError):
     """Too many recoveries in the configured window: a crash loop, not a transient fault."""
+

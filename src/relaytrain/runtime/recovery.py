@@ -31,19 +31,13 @@ from relaytrain.runtime import rendezvous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
 from relaytrain.runtime.engines.base import Engine, WorkerCall
 from relaytrain.runtime.failures import (
-    NodeLost,
     RecoveryLimitExceeded,
-    WorkerDied,
     WorkerFailure,
-    WorkerHung,
     WorkerRaised,
 )
 from relaytrain.runtime.faults import FaultInjector
 from relaytrain.runtime.kvstore import Server
 from relaytrain.runtime.reporter import StepReporter
-
-# The failures that take a worker's process (its survivors' collective errors do not)
-_GONE = (WorkerDied, WorkerHung, NodeLost)
 
 
 @dataclass
@@ -77,6 +71,12 @@ class Recovery:
         self._pending: dict[str, Any] | None = None  # completed by the next step
         self._store: Server | None = None  # this generation's rendezvous store
         self._layout: tuple[tuple, dict[int, Placement]] | None = None  # see placements()
+        self._places: dict[int, tuple[Placement, ...]] = {}  # per DP size: each rank's place
+        # each worker's place in the last generation it joined (a survivor that keeps it is
+        # sent no other), and each rank's process there as its worker reported itself when it
+        # joined at that place (the generation record's `workers`)
+        self._joined: dict[int, Placement] = {}
+        self._ranks: dict[str, dict[str, int]] = {}
         self._joining: list[int] = []  # workers up, not yet members (`maybe_grow`)
         self._grow_until = 0.0  # when the run stops trying to grow back (replace_timeout)
         self._shrunk_at: float | None = None  # the fault that took the run below its size
@@ -84,13 +84,20 @@ class Recovery:
     # ---- layout ----------------------------------------------------------------------------
     def placements(self) -> dict[int, Placement]:
         """Worker id -> its place in the current generation (`parallel.groups.placements`);
-        the same dict until the members or the DP size change (asked every step: at 1,024
-        workers, forming it took the controller milliseconds). Not to be modified."""
+        the same dict until the members or the DP size change (asked every step), and the same
+        `Placement` objects for a rank until the DP size changes: a replacement in a failed
+        worker's rank costs a recovery no new placements (at 1,024 workers, forming them took
+        the controller a millisecond), and a survivor whose place is the same object kept it.
+        Not to be modified."""
         key = (tuple(self.members), self.dp)
         if self._layout is None or self._layout[0] != key:
-            p = self.cfg.parallel
-            self._layout = key, placements(self.members, self.dp, p.pp,
-                                           shard_size(self.dp, p.fsdp), p.cp, p.shard_over_cp)
+            if self.dp not in self._places:
+                p = self.cfg.parallel
+                ranks = range(len(self.members))
+                self._places[self.dp] = tuple(placements(
+                    ranks, self.dp, p.pp, shard_size(self.dp, p.fsdp), p.cp,
+                    p.shard_over_cp).values())
+            self._layout = key, dict(zip(self.members, self._places[self.dp], strict=True))
         return self._layout[1]
 
     def save_parts(self) -> dict[int, str]:
@@ -112,6 +119,12 @@ class Recovery:
     def form_generation(self, step: int, tensors: dict[int, Any] | None = None) -> float:
         """Join every member into a new process-group generation holding the state of `step`.
 
+        A member whose place is the one it joined the last generation at (a survivor of a
+        failure replaced in its rank) is sent the same small call as every other such member,
+        the new generation and its store only (one call object: checked once, pickled once by
+        an engine that sends a call to many at once), and answers nothing new: the controller
+        records the process it knows (the same worker id is the same process). The others are
+        sent their place and report their process.
         `tensors` gives a state to some workers (replacements pulling a peer's snapshot); the
         others restore their own snapshot of `step`, or the checkpoint. Returns when the
         groups were formed (the rest is restoring state)."""
@@ -123,22 +136,30 @@ class Recovery:
         store = self._store.access if self._store is not None else None
         generation, collective_timeout = self.generation, self.cfg.runtime.collective_timeout
 
-        def setup(p: Placement) -> WorkerCall:
+        def setup(p: Placement | None) -> WorkerCall:
             return lambda w: w.setup(generation, p, store, collective_timeout)
 
         def build(t: dict[str, Any] | None) -> WorkerCall:
             return lambda w: w.build(step, t)
 
-        placements = self.placements()
-        joined = self.engine.call({wid: setup(p) for wid, p in placements.items()}, timeout)
+        placements, kept = self.placements(), self._joined
+        placed = [w for w, p in placements.items() if kept.get(w) is not p]
+        self._joined = {}  # until every member has joined this generation
+        joined = self.engine.call({**dict.fromkeys(placements, setup(None)),
+                                   **{w: setup(placements[w]) for w in placed}}, timeout)
         formed = time.time()
-        # Each rank's process as it reports itself: who survived a recovery can be checked.
-        self.reporter.write("generation", generation=self.generation, step=step, workers={
-            str(p.rank): {"pid": joined[w].process.pid, "start": joined[w].process.start}
-            for w, p in placements.items()})
-        given, own = tensors or {}, build(None)  # one call for those restoring their own
-        self.engine.call({wid: build(given[wid]) if wid in given else own
-                          for wid in self.members}, timeout)
+        self._joined = placements
+        # Each rank's process as it reported itself: who survived a recovery can be checked. A
+        # member that kept its place kept its rank in a world of the same size: the ranks of
+        # the last record stand but for those the others joined at.
+        ranks = {str(placements[w].rank): joined[w].process for w in placed}
+        self._ranks = {**(self._ranks if len(placed) < len(placements) else {}),
+                       **{r: {"pid": p.pid, "start": p.start} for r, p in ranks.items()}}
+        self.reporter.write("generation", generation=self.generation, step=step,
+                            workers=self._ranks)
+        # one call for those restoring their own state
+        self.engine.call({**dict.fromkeys(self.members, build(None)),
+                          **{w: build(t) for w, t in (tensors or {}).items()}}, timeout)
         return formed
 
     def close(self) -> None:
@@ -155,11 +176,11 @@ class Recovery:
         steps dispatched after it (runtime/controller.py, dispatch ahead), discarded too."""
         t_detect, cpu0 = time.time(), time.process_time()
         self._check_limit(failure, t_detect)
-        pids = {w: self.engine.pid(w) for w in self.members}
         failed, failure = self._settle(failure)
         rank = self.members.index(failure.wid) if failure.wid in self.members else -1
-        fired = self.faults.fired_at.get(pids.get(failure.wid, -1))
-        warn(f"step {done + 1}: worker rank {rank} (pid {pids.get(failure.wid, '?')}) "
+        pid = self.engine.pid(failure.wid) if rank >= 0 else None
+        fired = self.faults.fired_at.get(pid)
+        warn(f"step {done + 1}: worker rank {rank} (pid {pid or '?'}) "
              f"{failure.kind}: {failure.message}")
         for wid in failed:
             self.engine.kill(wid)
@@ -225,12 +246,12 @@ class Recovery:
         # waits for runtime.collective_timeout (the last resort); a replacement starts meanwhile.
         self.engine.abort([w for w in self.members if w not in failed], self.generation)
         self.engine.prestart()
-        settled = self.engine.settle(self.cfg.runtime.collective_timeout + 5)
-        failed |= {w for w, e in settled.items() if isinstance(e, _GONE)}
+        gone = self.engine.settle(self.cfg.runtime.collective_timeout + 5)
+        failed |= gone.keys()
         if not failed:  # only exceptions: the worker that raised first is the failure
             failed.add(failure.wid)
         elif isinstance(failure, WorkerRaised):
-            failure = next(settled[w] for w in sorted(failed) if w in settled)
+            failure = gone[min(gone)]
         return failed, failure
 
     def _restore_point(self, survivors: list[int], old: dict[int, Placement]) -> Restore:
@@ -251,7 +272,8 @@ class Recovery:
         # The survivors' writes still in progress may complete the newest checkpoint (a failed
         # writer's finished part counts by its record): wait for them, as long as for storage
         # (a write stuck on unresponsive storage must not make its worker look hung).
-        writers = [w for w in self.save_parts() if w in survivors]
+        alive = set(survivors)
+        writers = [w for w in self.save_parts() if w in alive]
         done = self.engine.call_all(writers, lambda w: w.flush_writes(STORAGE_WAIT_S),
                                     self.cfg.runtime.call_timeout)
         self.catalogue.record([r for reports in done.values() for r in reports])
@@ -286,12 +308,13 @@ class Recovery:
         why = self._why_not_shrink(min(map(len, stages)))
         if why is None:
             self.members = self._shrink(stages)
+            kept = set(self.members)
             # those the layout leaves out (survivors, replacements that were up) are warm
             # processes: they wait to join, and growing back takes them first
-            self._joining += [w for stage in stages for w in stage if w not in self.members]
+            self._joining += [w for stage in stages for w in stage if w not in kept]
             self.engine.prestart(self.target_dp * self.cfg.parallel.pp - len(self.members)
                                  - len(self._joining))
-            return {n: o for n, o in replaced.items() if n in self.members}, True, None
+            return {n: o for n, o in replaced.items() if n in kept}, True, None
         warn(f"waiting for a replacement: {why}")
         deadline = t_detect + self.cfg.elastic.replace_timeout
         for wid in missing:
@@ -339,10 +362,9 @@ class Recovery:
         by_shard: dict[tuple[int, int], int] = {}
         for w in holders:
             by_shard.setdefault((old[w].stage, old[w].shard), w)
-        out = {}
+        held, out = set(holders), {}
         for w, p in self.placements().items():
-            if w in old and w in holders and (old[w].shards, old[w].shard) == \
-                    (p.shards, p.shard):
+            if w in held and (old[w].shards, old[w].shard) == (p.shards, p.shard):
                 continue  # restores its own snapshot
             asked = [h for (stage, _), h in by_shard.items() if stage == p.stage]
             got = self.engine.call({h: _rows_of(step, p) for h in asked},

@@ -70,10 +70,18 @@ class Worker:
     def info(self) -> WorkerInfo:
         return WorkerInfo(self._identity, socket.gethostname(), str(self.device))
 
-    def setup(self, generation: int, placement: Placement, store: StoreAccess | None = None,
-              timeout_s: float = 30.0) -> WorkerInfo:
+    def setup(self, generation: int, placement: Placement | None,
+              store: StoreAccess | None = None, timeout_s: float = 30.0) -> WorkerInfo | None:
         """Join generation `generation`: its process groups (through its rendezvous `store`)
-        and this rank's data shard."""
+        and this rank's data shard; this worker as it joined. `placement` None: the place it
+        joined the last generation at (a survivor kept in its rank: the controller sends every
+        such survivor one small call), answering None."""
+        kept = placement is None
+        if kept:
+            if self.membership.placement is None:
+                raise RuntimeError(f"generation {generation}: no placement given, and this "
+                                   "worker joined no generation before")
+            placement = self.membership.placement
         self.leave()
         self.membership.join(generation, placement, store, timeout_s)
         if self.loader is not None:
@@ -86,7 +94,7 @@ class Worker:
             print(f"[rank {placement.rank}] joined generation {generation}: dp rank "
                   f"{placement.dp_rank}/{placement.dp}, stage {placement.stage}/{placement.pp}, "
                   f"pid {os.getpid()}, {self.device}", flush=True)
-        return self.info()
+        return None if kept else self.info()
 
     def abort(self, generation: int) -> bool:
         """See `Membership.abort` (called on the thread that answers pings)."""

@@ -11,6 +11,7 @@ import pytest
 
 from relaytrain.data.audit import audit
 from relaytrain.runtime.controller import Controller
+from relaytrain.runtime.engines.base import Invocation
 from relaytrain.runtime.engines.simulated import SimulatedEngine
 from tests.runtime.conftest import tiny_config
 
@@ -30,14 +31,20 @@ def _run(tmp_path: Path, data: str, ahead: bool, fail_at: int | None = None,
     return run, engine, summary
 
 
-class FrozenHeapSeen(SimulatedEngine):
+class Observed(SimulatedEngine):
     """Records, as the controller takes each call's results, how many objects the garbage
     collector leaves out (runtime/heap.py; counting them takes milliseconds: not for the
-    timing tests)."""
+    timing tests), and each generation's setup calls as they were sent."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.frozen: list[int] = []
+        self.setups: list[dict[int, Invocation]] = []
+
+    def _start(self, invocations: dict[int, Invocation]) -> int:
+        if next(iter(invocations.values())).method == "setup":
+            self.setups.append(dict(invocations))
+        return super()._start(invocations)
 
     def finish(self, started: int) -> dict:
         self.frozen.append(gc.get_freeze_count())
@@ -53,7 +60,7 @@ def _records(run: Path, kind: str) -> list[dict]:
 def test_a_failure_is_recovered_by_the_real_recovery_and_the_ledger_audits(tmp_path,
                                                                            corpus_data):
     run, engine, summary = _run(tmp_path, corpus_data, ahead=True, fail_at=13,
-                                engine_type=FrozenHeapSeen)
+                                engine_type=Observed)
     [rec] = _records(run, "recovery")
     # The failed step and the step dispatched ahead of its results are all that is lost.
     assert (rec["failed_step"], rec["cause"], rec["source"]) == (13, "died", "memory")
@@ -65,6 +72,13 @@ def test_a_failure_is_recovered_by_the_real_recovery_and_the_ledger_audits(tmp_p
     gens = _records(run, "generation")
     assert [r for r in gens[0]["workers"] if gens[0]["workers"][r] != gens[1]["workers"][r]] \
         == ["3"]
+    # Only the failed rank was placed again: the survivors, kept in their ranks, were sent one
+    # call (pickled once, whatever their number) with the new generation and no placement.
+    first, again = engine.setups
+    assert len({id(c) for c in first.values()}) == 8
+    placed = {c.args[1].rank for c in again.values() if c.args[1] is not None}
+    kept = {id(c) for c in again.values() if c.args[1] is None}
+    assert placed == {3} and len(kept) == 1
     # The step loop ran with the set-up's objects out of the collector's passes (every step's
     # results taken so), and the run gave them back.
     assert sum(f > 10_000 for f in engine.frozen) >= 24

@@ -27,6 +27,7 @@ from relaytrain.errors import ConfigError
 from relaytrain.runtime.engines.base import Engine, Invocation, invocation
 from relaytrain.runtime.engines.ray_join import check_join
 from relaytrain.runtime.failures import (
+    GONE,
     NodeLost,
     WorkerDied,
     WorkerFailure,
@@ -486,7 +487,7 @@ class RayEngine(Engine):
 
     def start_all(self, wids: list[int], call: Callable, timeout: float) -> _Started:
         inv = invocation(call)
-        return self._start({w: inv for w in wids}, timeout)
+        return self._start(dict.fromkeys(wids, inv), timeout)
 
     def _start(self, invocations: dict[int, Invocation], timeout: float) -> _Started:
         refs = {getattr(self.actors[w], inv.method).remote(*inv.args, **inv.kwargs): w
@@ -534,15 +535,15 @@ class RayEngine(Engine):
         self._aborting += [_control(self.actors[w]).abort.remote(generation) for w in wids
                            if w in self.actors]
 
-    def settle(self, timeout: float) -> dict[int, BaseException | None]:
+    def settle(self, timeout: float) -> dict[int, WorkerFailure]:
         """Calls still running after a failure: a worker that cannot answer a ping is hung and
         is not waited for (a SIGSTOPped peer would otherwise cost the whole `timeout`); the
         others get up to `timeout` to finish."""
-        out: dict[int, BaseException | None] = {}
+        out: dict[int, WorkerFailure | None] = {}
         refs, self._outstanding = self._outstanding, {}
         if not refs:
             self._collect_aborts()
-            return out
+            return {}
         deadline = time.monotonic() + timeout
         gone = {w: e for w, e in self._ping(list(refs.values())).items() if e is not None}
         out.update(gone)
@@ -554,7 +555,7 @@ class RayEngine(Engine):
             out[refs[ref]] = WorkerHung(refs[ref], f"still busy {timeout:.0f}s after a peer "
                                         "failed")
         self._collect_aborts()
-        return out
+        return {w: e for w, e in out.items() if isinstance(e, GONE)}
 
     def _collect_aborts(self) -> None:
         """Retrieve the abort() answers that came (a dead worker's error is expected, and Ray

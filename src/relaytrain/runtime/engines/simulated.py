@@ -64,8 +64,11 @@ class _SimWorker:
     def ping(self) -> ProcessIdentity:
         return ProcessIdentity(pid=PID_BASE + self.wid, start=0, boot=None)
 
-    def setup(self, generation: int, placement: Placement, store: Any, timeout_s: float
-              ) -> WorkerInfo:
+    def setup(self, generation: int, placement: Placement | None, store: Any, timeout_s: float
+              ) -> WorkerInfo | None:
+        if placement is None:  # the same place: the same loader
+            self.next_step = None
+            return None
         t = self.cfg.train
         if self.loader is None or (self.placement.dp_rank, self.placement.dp) != \
                 (placement.dp_rank, placement.dp):
@@ -160,7 +163,10 @@ class _Host:
         for w in wids:
             self.workers[w] = _SimWorker(w, cfg, self.split, self.store)
 
-    def serve(self, arrived: float, calls: dict[int, bytes]) -> dict[int, tuple]:
+    def serve(self, arrived: float, calls: dict[int, bytes]
+              ) -> tuple[dict[int, bytes], dict[int, tuple[str, str]]]:
+        """The workers' answers: each result pickled on its own, and the failures (kind,
+        message)."""
         invs = {w: pickle.loads(b) for w, b in calls.items()}
         steps = [i for i in invs.values() if i.method == "run_steps"]
         start = max(arrived, self.last_end or 0.0)
@@ -178,7 +184,8 @@ class _Host:
             self.last_end = max(end, now)
         else:
             self.last_end = None  # steps after another call are not consecutive
-        return out
+        return ({w: a[1] for w, a in out.items() if a[0] == "ok"},
+                {w: a for w, a in out.items() if a[0] != "ok"})
 
     def _failing(self, invs: dict[int, Invocation]) -> tuple[int, str] | None:
         """The worker and kind of a failure planned within these steps."""
@@ -367,36 +374,42 @@ class SimulatedEngine(Engine):
 
     def start_all(self, wids: list[int], call: Callable, timeout: float) -> int:
         inv = invocation(call)
-        return self._start({w: inv for w in wids})
+        return self._start(dict.fromkeys(wids, inv))
 
     def _start(self, invocations: dict[int, Invocation]) -> int:
-        # one pickling per distinct call (start_all's one call to every worker: a broadcast)
-        blobs = {id(i): pickle.dumps(i) for i in {id(i): i for i in invocations.values()}.values()}
-        seq = self._send("call", {w: blobs[id(i)] for w, i in invocations.items()})
+        # one pickling per distinct call (start_all's one call to every worker: a broadcast;
+        # the message refers to it from every worker's entry), mapped without a Python step
+        # per worker
+        invs = invocations.values()
+        distinct = dict(zip(map(id, invs), invs, strict=True))
+        blobs = {k: pickle.dumps(i) for k, i in distinct.items()}
+        seq = self._send("call", dict(zip(invocations, map(blobs.__getitem__, map(id, invs)),
+                                          strict=True)))
         self._started.append(seq)
-        if any(i.method == "run_steps" for i in invocations.values()):
+        if any(i.method == "run_steps" for i in distinct.values()):
             self._steps.add(seq)
         return seq
 
     def finish(self, started: int) -> dict[int, Any]:
         self._started.remove(started)
-        answers = self._answer(started)
-        failed = [(w, a) for w, a in answers.items() if a[0] != "ok"]
+        ok, failed = self._answer(started)
         if failed:
             self._outstanding, self._started = self._started, []
-            w, (kind, message) = min(failed, key=lambda f: (f[1][0] != "died", f[0]))
+            w, (kind, message) = min(failed.items(), key=lambda f: (f[1][0] != "died", f[0]))
             raise _failure(w, kind, message)
-        results = {w: pickle.loads(a[1]) for w, a in answers.items()}
+        # each worker's answer unpickled on its own, as Ray's get of a list of results does
+        results = dict(zip(ok, map(pickle.loads, ok.values()), strict=True))
         if started in self._steps:
             self._steps.discard(started)
             self.step_marks.append((time.perf_counter(), self.waited_s, time.process_time()))
         return results
 
-    def settle(self, timeout: float) -> dict[int, BaseException | None]:
-        out: dict[int, BaseException | None] = {}
+    def settle(self, timeout: float) -> dict[int, WorkerFailure]:
+        out: dict[int, WorkerFailure] = {}
         for seq in self._outstanding:
-            for w, a in self._answer(seq).items():
-                out[w] = out.get(w) or (None if a[0] == "ok" else _failure(w, *a))
+            for w, (kind, message) in self._answer(seq)[1].items():
+                if kind == "died" and w not in out:
+                    out[w] = _failure(w, kind, message)
         self._outstanding = []
         return out
 
