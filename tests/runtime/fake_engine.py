@@ -39,6 +39,10 @@ class FakeWorker:
         self.snapshot = step
         return step
 
+    def rejoin(self, generation: int, store: Any, timeout_s: float, step: int) -> None:
+        self.setup(generation, None, store, timeout_s)
+        self.build(step, None)
+
     def snapshot_step(self) -> int | None:
         return self.snapshot
 

@@ -110,6 +110,13 @@ class Worker:
             self.state.drop()
 
     # ---- state -----------------------------------------------------------------------------
+    def rejoin(self, generation: int, store: StoreAccess | None, timeout_s: float,
+               step: int) -> None:
+        """A survivor kept in its rank: `setup` at its place, then `build` from its own state
+        of `step`, in one call (no build collective waits for the others)."""
+        self.setup(generation, None, store, timeout_s)
+        self.build(step)
+
     def build(self, step: int, given: Donation = None) -> int:
         """Fresh model and optimizer for this generation, holding the state after `step`
         (`TrainState.build` says from where), and the stepper that trains them. Returns the

@@ -13,7 +13,7 @@ from relaytrain.data.audit import audit
 from relaytrain.runtime.controller import Controller
 from relaytrain.runtime.engines.base import Invocation
 from relaytrain.runtime.engines.simulated import SimulatedEngine
-from tests.runtime.conftest import tiny_config
+from tests.runtime.conftest import resolved, tiny_config
 
 
 def _run(tmp_path: Path, data: str, ahead: bool, fail_at: int | None = None,
@@ -34,16 +34,21 @@ def _run(tmp_path: Path, data: str, ahead: bool, fail_at: int | None = None,
 class Observed(SimulatedEngine):
     """Records, as the controller takes each call's results, how many objects the garbage
     collector leaves out (runtime/heap.py; counting them takes milliseconds: not for the
-    timing tests), and each generation's setup calls as they were sent."""
+    timing tests), and each generation's rounds of calls (joining, building) as they were
+    sent."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.frozen: list[int] = []
         self.setups: list[dict[int, Invocation]] = []
+        self.builds: list[dict[int, Invocation]] = []
 
     def _start(self, invocations: dict[int, Invocation]) -> int:
-        if next(iter(invocations.values())).method == "setup":
+        methods = {c.method for c in invocations.values()}
+        if methods & {"setup", "rejoin"}:
             self.setups.append(dict(invocations))
+        if methods == {"build"}:
+            self.builds.append(dict(invocations))
         return super()._start(invocations)
 
     def finish(self, started: int) -> dict:
@@ -69,16 +74,19 @@ def test_a_failure_is_recovered_by_the_real_recovery_and_the_ledger_audits(tmp_p
     assert summary.checkpoint_step == 24
     assert audit(run).ok
     # Every rank but the failed one kept its (simulated) process.
-    gens = _records(run, "generation")
+    gens = resolved(_records(run, "generation"))
     assert [r for r in gens[0]["workers"] if gens[0]["workers"][r] != gens[1]["workers"][r]] \
         == ["3"]
     # Only the failed rank was placed again: the survivors, kept in their ranks, were sent one
-    # call (pickled once, whatever their number) with the new generation and no placement.
+    # call (pickled once, whatever their number) with the new generation and no placement,
+    # that also restored their state; the second round, building, went to the replacement
+    # alone.
     first, again = engine.setups
     assert len({id(c) for c in first.values()}) == 8
-    placed = {c.args[1].rank for c in again.values() if c.args[1] is not None}
-    kept = {id(c) for c in again.values() if c.args[1] is None}
-    assert placed == {3} and len(kept) == 1
+    placed = {c.args[1].rank for c in again.values() if c.method == "setup"}
+    kept = [c for c in again.values() if c.method == "rejoin"]
+    assert placed == {3} and len(kept) == 7 and len({id(c) for c in kept}) == 1
+    assert [len(b) for b in engine.builds] == [8, 1]
     # The step loop ran with the set-up's objects out of the collector's passes (every step's
     # results taken so), and the run gave them back.
     assert sum(f > 10_000 for f in engine.frozen) >= 24

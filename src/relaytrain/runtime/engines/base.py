@@ -48,6 +48,12 @@ class WorkerAPI(Protocol):
         """Hold the state after `step` (a peer's snapshot or pieces of it, own snapshot,
         checkpoint or seed)."""
 
+    def rejoin(self, generation: int, store: StoreAccess | None, timeout_s: float,
+               step: int) -> None:
+        """`setup` at the place it joined the last generation at, then `build` from its own
+        state of `step`: a survivor kept in its rank, one round of calls instead of two (at
+        1,024 workers, a round's answers cost a recovery ~0.6 ms)."""
+
     def warm_up(self) -> None:
         """A standby spare builds its model ahead of a promotion."""
 

@@ -82,6 +82,10 @@ class _SimWorker:
         self.next_step = step + 1
         return step
 
+    def rejoin(self, generation: int, store: Any, timeout_s: float, step: int) -> None:
+        self.setup(generation, None, store, timeout_s)
+        self.build(step)
+
     def begin(self, first: int) -> None:
         """What a worker does before its steps run, as runtime/worker.py does it."""
         if first != self.next_step:
