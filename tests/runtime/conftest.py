@@ -93,7 +93,7 @@ def run_layout(run_dir: Path | str, data: str, dp: int, *extra: str, fsdp: int =
                                      *extra)).run()
     # It really ran on that many workers: that many processes (Ray actors, not this one)
     # reported themselves, and its last step's ledger record holds a shard of data for each.
-    pids = {w["pid"] for w in records(run_dir, "generation")[-1]["workers"].values()}
+    pids = {w["pid"] for w in generations(run_dir)[-1]["workers"].values()}
     assert len(pids) == workers and (pids == {os.getpid()}) == (workers == 1), pids
     ledger = [json.loads(x) for x in (Path(run_dir) / "ledger.jsonl").read_text().splitlines()]
     assert len([r for r in ledger if r["kind"] == "step"][-1]["parts"]) == dp * fsdp
@@ -155,6 +155,21 @@ def records(run_dir: Path | str, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
+def resolved(gens: list[dict]) -> list[dict]:
+    """Generation records (in the order written), each's `workers` completed with the ranks
+    it kept from generation `same_as` (a survivor kept in its rank is not re-written)."""
+    by_gen: dict[int, dict] = {}
+    for g in gens:
+        kept = by_gen[g["same_as"]]["workers"] if g.get("same_as") is not None else {}
+        by_gen[g["generation"]] = {**g, "workers": {**kept, **g["workers"]}}
+    return [by_gen[g["generation"]] for g in gens]
+
+
+def generations(run_dir: Path | str) -> list[dict]:
+    """The run's generation records, every rank's process in each (`resolved`)."""
+    return resolved(records(run_dir, "generation"))
+
+
 def os_start_time(pid: int) -> int | None:
     """Process `pid`'s start time as the OS gives it (field 22 of /proc/PID/stat); None if
     there is no such process."""
@@ -175,7 +190,7 @@ def watch_processes(run_dir: Path | str) -> Iterator[dict[tuple[int, str], tuple
     path = Path(run_dir) / "metrics.jsonl"
 
     def poll() -> None:
-        offset = 0
+        offset, gens = 0, []
         while not done.wait(0.02):
             if not path.exists():
                 continue
@@ -186,7 +201,8 @@ def watch_processes(run_dir: Path | str) -> Iterator[dict[tuple[int, str], tuple
             offset += len(complete.encode())
             for rec in map(json.loads, complete.splitlines()):
                 if rec["kind"] == "generation":
-                    for rank, w in rec["workers"].items():
+                    gens.append(rec)
+                    for rank, w in resolved(gens)[-1]["workers"].items():
                         seen[rec["generation"], rank] = (w["start"], os_start_time(w["pid"]))
 
     thread = threading.Thread(target=poll, daemon=True)
@@ -211,7 +227,7 @@ def assert_only_failed_ranks_replaced(run_dir: Path | str) -> list[dict]:
     """Per recovery (generation g -> g + 1, in order): the failed rank is a new process and
     every other rank the very same one (its PID and the OS's start time of it, as each worker
     process reported itself). Returns the generation records."""
-    gens, recoveries = records(run_dir, "generation"), records(run_dir, "recovery")
+    gens, recoveries = generations(run_dir), records(run_dir, "recovery")
     assert [g["generation"] for g in gens] == list(range(len(recoveries) + 1)), gens
     for before, after, rec in zip(gens[:-1], gens[1:], recoveries, strict=True):
         assert after["workers"].keys() == before["workers"].keys()
@@ -226,7 +242,7 @@ def assert_survivors_kept_their_processes(run_dir: Path | str) -> list[dict]:
     PID and the OS's start time of it, as each worker process reported itself), plus one
     process per failed worker it replaced (`replaced`): on fewer workers if it went on without
     some (`continued_on`). Returns the recovery records."""
-    recoveries, gens = records(run_dir, "recovery"), records(run_dir, "generation")
+    recoveries, gens = records(run_dir, "recovery"), generations(run_dir)
     resizes = {r["step"] for r in records(run_dir, "resize")}
     assert len(gens) == 1 + len(recoveries) + len(resizes), gens
     procs = [{(w["pid"], w["start"]) for w in g["workers"].values()} for g in gens]
@@ -246,7 +262,7 @@ def assert_went_on_at_once(run_dir: Path | str, workers: int) -> list[dict]:
     a recovery that went on with fewer workers ran at its size (the ledger's header and step
     records), and the run ended at `workers`. The recovery records."""
     recoveries = assert_survivors_kept_their_processes(run_dir)
-    assert recoveries and len(records(run_dir, "generation")[-1]["workers"]) == workers
+    assert recoveries and len(generations(run_dir)[-1]["workers"]) == workers
     for rec in recoveries:
         assert rec["waited_for_replacement"] is None, rec
         assert rec["phases"]["wait_replacement"] == 0.0, rec

@@ -17,6 +17,7 @@ from tests.runtime.conftest import (
     assert_bit_identical,
     assert_only_failed_ranks_replaced,
     final_state,
+    generations,
     records,
     step_records,
     tiny_config,
@@ -34,7 +35,7 @@ def run_cp(run_dir, data, cp: int, dp: int = 1, *extra: str, fsdp: int = 1, pp: 
     engine = "runtime.engine=inline" if dp * fsdp * cp * pp == 1 else "runtime.engine=ray"
     Controller(tiny_config(run_dir, data, engine, f"parallel.dp={dp}", f"parallel.cp={cp}",
                            f"parallel.fsdp={fsdp}", f"parallel.pp={pp}", *BATCH, *extra)).run()
-    pids = {w["pid"] for w in records(run_dir, "generation")[-1]["workers"].values()}
+    pids = {w["pid"] for w in generations(run_dir)[-1]["workers"].values()}
     assert len(pids) == dp * fsdp * cp * pp, pids  # it really ran on that many workers
 
 

@@ -73,10 +73,8 @@ class Recovery:
         self._layout: tuple[tuple, dict[int, Placement]] | None = None  # see placements()
         self._places: dict[int, tuple[Placement, ...]] = {}  # per DP size: each rank's place
         # each worker's place in the last generation it joined (a survivor that keeps it is
-        # sent no other), and each rank's process there as its worker reported itself when it
-        # joined at that place (the generation record's `workers`)
+        # sent no other)
         self._joined: dict[int, Placement] = {}
-        self._ranks: dict[str, dict[str, int]] = {}
         self._joining: list[int] = []  # workers up, not yet members (`maybe_grow`)
         self._grow_until = 0.0  # when the run stops trying to grow back (replace_timeout)
         self._shrunk_at: float | None = None  # the fault that took the run below its size
@@ -121,13 +119,16 @@ class Recovery:
 
         A member whose place is the one it joined the last generation at (a survivor of a
         failure replaced in its rank) is sent the same small call as every other such member,
-        the new generation and its store only (one call object: checked once, pickled once by
-        an engine that sends a call to many at once), and answers nothing new: the controller
-        records the process it knows (the same worker id is the same process). The others are
-        sent their place and report their process.
+        the new generation, its store and the step (one call object: checked once, pickled
+        once by an engine that sends a call to many at once): it joins and restores its own
+        state in that one call (`rejoin`; building takes no collective, so it need not wait
+        for the others) and answers nothing new: the controller records the process it knows
+        (the same worker id is the same process). The others are sent their place, report
+        their process, and build in a second round, once all have joined.
         `tensors` gives a state to some workers (replacements pulling a peer's snapshot); the
         others restore their own snapshot of `step`, or the checkpoint. Returns when the
-        groups were formed (the rest is restoring state)."""
+        groups were formed (the kept members' state restored too; the rest is restoring the
+        others' state)."""
         self.generation += 1
         timeout = self.cfg.runtime.setup_timeout
         self.close()  # the previous generation's store: its keys are of no use to this one
@@ -142,24 +143,31 @@ class Recovery:
         def build(t: dict[str, Any] | None) -> WorkerCall:
             return lambda w: w.build(step, t)
 
+        tensors = tensors or {}
         placements, kept = self.placements(), self._joined
         placed = [w for w, p in placements.items() if kept.get(w) is not p]
         self._joined = {}  # until every member has joined this generation
-        joined = self.engine.call({**dict.fromkeys(placements, setup(None)),
-                                   **{w: setup(placements[w]) for w in placed}}, timeout)
+        joined = self.engine.call({
+            **dict.fromkeys(placements, lambda w: w.rejoin(generation, store,
+                                                           collective_timeout, step)),
+            **dict.fromkeys(tensors, setup(None)),
+            **{w: setup(placements[w]) for w in placed}}, timeout)
         formed = time.time()
         self._joined = placements
         # Each rank's process as it reported itself: who survived a recovery can be checked. A
-        # member that kept its place kept its rank in a world of the same size: the ranks of
-        # the last record stand but for those the others joined at.
+        # member that kept its place kept its rank in a world of the same size: the record
+        # names the ranks joined anew, and the generation whose processes the others are
+        # (`same_as`; at 1,024 workers re-writing them all cost a recovery a millisecond).
         ranks = {str(placements[w].rank): joined[w].process for w in placed}
-        self._ranks = {**(self._ranks if len(placed) < len(placements) else {}),
-                       **{r: {"pid": p.pid, "start": p.start} for r, p in ranks.items()}}
         self.reporter.write("generation", generation=self.generation, step=step,
-                            workers=self._ranks)
-        # one call for those restoring their own state
-        self.engine.call({**dict.fromkeys(self.members, build(None)),
-                          **{w: build(t) for w, t in (tensors or {}).items()}}, timeout)
+                            workers={r: {"pid": p.pid, "start": p.start}
+                                     for r, p in ranks.items()},
+                            same_as=self.generation - 1 if len(placed) < len(placements)
+                            else None)
+        # the others build once every member has joined: one call for those placed anew that
+        # restore their own state
+        self.engine.call({**dict.fromkeys(placed, build(None)),
+                          **{w: build(t) for w, t in tensors.items()}}, timeout)
         return formed
 
     def close(self) -> None:
