@@ -73,8 +73,11 @@ def test_a_failure_is_recovered_by_the_real_recovery_and_the_ledger_audits(tmp_p
     assert sorted({r["step"] for r in _records(run, "step")}) == list(range(1, 25))
     assert summary.checkpoint_step == 24
     assert audit(run).ok
-    # Every rank but the failed one kept its (simulated) process.
-    gens = resolved(_records(run, "generation"))
+    # Every rank but the failed one kept its (simulated) process: the recovery's generation
+    # record names the failed rank alone, the others by the generation they are the processes of.
+    written = _records(run, "generation")
+    assert (list(written[1]["workers"]), written[1]["same_as"]) == (["3"], 0)
+    gens = resolved(written)
     assert [r for r in gens[0]["workers"] if gens[0]["workers"][r] != gens[1]["workers"][r]] \
         == ["3"]
     # Only the failed rank was placed again: the survivors, kept in their ranks, were sent one
