@@ -35,7 +35,6 @@ from relaytrain.runtime.failures import (
     WorkerRaised,
 )
 from relaytrain.runtime.liveness import ProcessIdentity, cpu_ticks
-from relaytrain.runtime.priority import run_idle, run_normally
 from relaytrain.runtime.worker import Worker
 
 PING_TIMEOUT = 2.0  # a worker that leaves a ping unanswered this long is hung
@@ -51,16 +50,9 @@ CONTROL = "control"  # the actors' concurrency group of ping() and abort()
 class _RankedWorker(Worker):
     """The worker as a Ray actor; Ray prefixes its log lines with this repr (id and rank)."""
 
-    def __init__(self, wid: int, *args: Any, idle: bool = False):
+    def __init__(self, wid: int, *args: Any):
         self.wid = wid
-        if idle:  # the standby: before torch's thread pools start, which inherit it
-            run_idle()
         super().__init__(*args)
-
-    def promote(self) -> None:
-        """The standby, now a worker: every thread back at normal priority (a warm-up still
-        running goes on at it)."""
-        run_normally()
 
     def __repr__(self) -> str:
         membership = getattr(self, "membership", None)
@@ -375,7 +367,7 @@ class RayEngine(Engine):
         if (not self.cfg.elastic.standby or self.cfg.elastic.spares or self._standby is not None
                 or self._worker_args is None or "GPU" in self._bundle()):
             return
-        wid = self._new_actor(self._worker_args, idle=True, num_cpus=0)
+        wid = self._new_actor(self._worker_args, num_cpus=0)
         self._warming[wid] = self.actors[wid].warm_up.remote()
         self._standby = wid
 
@@ -390,13 +382,10 @@ class RayEngine(Engine):
         if pg is None:
             return None
         self._standby = None
-        # on the control thread, before the ping _ready sends: done by the ping's answer
-        promoted = _control(self.actors[wid]).promote.remote()
         if not self._ready(wid, deadline):
             self.kill(wid)
             self._reserved = pg  # for a new worker instead
             return None
-        ray.get(promoted)
         self.groups[wid] = pg
         return wid  # a new standby starts with `refill`, once training runs again
 
@@ -463,7 +452,7 @@ class RayEngine(Engine):
         self.groups[wid] = pg
         return wid
 
-    def _new_actor(self, worker_args: tuple, idle: bool = False, **options: Any) -> int:
+    def _new_actor(self, worker_args: tuple, **options: Any) -> int:
         wid = self._next_id
         self._next_id += 1
         # Calls run one at a time, in the order started (a step dispatched ahead waits behind
@@ -471,7 +460,7 @@ class RayEngine(Engine):
         actor_cls = ray.remote(concurrency_groups={CONTROL: 1})(_RankedWorker).options(
             max_restarts=0, max_task_retries=0, max_concurrency=1,
             **options)
-        self.actors[wid] = actor_cls.remote(wid, *worker_args, idle=idle)
+        self.actors[wid] = actor_cls.remote(wid, *worker_args)
         return wid
 
     def _slot(self, wait: float | None) -> Any:
