@@ -15,7 +15,9 @@ PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 status=0
 # A test process that dies (a timeout's forced exit) ends the pass: xdist's replacement process
 # once left the file scheduler waiting forever on the dead one's files.
-"${PYTEST[@]}" -n 2 --dist loadfile --max-worker-restart=0 -m "not soak and not alone" "$@" \
+# The slowest tests are listed at the end: what to look at when the suite nears its budget.
+"${PYTEST[@]}" -n 2 --dist loadfile --max-worker-restart=0 --durations=40 \
+  -m "not soak and not alone" "$@" \
   || status=$?
 # exit code 5: nothing selected (e.g. a file given with no such test in it)
 "${PYTEST[@]}" -m "alone and not soak" "$@" || { rc=$?; [ "$rc" = 5 ] || status=$rc; }

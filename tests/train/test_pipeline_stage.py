@@ -455,6 +455,26 @@ def test_pp_by_cp_in_exact_mode_is_bit_identical_to_the_unpipelined_cp_run(runs,
         assert all(torch.equal(w, ref_w[k]) for k, w in r["weights"].items()), r["rank"]
 
 
+@pytest.mark.soak  # eight worker processes: on demand
+@pytest.mark.timeout(300)
+def test_fsdp_by_cp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_cp_run(
+        runs, corpus_data, tmp_path):
+    """fsdp 2 x cp 2 x pp 2, the whole world = dp x fsdp x cp x pp: each stage's state sharded
+    over its fsdp x cp ranks, the same bits as pp 1 x cp 2 on one DP rank."""
+    ref = runs("determinism=exact", "parallel.cp=2")
+    cfg = tiny_config(tmp_path, corpus_data, f"train.max_steps={STEPS}", "runtime.engine=ray",
+                      "determinism=exact", "parallel.cp=2", "parallel.pp=2", "parallel.fsdp=2",
+                      "parallel.schedule=1f1b")
+    with WorkerPool(8) as eight:
+        res = eight.train(cfg, (STEPS,), ())
+    assert sorted((r["stage"], r["dp_rank"], r["cp_rank"]) for r in res) == [
+        (s, d, c) for s in range(2) for d in range(2) for c in range(2)]
+    assert step_losses(res) == step_losses(ref)
+    ref_w = final_weights(ref)
+    for r in res:  # every rank gathers its stage's whole weights
+        assert all(torch.equal(w, ref_w[k]) for k, w in r["weights"].items()), r["rank"]
+
+
 # packed instances of documents of 1 to ~100 tokens (seq_len 32, window 16), document-masked;
 # data.seed 3 puts the mix's two padded instances (76 and 183) in steps 3 and 2
 PACKED = ("data.instances=packed", "data.source_group_size=2",
