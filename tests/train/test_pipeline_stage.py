@@ -314,6 +314,17 @@ def final_weights(results: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_every_rank_has_the_bits_of(res: list[dict], ref: list[dict]) -> None:
+    """The run's losses, every rank's global norms and every rank's final weights (a stage's,
+    gathered whole) are the reference run's bits."""
+    assert step_losses(res) == step_losses(ref)
+    norms = [s["grad_norm"] for s in ref[0]["steps"]]
+    assert all([s["grad_norm"] for s in r["steps"]] == norms for r in res)
+    ref_w = final_weights(ref)
+    for r in res:
+        assert all(torch.equal(w, ref_w[k]) for k, w in r["weights"].items()), r["rank"]
+
+
 def step_losses(results: list[dict]) -> list[float]:
     """The step loss as the controller combines it: mean over micro-batches in index order."""
     per_step = []
@@ -447,12 +458,7 @@ def test_pp_by_cp_in_exact_mode_is_bit_identical_to_the_unpipelined_cp_run(runs,
     ref = runs("determinism=exact", "parallel.cp=2", *model)
     res = runs("determinism=exact", "parallel.cp=2", *model, "parallel.pp=2", *layout)
     assert sorted((r["stage"], r["cp_rank"]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert step_losses(res) == step_losses(ref)
-    norms = [s["grad_norm"] for s in ref[0]["steps"]]
-    assert all([s["grad_norm"] for s in r["steps"]] == norms for r in res)
-    ref_w = final_weights(ref)
-    for r in res:
-        assert all(torch.equal(w, ref_w[k]) for k, w in r["weights"].items()), r["rank"]
+    assert_every_rank_has_the_bits_of(res, ref)
 
 
 @pytest.mark.soak  # eight worker processes: on demand
@@ -469,10 +475,7 @@ def test_fsdp_by_cp_by_pp_in_exact_mode_is_bit_identical_to_the_unpipelined_cp_r
         res = eight.train(cfg, (STEPS,), ())
     assert sorted((r["stage"], r["dp_rank"], r["cp_rank"]) for r in res) == [
         (s, d, c) for s in range(2) for d in range(2) for c in range(2)]
-    assert step_losses(res) == step_losses(ref)
-    ref_w = final_weights(ref)
-    for r in res:  # every rank gathers its stage's whole weights
-        assert all(torch.equal(w, ref_w[k]) for k, w in r["weights"].items()), r["rank"]
+    assert_every_rank_has_the_bits_of(res, ref)  # each gathers its stage's whole weights
 
 
 # packed instances of documents of 1 to ~100 tokens (seq_len 32, window 16), document-masked;
@@ -512,12 +515,7 @@ def test_packed_masked_instances_in_pipeline_stages_train_the_unpipelined_bits(
     res = runs("determinism=exact", f"parallel.cp={cp}", *PACKED, "parallel.pp=2", *layout,
                data=packed_mix, heldout=HELDOUT)
     assert heldout_losses(res) == heldout_losses(ref) and len(heldout_losses(ref)) == 8
-    assert step_losses(res) == step_losses(ref)
-    norms = [s["grad_norm"] for s in ref[0]["steps"]]
-    assert all([s["grad_norm"] for s in r["steps"]] == norms for r in res)
-    ref_w = final_weights(ref)
-    for r in res:
-        assert all(torch.equal(w, ref_w[k]) for k, w in r["weights"].items()), r["rank"]
+    assert_every_rank_has_the_bits_of(res, ref)
 
 
 @pytest.mark.timeout(120)
