@@ -44,6 +44,7 @@ from relaytrain.data.dataset import TokenDataset
 from relaytrain.model.accounting import param_count
 from relaytrain.model.config import PRESETS, SLIDING, Olmo3Config
 from relaytrain.model.init import init_weights
+from relaytrain.model.matmul import Linear
 from relaytrain.model.memory import LiveBytes, SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.context import ContextGroup, ContextSplit, metering, plan_attention
@@ -78,12 +79,12 @@ def exchange_bytes(tokens: int, kv_width: int, exact: bool) -> int:
 
 def weight_shapes(cfg: Olmo3Config) -> list[tuple[int, int]]:
     """(out, in) of every linear layer's weight of `cfg` (its vocabulary set), the head's
-    included: the weight gradients a backward forms as products over the tokens (dY^T X)."""
-    d, h = cfg.d_model, cfg.mlp_hidden
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    block = [(q, d), (kv, d), (kv, d), (d, q), (h, d), (h, d), (d, h)]
-    assert cfg.vocab_size is not None
-    return block * cfg.n_layers + [(cfg.vocab_size, d)]
+    included: the weight gradients a backward forms as products over the tokens (dY^T X).
+    Read from the model itself, built without memory."""
+    with torch.device("meta"):
+        model = Olmo3(cfg)
+    return [(m.weight.shape[0], m.weight.shape[1]) for m in model.modules()
+            if isinstance(m, Linear)]
 
 
 def chunked_weight_grads(cfg: Olmo3Config, seq_len: int, chunks: Sequence[int] = CHUNKS,

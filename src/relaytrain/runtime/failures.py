@@ -45,4 +45,3 @@ GONE = (WorkerDied, WorkerHung, NodeLost)
 
 class RecoveryLimitExceeded(RuntimeError):
     """Too many recoveries in the configured window: a crash loop, not a transient fault."""
-

@@ -408,8 +408,8 @@ class StageRunner:
         self.module, self.optimizer, self.reducer, self.spec = module, optimizer, reducer, spec
         self.context = context  # parallel.cp: this rank's part of every sequence
         # a message between stages: this rank's part of a micro-batch's activations (its
-        # length is the batches' inputs', set by each span: `_message_shape`)
-        self.shape = (spec.micro_batch, spec.seq_len, spec.d_model)
+        # length is the batches' inputs', set again by each span: `_message_shape`)
+        self.shape = self._message_shape(spec.seq_len)
         self.transport, self.pipe_group = transport, pipe_group
         self.lr_of, self.device = lr_of, device
         if sharded and not spec.global_clip:

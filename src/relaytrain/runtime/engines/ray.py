@@ -539,7 +539,7 @@ class RayEngine(Engine):
         """Calls still running after a failure: a worker that cannot answer a ping is hung and
         is not waited for (a SIGSTOPped peer would otherwise cost the whole `timeout`); the
         others get up to `timeout` to finish."""
-        out: dict[int, WorkerFailure | None] = {}
+        out: dict[int, BaseException | None] = {}
         refs, self._outstanding = self._outstanding, {}
         if not refs:
             self._collect_aborts()
