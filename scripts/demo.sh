@@ -4,6 +4,9 @@
 # checkpoints, then plot and audit the run. A few minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Bytecode is a cache in the project's own .venv: each module compiled once, when first imported,
+# not in every process that imports it (PYTHONDONTWRITEBYTECODE, where set, would).
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 R=.venv/bin/relaytrain
 if [ ! -f data/demo/index.json ]; then

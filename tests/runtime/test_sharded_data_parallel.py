@@ -162,7 +162,6 @@ def long_reference(tmp_path_factory, corpus_data):
     return run
 
 
-@pytest.mark.alone
 @pytest.mark.timeout(240, func_only=True)
 def test_a_sharded_run_without_a_replacement_goes_on_at_once_on_one_replica_then_grows_back(
         tmp_path, corpus_data, ray_cluster, long_reference):

@@ -220,7 +220,7 @@ def test_a_replacement_is_the_standby_process_started_ahead_which_reserved_nothi
         tmp_path, corpus_data, ray_cluster):
     import ray
 
-    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray")
+    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "elastic.standby=true")
     engine = RayEngine(cfg)
     args = (cfg, TokenDataset.open(corpus_data).vocab_size)
     [first] = engine.spawn_many(1, args, wait=60)
@@ -262,7 +262,8 @@ def test_a_failed_worker_s_slot_is_kept_for_the_standby_or_held_from_everyone(
     kept from everyone for its seconds: holding it waits for nothing."""
     import ray
 
-    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "parallel.dp=4")
+    cfg = tiny_config(tmp_path / "run", corpus_data, "runtime.engine=ray", "parallel.dp=4",
+                      "elastic.standby=true")
     engine = RayEngine(cfg)
     args = (cfg, TokenDataset.open(corpus_data).vocab_size)
     workers = engine.spawn_many(4, args, wait=60)
