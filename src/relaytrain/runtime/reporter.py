@@ -43,7 +43,7 @@ class TrainingStopped(Exception):
 # only where steps are unpipelined: a pipeline's schedule measures its own)
 _SLOWEST = ("time_data", "time_compute", "state_bytes", "peak_rss")
 _REDUCTION = ("time_fold", "time_comm", "wire_bytes_per_param")
-_losses, _finite = attrgetter("losses"), attrgetter("finite")
+_losses, _finite, _ids = attrgetter("losses"), attrgetter("finite"), attrgetter("ids")
 
 
 def combine(step: int, results: dict[int, Step], placements: dict[int, Placement],
@@ -73,11 +73,18 @@ def combine(step: int, results: dict[int, Step], placements: dict[int, Placement
     return record
 
 
-def ledger_parts(results: dict[int, Step], placements: dict[int, Placement]
+def first_stage(placements: dict[int, Placement]) -> list[int]:
+    """The first stage's workers in DP-rank order: those whose ids the ledger records."""
+    workers = {p.dp_rank: w for w, p in placements.items() if p.stage == 0}
+    return [workers[i] for i in range(len(workers))]
+
+
+def ledger_parts(results: dict[int, Step], placements: dict[int, Placement] | list[int]
                  ) -> list[list[int]]:
-    """The ids each DP rank trained on (read from the first stage's workers)."""
-    parts = {p.dp_rank: results[w].ids for w, p in placements.items() if p.stage == 0}
-    return [parts[i] for i in range(len(parts))]
+    """The ids each DP rank trained on (read from the first stage's workers: `first_stage`
+    of the placements, or that list, found once per layout)."""
+    order = first_stage(placements) if isinstance(placements, dict) else placements
+    return list(map(_ids, map(results.__getitem__, order)))
 
 
 class StepReporter:
@@ -103,6 +110,9 @@ class StepReporter:
         self.tensorboard: TensorBoard | None = None
         self.bar: Any = None
         self.failed_save = 0  # the step of the newest save that failed (0: none)
+        # the layout the ledger's order of workers was found for, and that order (asked every
+        # step; the same layout is the same dict: runtime/recovery.py `placements`)
+        self._first: tuple[dict[int, Placement], list[int]] | None = None
 
     # ---- the run's files -------------------------------------------------------------------
     def open(self, start: int, dp: int) -> None:
@@ -172,7 +182,7 @@ class StepReporter:
         mfu = tps * self.flops_per_token / self.peak_flops if self.peak_flops else 0.0
         for i, (per, rec) in enumerate(zip(per_step, records, strict=True)):
             step = first + i
-            self.ledger.write(step_record(step, ledger_parts(per, placements),
+            self.ledger.write(step_record(step, ledger_parts(per, self._first_stage(placements)),
                                           step - 1 + self.cfg.batch_offset))
             self.last = self.metrics.write(
                 "step", step=step, **rec, tokens=step * self.tokens_per_step, tokens_per_s=tps,
@@ -189,6 +199,12 @@ class StepReporter:
                 self.metrics.write("spike", step=step, message=spike)
                 warn(f"step {step}: {spike}")
             self.recent_losses.append(rec["loss"])
+
+    def _first_stage(self, placements: dict[int, Placement]) -> list[int]:
+        """`first_stage(placements)`, found once per layout."""
+        if self._first is None or self._first[0] is not placements:
+            self._first = placements, first_stage(placements)
+        return self._first[1]
 
     def _diverged(self, step: int, rec: dict[str, Any], per: dict[int, Step],
                   placements: dict[int, Placement]) -> None:
