@@ -530,7 +530,7 @@ class RayEngine(Engine):
                 self._abandon({p: refs[p] for p in pending})
                 raise failure
         if started.steps:
-            return dict(zip(results, map(steps_from_wire, results.values()), strict=True))
+            return dict(zip(results, steps_from_wire(results.values()), strict=True))
         return results
 
     def _abandon(self, pending: dict[Any, int]) -> None:

@@ -412,7 +412,7 @@ class SimulatedEngine(Engine):
         answers = map(pickle.loads, ok.values())
         if started not in self._steps:
             return dict(zip(ok, answers, strict=True))
-        results = dict(zip(ok, map(steps_from_wire, answers), strict=True))
+        results = dict(zip(ok, steps_from_wire(answers), strict=True))
         self._steps.discard(started)
         self.step_marks.append((time.perf_counter(), self.waited_s, time.process_time()))
         return results
