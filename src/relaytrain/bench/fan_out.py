@@ -3,7 +3,7 @@
 The actors are light on purpose (this module imports nothing but the standard library, so an
 actor starts without torch): what is measured is Ray's submission, transport and scheduling,
 the part of a step's control plane that the simulated workers (runtime/engines/simulated.py)
-do not run. The answer has a step result's fields and size."""
+do not run. The answer is a step result as a worker sends it."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ from typing import Any
 
 
 class LightActor:
-    """Answers a step call at once with a step result's fields (runtime/wire.py `StepResult`)."""
+    """Answers a step call at once with a step result in its wire form (runtime/wire.py
+    `steps_to_wire`: `StepResult`'s fields' values, in order, as a plain tuple)."""
 
-    def run_steps(self, first: int, count: int, history: Any = None) -> list[dict[str, Any]]:
-        return [{"step": first, "losses": {0: (1.0, 1.0, 0.0)}, "grad_norm": 1.0,
-                 "finite": True, "ids": [first], "time_data": 0.0, "time_compute": 0.0,
-                 "pipeline": None, "skipped": False, "state_bytes": 0, "peak_rss": 0,
-                 "written": []}]
+    def run_steps(self, first: int, count: int, history: Any = None) -> list[tuple]:
+        return [(first, {0: (1.0, 1.0, 0.0)}, 1.0, True, [first], 0.0, 0.0, None, False, 0, 0,
+                 0.0, 0.0, 0.0, [])]
 
 
 def ray_fan_out(actors: int, rounds: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import os
 import secrets
 import signal
 import time
+from itertools import chain
 from typing import Any
 
 import yaml
@@ -59,6 +60,11 @@ from relaytrain.train.skip_step import SkipRule, SkipWindow
 __all__ = ["Controller", "TrainingStopped", "WorkNotSaved"]
 
 FINAL_SAVE_TRIES = 2  # saves of the final state from the workers' memory after its first
+
+
+def _written(results: list[Any]) -> list[Any]:
+    """The checkpoint writes a worker reported with its last step's result."""
+    return results[-1].written
 
 
 @dataclasses.dataclass
@@ -247,7 +253,7 @@ class Controller:
             # oldest state a restore may go to (the last committed checkpoint, a snapshot)
             window.take(step + 1, records, min(self.catalogue.last_committed,
                                                end - cfg.elastic.snapshot_every))
-        self.catalogue.record([w for r in results.values() for w in r[-1].written])
+        self.catalogue.record(list(chain.from_iterable(map(_written, results.values()))))
         t_ckpt = 0.0
         if (cfg.checkpoint.every and end % cfg.checkpoint.every == 0) \
                 or end == cfg.train.max_steps:

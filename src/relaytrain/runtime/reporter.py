@@ -1,9 +1,10 @@
 """The step reporter: everything the run directory records about training as it goes.
 
-It turns the workers' `StepResult`s into one step record (metrics.jsonl, TensorBoard, the
-progress bar), the data ledger's lines (which ids each DP rank trained on, restarts, rollbacks),
-the loss-spike and memorisation alarms, and the held-out evaluation record. It decides nothing
-about workers; the controller tells it what happened.
+It turns the workers' `StepResult`s (or the `StepView`s of their wire form, read alike) into
+one step record (metrics.jsonl, TensorBoard, the progress bar), the data ledger's lines (which
+ids each DP rank trained on, restarts, rollbacks), the loss-spike and memorisation alarms, and
+the held-out evaluation record. It decides nothing about workers; the controller tells it what
+happened.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from itertools import chain
 from operator import attrgetter
 from typing import Any
 
@@ -27,7 +29,7 @@ from relaytrain.data.ledger import (
 )
 from relaytrain.errors import warn
 from relaytrain.parallel.groups import Placement
-from relaytrain.runtime.wire import StepResult
+from relaytrain.runtime.wire import Step
 from relaytrain.train.evaluate import mean_loss
 from relaytrain.train.metrics import MemorisationAlarm, MetricsLog, SpikeDetector, TensorBoard
 from relaytrain.train.optim import lr_at
@@ -41,20 +43,19 @@ class TrainingStopped(Exception):
 # only where steps are unpipelined: a pipeline's schedule measures its own)
 _SLOWEST = ("time_data", "time_compute", "state_bytes", "peak_rss")
 _REDUCTION = ("time_fold", "time_comm", "wire_bytes_per_param")
+_losses, _finite, _ids = attrgetter("losses"), attrgetter("finite"), attrgetter("ids")
 
 
-def combine(step: int, results: dict[int, StepResult], placements: dict[int, Placement],
+def combine(step: int, results: dict[int, Step], placements: dict[int, Placement],
             cfg: RunConfig) -> dict[str, Any]:
     """One step's record from every worker's result. The loss is summed over micro-batches in
     index order, so the number does not depend on how micro-batches were split over ranks.
     One pass over the results per field, in C where it can be (at 1,024 workers this runs
     every step on the controller)."""
     values = results.values()
-    losses: dict[int, tuple[float, float, float]] = {}
-    for r in values:
-        losses.update(r.losses)
+    losses = dict(chain.from_iterable(map(dict.items, map(_losses, values))))
     m = cfg.micro_batches
-    total, ce, z = zip(*[losses[j] for j in range(m)], strict=True)
+    total, ce, z = zip(*map(losses.__getitem__, range(m)), strict=True)
     last = cfg.parallel.pp - 1
     last_stage = min(placements) if last == 0 else \
         min(w for w, p in placements.items() if p.stage == last)
@@ -72,11 +73,18 @@ def combine(step: int, results: dict[int, StepResult], placements: dict[int, Pla
     return record
 
 
-def ledger_parts(results: dict[int, StepResult], placements: dict[int, Placement]
+def first_stage(placements: dict[int, Placement]) -> list[int]:
+    """The first stage's workers in DP-rank order: those whose ids the ledger records."""
+    workers = {p.dp_rank: w for w, p in placements.items() if p.stage == 0}
+    return [workers[i] for i in range(len(workers))]
+
+
+def ledger_parts(results: dict[int, Step], placements: dict[int, Placement] | list[int]
                  ) -> list[list[int]]:
-    """The ids each DP rank trained on (read from the first stage's workers)."""
-    parts = {p.dp_rank: results[w].ids for w, p in placements.items() if p.stage == 0}
-    return [parts[i] for i in range(len(parts))]
+    """The ids each DP rank trained on (read from the first stage's workers: `first_stage`
+    of the placements, or that list, found once per layout)."""
+    order = first_stage(placements) if isinstance(placements, dict) else placements
+    return list(map(_ids, map(results.__getitem__, order)))
 
 
 class StepReporter:
@@ -102,6 +110,9 @@ class StepReporter:
         self.tensorboard: TensorBoard | None = None
         self.bar: Any = None
         self.failed_save = 0  # the step of the newest save that failed (0: none)
+        # the layout the ledger's order of workers was found for, and that order (asked every
+        # step; the same layout is the same dict: runtime/recovery.py `placements`)
+        self._first: tuple[dict[int, Placement], list[int]] | None = None
 
     # ---- the run's files -------------------------------------------------------------------
     def open(self, start: int, dp: int) -> None:
@@ -152,18 +163,18 @@ class StepReporter:
         return self.metrics.write(kind, **fields)
 
     # ---- steps -----------------------------------------------------------------------------
-    def check(self, first: int, per_step: list[dict[int, StepResult]],
+    def check(self, first: int, per_step: list[dict[int, Step]],
               placements: dict[int, Placement]) -> list[dict[str, Any]]:
         """The records of steps first, first+1, ... (each: every worker's result). A
         non-finite step stops the run here, before it is checkpointed or recorded."""
         records = [combine(first + i, per, placements, self.cfg)
                    for i, per in enumerate(per_step)]
         for i, per in enumerate(per_step):
-            if not all(r.finite for r in per.values()):
+            if not all(map(_finite, per.values())):
                 self._diverged(first + i, records[i], per, placements)
         return records
 
-    def steps(self, first: int, per_step: list[dict[int, StepResult]],
+    def steps(self, first: int, per_step: list[dict[int, Step]],
               records: list[dict[str, Any]], placements: dict[int, Placement],
               seconds_per_step: float, checkpoint_s: float) -> None:
         """Write the checked records of steps first, first+1, ... and their ledger lines."""
@@ -171,7 +182,7 @@ class StepReporter:
         mfu = tps * self.flops_per_token / self.peak_flops if self.peak_flops else 0.0
         for i, (per, rec) in enumerate(zip(per_step, records, strict=True)):
             step = first + i
-            self.ledger.write(step_record(step, ledger_parts(per, placements),
+            self.ledger.write(step_record(step, ledger_parts(per, self._first_stage(placements)),
                                           step - 1 + self.cfg.batch_offset))
             self.last = self.metrics.write(
                 "step", step=step, **rec, tokens=step * self.tokens_per_step, tokens_per_s=tps,
@@ -189,7 +200,13 @@ class StepReporter:
                 warn(f"step {step}: {spike}")
             self.recent_losses.append(rec["loss"])
 
-    def _diverged(self, step: int, rec: dict[str, Any], per: dict[int, StepResult],
+    def _first_stage(self, placements: dict[int, Placement]) -> list[int]:
+        """`first_stage(placements)`, found once per layout."""
+        if self._first is None or self._first[0] is not placements:
+            self._first = placements, first_stage(placements)
+        return self._first[1]
+
+    def _diverged(self, step: int, rec: dict[str, Any], per: dict[int, Step],
                   placements: dict[int, Placement]) -> None:
         self.ledger.write(step_record(step, ledger_parts(per, placements),
                                           step - 1 + self.cfg.batch_offset))

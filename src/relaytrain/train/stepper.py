@@ -60,15 +60,6 @@ class StepResult:
     # checkpoint writes that finished by the end of the call (on a call's last step only)
     written: list[WriteReport] = field(default_factory=list)
 
-    def __reduce__(self) -> tuple:
-        """Pickled as its fields' values in order: every worker's result of every step crosses
-        to the controller, which unpickles N of them a step; this way in half the time (and a
-        third of the bytes) of a dataclass's name -> value state."""
-        return StepResult, tuple(getattr(self, f) for f in _STEP_RESULT_FIELDS)
-
-
-_STEP_RESULT_FIELDS = tuple(StepResult.__dataclass_fields__)
-
 
 def step_result(step: int, out: StepOutcome, ids: list[int], time_data: float,
                 time_compute: float) -> StepResult:

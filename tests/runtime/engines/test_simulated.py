@@ -4,7 +4,9 @@ and recovery, on workers that do not train (runtime/engines/simulated.py)."""
 from __future__ import annotations
 
 import gc
+import io
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -34,14 +36,21 @@ def _run(tmp_path: Path, data: str, ahead: bool, fail_at: int | None = None,
 class Observed(SimulatedEngine):
     """Records, as the controller takes each call's results, how many objects the garbage
     collector leaves out (runtime/heap.py; counting them takes milliseconds: not for the
-    timing tests), and each generation's rounds of calls (joining, building) as they were
-    sent."""
+    timing tests), each generation's rounds of calls (joining, building) as they were
+    sent, and the workers' answers to every step as they crossed (pickled)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.frozen: list[int] = []
         self.setups: list[dict[int, Invocation]] = []
         self.builds: list[dict[int, Invocation]] = []
+        self.step_answers: list[bytes] = []
+
+    def _answer(self, seq: int):
+        answer = super()._answer(seq)
+        if seq in self._steps:
+            self.step_answers += answer[0].values()
+        return answer
 
     def _start(self, invocations: dict[int, Invocation]) -> int:
         methods = {c.method for c in invocations.values()}
@@ -54,6 +63,24 @@ class Observed(SimulatedEngine):
     def finish(self, started: int) -> dict:
         self.frozen.append(gc.get_freeze_count())
         return super().finish(started)
+
+
+class _Classes(pickle.Unpickler):
+    """The classes a pickle names, as it is read."""
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data))
+        self.named: list[str] = []
+
+    def find_class(self, module: str, name: str):
+        self.named.append(name)
+        return super().find_class(module, name)
+
+
+def _classes(data: bytes) -> list[str]:
+    reader = _Classes(data)
+    reader.load()
+    return reader.named
 
 
 def _records(run: Path, kind: str) -> list[dict]:
@@ -90,6 +117,12 @@ def test_a_failure_is_recovered_by_the_real_recovery_and_the_ledger_audits(tmp_p
     kept = [c for c in again.values() if c.method == "rejoin"]
     assert placed == {3} and len(kept) == 7 and len({id(c) for c in kept}) == 1
     assert [len(b) for b in engine.builds] == [8, 1]
+    # Every worker's answer to every step crossed as plain values (runtime/wire.py), read back
+    # with no class looked up (at 1,024 workers, most of the controller's unpickling): only
+    # the reports of checkpoint writes that finished with a step name theirs
+    named = [_classes(b) for b in engine.step_answers]
+    assert len(named) >= 8 * 24 and {c for n in named for c in n} <= {"WriteReport"}
+    assert sum(not n for n in named) >= 8 * 22
     # The step loop ran with the set-up's objects out of the collector's passes (every step's
     # results taken so), and the run gave them back.
     assert sum(f > 10_000 for f in engine.frozen) >= 24

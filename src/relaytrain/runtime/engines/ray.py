@@ -35,6 +35,7 @@ from relaytrain.runtime.failures import (
     WorkerRaised,
 )
 from relaytrain.runtime.liveness import ProcessIdentity, cpu_ticks
+from relaytrain.runtime.wire import SkipHistory, steps_from_wire, steps_to_wire
 from relaytrain.runtime.worker import Worker
 
 PING_TIMEOUT = 2.0  # a worker that leaves a ping unanswered this long is hung
@@ -58,6 +59,11 @@ class _RankedWorker(Worker):
         membership = getattr(self, "membership", None)
         placement = membership.placement if membership else None
         return f"Worker(id={self.wid}, rank={placement.rank if placement else '?'})"
+
+    def run_steps(self, first: int, count: int, history: SkipHistory | None = None
+                  ) -> list[tuple]:
+        """`Worker.run_steps`'s results in their wire form (runtime/wire.py)."""
+        return steps_to_wire(super().run_steps(first, count, history))
 
 
 class _control:  # noqa: N801 (used as a function: `_control(actor).ping.remote()`)
@@ -232,6 +238,7 @@ class _Started:
     refs: dict[Any, int]  # object ref -> worker
     timeout: float
     watch: bool  # pinged by the heartbeat while it runs (WATCHED)
+    steps: bool  # every call is run_steps: the answers are in the wire form (runtime/wire.py)
 
 
 class RayEngine(Engine):
@@ -492,7 +499,9 @@ class RayEngine(Engine):
     def _start(self, invocations: dict[int, Invocation], timeout: float) -> _Started:
         refs = {getattr(self.actors[w], inv.method).remote(*inv.args, **inv.kwargs): w
                 for w, inv in invocations.items()}
-        started = _Started(refs, timeout, any(i.method in WATCHED for i in invocations.values()))
+        methods = {i.method for i in invocations.values()}
+        started = _Started(refs, timeout, not methods.isdisjoint(WATCHED),
+                           methods == {"run_steps"})
         self._started.append(started)
         return started
 
@@ -520,6 +529,8 @@ class RayEngine(Engine):
             if failure is not None:
                 self._abandon({p: refs[p] for p in pending})
                 raise failure
+        if started.steps:
+            return dict(zip(results, steps_from_wire(results.values()), strict=True))
         return results
 
     def _abandon(self, pending: dict[Any, int]) -> None:

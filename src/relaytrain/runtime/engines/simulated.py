@@ -39,7 +39,14 @@ from relaytrain.data.loader import Loader
 from relaytrain.parallel.groups import Placement
 from relaytrain.runtime.engines.base import Engine, Invocation, invocation
 from relaytrain.runtime.failures import WorkerDied, WorkerFailure, WorkerRaised
-from relaytrain.runtime.wire import ProcessIdentity, StepResult, WorkerInfo, WriteReport
+from relaytrain.runtime.wire import (
+    ProcessIdentity,
+    StepResult,
+    WorkerInfo,
+    WriteReport,
+    steps_from_wire,
+    steps_to_wire,
+)
 
 # A simulated worker's "pid": above Linux's largest (2**22), so a signal sent to it (an injected
 # kill_at) reaches no process.
@@ -95,7 +102,7 @@ class _SimWorker:
         if self.placement.dp > 1 and every and (first - 1) % every == 0:
             self.snapshot = first - 1
 
-    def run_steps(self, first: int, count: int, history: Any = None) -> list[StepResult]:
+    def run_steps(self, first: int, count: int, history: Any = None) -> list[tuple]:
         self.begin(first)
         m = self.loader.micro_indices
         out = []
@@ -107,7 +114,7 @@ class _SimWorker:
                                   time_compute=0.0))
         out[-1].written, self.done = self.done, []
         self.next_step = first + count
-        return out
+        return steps_to_wire(out)  # as the Ray actor sends them (engines/ray.py)
 
     def snapshot_step(self) -> int | None:
         return self.snapshot
@@ -402,10 +409,12 @@ class SimulatedEngine(Engine):
             w, (kind, message) = min(failed.items(), key=lambda f: (f[1][0] != "died", f[0]))
             raise _failure(w, kind, message)
         # each worker's answer unpickled on its own, as Ray's get of a list of results does
-        results = dict(zip(ok, map(pickle.loads, ok.values()), strict=True))
-        if started in self._steps:
-            self._steps.discard(started)
-            self.step_marks.append((time.perf_counter(), self.waited_s, time.process_time()))
+        answers = map(pickle.loads, ok.values())
+        if started not in self._steps:
+            return dict(zip(ok, answers, strict=True))
+        results = dict(zip(ok, steps_from_wire(answers), strict=True))
+        self._steps.discard(started)
+        self.step_marks.append((time.perf_counter(), self.waited_s, time.process_time()))
         return results
 
     def settle(self, timeout: float) -> dict[int, WorkerFailure]:
