@@ -70,7 +70,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,10 +237,10 @@ def heldout_curves(real: dict[int, dict[str, dict[str, Any]]], setup: Setup
             for name in SCHEDULES}
 
 
-def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path, ckpt: Path
-              ) -> dict[str, Any]:
-    """One training run of schedule `name` on S stages, `steps` long; its measurements from
-    metrics.jsonl."""
+def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path, ckpt: Path,
+              overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """One training run of schedule `name` on S stages, `steps` long (config `overrides` last,
+    for A/B runs of an option); its measurements from metrics.jsonl."""
     from relaytrain.runtime.controller import Controller
 
     run_dir = runs / f"S{S}-{name}"
@@ -260,7 +260,7 @@ def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path
         "eval.memo_gap=1e9",  # early in training held-out and training loss differ a lot
         "checkpoint.every=0", f"checkpoint.url={ckpt}", f"parallel.pp={S}",
         f"parallel.schedule={name}", f"parallel.span={setup.eval_every}",
-        "runtime.engine=ray", "log.progress=false", *paci_a])
+        "runtime.engine=ray", "log.progress=false", *paci_a, *overrides])
     t0 = time.perf_counter()
     Controller(cfg, quiet=True).run()
     run_s = time.perf_counter() - t0
