@@ -422,6 +422,24 @@ def test_async_schedules_rerun_bit_identically_within_their_staleness_bound(runs
 
 
 @pytest.mark.timeout(120)
+def test_paci_split_trains_paci_bits_and_prediction_reruns_bit_identically(runs):
+    """`paci.split` sends each input gradient before forming the weight gradient: the bits of
+    the whole backward. `paci.predict` forwards stale micro-batches on predicted weights:
+    other bits, the same on a rerun (a pure function of the list and of each span's start)."""
+    args = ("parallel.pp=2", "parallel.schedule=paci", "parallel.paci.mode=perf",
+            "parallel.paci.a=1")  # ASYNC's run: cached
+    whole = runs(*args, spans=(2, 2))
+    for other, rerun in ((runs(*args, "parallel.paci.split=true", spans=(2, 2)), whole),
+                         (runs(*args, "parallel.paci.predict=true", spans=(2, 2)),
+                          runs(*args, "parallel.paci.predict=true", spans=(2, 2), again=True))):
+        assert step_losses(other) == step_losses(rerun)
+        w, w2 = final_weights(other), final_weights(rerun)
+        assert all(torch.equal(w[k], w2[k]) for k in w)
+    predicted = final_weights(runs(*args, "parallel.paci.predict=true", spans=(2, 2)))
+    assert not all(torch.equal(predicted[k], x) for k, x in final_weights(whole).items())
+
+
+@pytest.mark.timeout(120)
 def test_every_flush_schedule_reruns_bit_identically(runs):
     for name in ("gpipe", "1f1b", "zb-h1"):
         a = runs("parallel.pp=2", f"parallel.schedule={name}")

@@ -25,7 +25,11 @@ Two layers, kept apart so that neither hides the other:
   loss went 5.810, 5.738, 5.707, 5.777, 5.739 for w = 0, 0.125, 0.25, 0.375, 0.5 against
   5.760 at w = 1, no trend in w, one seed's spread (PACI's time to target at S = 8 from 1.12x
   to 1.37x the best flush schedule's). An update costs about half a micro-batch's forward at
-  this model size on a CPU.
+  this model size on a CPU. PACI runs split (`parallel.paci.split`: each W right after its
+  B, the input gradient sent first), which takes the W's off the round trips that the
+  stage-to-stage transfers otherwise stretch (at S = 8, 2 t (S-1)/S per micro-batch of bubble
+  at every stage: about half of what the unsplit list lost, the rest the fill and drain of a
+  span); pipedream keeps the whole backward, as its paper has it.
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
   measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
   measured by a gloo ping-pong of one activation (the runtime posts its receives ahead, so the
@@ -248,6 +252,8 @@ def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path
     shutil.rmtree(ckpt, ignore_errors=True)
     M = setup.global_batch // setup.micro_batch
     paci_a = [f"parallel.paci.a={M}"] if asynchronous(name) else []
+    if name == "paci":
+        paci_a.append("parallel.paci.split=true")
     chunks = VIRTUAL if name == "interleaved-1f1b" else 1
     if chunks > 1:
         paci_a.append(f"parallel.virtual_stages={chunks}")
@@ -383,9 +389,12 @@ def _fits(name: str, S: int, M: int) -> bool:
 
 
 def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
-    """The bench's lists: asynchronous schedules update once per global batch (a = M),
-    interleaved-1f1b has `VIRTUAL` chunks per stage."""
-    options = {"a": M} if asynchronous(name) else {}
+    """The bench's lists: asynchronous schedules update once per global batch (a = M), paci
+    runs each W right after its B (`split`), interleaved-1f1b has `VIRTUAL` chunks per
+    stage."""
+    options: dict[str, int | bool] = {"a": M} if asynchronous(name) else {}
+    if name == "paci":
+        options["split"] = True
     if name == "interleaved-1f1b":
         options["virtual"] = VIRTUAL
     return build_schedule(name, S, M, n_batches, **options)
