@@ -25,11 +25,16 @@ Two layers, kept apart so that neither hides the other:
   loss went 5.810, 5.738, 5.707, 5.777, 5.739 for w = 0, 0.125, 0.25, 0.375, 0.5 against
   5.760 at w = 1, no trend in w, one seed's spread (PACI's time to target at S = 8 from 1.12x
   to 1.37x the best flush schedule's). An update costs about half a micro-batch's forward at
-  this model size on a CPU. PACI runs split (`parallel.paci.split`: each W right after its
-  B, the input gradient sent first), which takes the W's off the round trips that the
-  stage-to-stage transfers otherwise stretch (at S = 8, 2 t (S-1)/S per micro-batch of bubble
-  at every stage: about half of what the unsplit list lost, the rest the fill and drain of a
-  span); pipedream keeps the whole backward, as its paper has it.
+  this model size on a CPU. Where PACI's simulated S = 8 time goes (docs/MEASURED.md): about
+  half of its 5% bubble is the fill and drain of each span, half the stage-to-stage transfers
+  on the round trip each of stage 0's S micro-batches in flight makes (2 t (S-1)/S per
+  micro-batch at every stage). `parallel.paci.split` takes the W's off that trip and hides
+  the transfers (simulated utilisation 0.95 -> 0.98), but deferring the weight gradients costs
+  ~7% of a stage's F + B on this CPU (in-process, alternated), more than the ~2.5% it hides, so
+  the bench runs PACI whole. Weight prediction (`parallel.paci.predict`) is not run here
+  either: at S = 4, 128 steps it lowered PACI's final held-out loss (5.760 -> 5.683, seed 0),
+  but its predicted weight copy is 3-4x a stage's activation memory at this model size, which
+  the bench's memory target counts.
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
   measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
   measured by a gloo ping-pong of one activation (the runtime posts its receives ahead, so the
@@ -252,8 +257,6 @@ def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path
     shutil.rmtree(ckpt, ignore_errors=True)
     M = setup.global_batch // setup.micro_batch
     paci_a = [f"parallel.paci.a={M}"] if asynchronous(name) else []
-    if name == "paci":
-        paci_a.append("parallel.paci.split=true")
     chunks = VIRTUAL if name == "interleaved-1f1b" else 1
     if chunks > 1:
         paci_a.append(f"parallel.virtual_stages={chunks}")
@@ -389,12 +392,9 @@ def _fits(name: str, S: int, M: int) -> bool:
 
 
 def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
-    """The bench's lists: asynchronous schedules update once per global batch (a = M), paci
-    runs each W right after its B (`split`), interleaved-1f1b has `VIRTUAL` chunks per
-    stage."""
-    options: dict[str, int | bool] = {"a": M} if asynchronous(name) else {}
-    if name == "paci":
-        options["split"] = True
+    """The bench's lists: asynchronous schedules update once per global batch (a = M),
+    interleaved-1f1b has `VIRTUAL` chunks per stage."""
+    options = {"a": M} if asynchronous(name) else {}
     if name == "interleaved-1f1b":
         options["virtual"] = VIRTUAL
     return build_schedule(name, S, M, n_batches, **options)
