@@ -32,9 +32,9 @@ Two layers, kept apart so that neither hides the other:
   the transfers (simulated utilisation 0.95 -> 0.98), but deferring the weight gradients costs
   ~7% of a stage's F + B on this CPU (in-process, alternated), more than the ~2.5% it hides, so
   the bench runs PACI whole. Weight prediction (`parallel.paci.predict`) is not run here
-  either: at S = 4, 128 steps it lowered PACI's final held-out loss (5.760 -> 5.683, seed 0),
-  but its predicted weight copy is 3-4x a stage's activation memory at this model size, which
-  the bench's memory target counts.
+  either: at S = 4, 128 steps it lowered PACI's final held-out loss (5.760 -> 5.683 at seed 0,
+  5.991 -> 5.952 at seed 1), but its predicted weight copy is 3-4x a stage's activation
+  memory at this model size, which the bench's memory target counts.
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
   measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
   measured by a gloo ping-pong of one activation (the runtime posts its receives ahead, so the
