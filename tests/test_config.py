@@ -161,6 +161,21 @@ def test_context_parallel_pipelines_run_the_flush_schedules_only(schedule):
         assert cfg.world_size == 8
 
 
+@pytest.mark.parametrize(("key", "others"), [
+    ("predict", ["parallel.schedule=pipedream"]),
+    ("predict", ["parallel.schedule=paci", "parallel.paci.mode=mem"]),
+    ("predict", ["parallel.schedule=paci", "parallel.paci.flush=true"]),
+    ("split", ["parallel.schedule=1f1b"]),
+    ("split", ["parallel.schedule=paci", "parallel.paci.mode=mem"])])
+def test_paci_split_and_prediction_are_refused_where_they_would_do_nothing(key, others):
+    with pytest.raises(ConfigError, match=f"^config key 'parallel.paci.{key}': got true with "
+                                          "schedule .*; it takes schedule 'paci'"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2", *others,
+                                          f"parallel.paci.{key}=true"])
+    load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2",
+                                      "parallel.schedule=paci", f"parallel.paci.{key}=true"])
+
+
 @pytest.mark.parametrize("schedule", [
     ["parallel.schedule=pipedream"], ["parallel.schedule=paci"],
     ["parallel.schedule=paci", "parallel.paci.flush=true", "parallel.paci.a=3"]])

@@ -69,7 +69,7 @@ class RecordingSGD(torch.optim.SGD):
 
 
 def run_middle_stage(schedule: str, mode: str = "perf", n_stages: int = S, a: int = 1,
-                     m_count: int = M, stage: int = STAGE):
+                     m_count: int = M, stage: int = STAGE, predict: bool = False):
     """One span of one global batch of `m_count` micro-batches through `stage` of `n_stages`,
     a U after every `a` B's (a=1: update k applies exactly micro-batch k-1's gradient). The
     stage is the model's SwiGLU MLP."""
@@ -85,7 +85,7 @@ def run_middle_stage(schedule: str, mode: str = "perf", n_stages: int = S, a: in
     opt = RecordingSGD(mlp.parameters())
     spec = StageSpec(schedule=schedule, stage=stage, n_stages=n_stages, micro_per_batch=m_count,
                      dp=1, micro_batch=MB, seq_len=T, d_model=cfg.d_model, z_loss=0.0,
-                     clip=0.0, a=a, recompute=mode == "mem")
+                     clip=0.0, a=a, recompute=mode == "mem", predict=predict)
     reducer = GradReducer(list(mlp.parameters()), None, exact=False,
                           total_micro_batches=m_count)
     runner = StageRunner(mlp, opt, reducer, spec, net, stage - 1, stage + 1, None, lambda step: LR,
@@ -224,6 +224,24 @@ def updates_before(acts) -> dict[str, dict[int, int]]:
         else:
             out[act.kind][act.mb] = updates
     return out
+
+
+def test_paci_prediction_forwards_stale_micro_batches_on_weights_an_update_ahead():
+    """With `predict`, F(m) of a micro-batch that crosses one update runs on theta + delta
+    (delta: the update before it) and B reads that copy too: the exact gradient there. The
+    span's first update has nothing before it, so F(1) runs on the live weights, as without."""
+    cfg, names, xs, gs, net, opt, stats = run_middle_stage("paci", predict=True)
+    assert stats.staleness == [0, 1, 1, 1]
+    assert stats.weight_versions == 3  # live, F(2)'s copy, and F(3)'s made while B(2) waits
+    w = [weights(names, opt.log[k][0]) for k in range(M)]  # w[k]: after update k
+    want, want_dx = mlp_closed_form(xs[1], gs[1], w[0], w[1])  # nothing to predict from
+    assert close(weights(names, opt.log[1][1]), want)
+    for m in (2, 3):  # F(m) after update m-1, B(m) after update m
+        ahead = {k: 2 * w[m - 1][k] - w[m - 2][k] for k in names}
+        want, want_dx = mlp_closed_form(xs[m], gs[m], ahead, ahead)
+        assert close(weights(names, opt.log[m][1]), want)
+        assert near(net.sent[(0, 2 * m + 1)], want_dx)
+        assert not close(ahead, w[m], 1e-3)  # a prediction, not the weights B would read
 
 
 @pytest.mark.parametrize(("n_stages", "a"), [(5, 1), (5, 2)])
@@ -401,6 +419,24 @@ def test_async_schedules_rerun_bit_identically_within_their_staleness_bound(runs
         assert seen == [staleness(acts)[(r["stage"], m)] for m in range(2 * M)] * 2
         expected = weight_versions(acts)[r["stage"]] if name == "pipedream" else 1
         assert r["steps"][0]["pipeline"]["weight_versions"] == expected
+
+
+@pytest.mark.timeout(120)
+def test_paci_split_trains_paci_bits_and_prediction_reruns_bit_identically(runs):
+    """`paci.split` sends each input gradient before forming the weight gradient: the bits of
+    the whole backward. `paci.predict` forwards stale micro-batches on predicted weights:
+    other bits, the same on a rerun (a pure function of the list and of each span's start)."""
+    args = ("parallel.pp=2", "parallel.schedule=paci", "parallel.paci.mode=perf",
+            "parallel.paci.a=1")  # ASYNC's run: cached
+    whole = runs(*args, spans=(2, 2))
+    for other, rerun in ((runs(*args, "parallel.paci.split=true", spans=(2, 2)), whole),
+                         (runs(*args, "parallel.paci.predict=true", spans=(2, 2)),
+                          runs(*args, "parallel.paci.predict=true", spans=(2, 2), again=True))):
+        assert step_losses(other) == step_losses(rerun)
+        w, w2 = final_weights(other), final_weights(rerun)
+        assert all(torch.equal(w[k], w2[k]) for k in w)
+    predicted = final_weights(runs(*args, "parallel.paci.predict=true", spans=(2, 2)))
+    assert not all(torch.equal(predicted[k], x) for k, x in final_weights(whole).items())
 
 
 @pytest.mark.timeout(120)

@@ -25,7 +25,16 @@ Two layers, kept apart so that neither hides the other:
   loss went 5.810, 5.738, 5.707, 5.777, 5.739 for w = 0, 0.125, 0.25, 0.375, 0.5 against
   5.760 at w = 1, no trend in w, one seed's spread (PACI's time to target at S = 8 from 1.12x
   to 1.37x the best flush schedule's). An update costs about half a micro-batch's forward at
-  this model size on a CPU.
+  this model size on a CPU. Where PACI's simulated S = 8 time goes (docs/MEASURED.md): about
+  half of its 5% bubble is the fill and drain of each span, half the stage-to-stage transfers
+  on the round trip each of stage 0's S micro-batches in flight makes (2 t (S-1)/S per
+  micro-batch at every stage). `parallel.paci.split` takes the W's off that trip and hides
+  the transfers (simulated utilisation 0.95 -> 0.98), but deferring the weight gradients costs
+  ~7% of a stage's F + B on this CPU (in-process, alternated), more than the ~2.5% it hides, so
+  the bench runs PACI whole. Weight prediction (`parallel.paci.predict`) is not run here
+  either: at S = 4, 128 steps it lowered PACI's final held-out loss (5.760 -> 5.683 at seed 0,
+  5.991 -> 5.952 at seed 1), but its predicted weight copy is 3-4x a stage's activation
+  memory at this model size, which the bench's memory target counts.
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
   measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
   measured by a gloo ping-pong of one activation (the runtime posts its receives ahead, so the
@@ -70,7 +79,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,10 +246,10 @@ def heldout_curves(real: dict[int, dict[str, dict[str, Any]]], setup: Setup
             for name in SCHEDULES}
 
 
-def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path, ckpt: Path
-              ) -> dict[str, Any]:
-    """One training run of schedule `name` on S stages, `steps` long; its measurements from
-    metrics.jsonl."""
+def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path, ckpt: Path,
+              overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """One training run of schedule `name` on S stages, `steps` long (config `overrides` last,
+    for A/B runs of an option); its measurements from metrics.jsonl."""
     from relaytrain.runtime.controller import Controller
 
     run_dir = runs / f"S{S}-{name}"
@@ -260,7 +269,7 @@ def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path
         "eval.memo_gap=1e9",  # early in training held-out and training loss differ a lot
         "checkpoint.every=0", f"checkpoint.url={ckpt}", f"parallel.pp={S}",
         f"parallel.schedule={name}", f"parallel.span={setup.eval_every}",
-        "runtime.engine=ray", "log.progress=false", *paci_a])
+        "runtime.engine=ray", "log.progress=false", *paci_a, *overrides])
     t0 = time.perf_counter()
     Controller(cfg, quiet=True).run()
     run_s = time.perf_counter() - t0

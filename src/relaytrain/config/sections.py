@@ -130,6 +130,12 @@ class PaciSection:
     in_flight: int | None = None  # None: S - i at stage i
     mode: Literal["perf", "mem"] = "perf"
     flush: bool = False  # flush at every global batch (reproduces 1f1b; for tests)
+    # forward a micro-batch that will cross t updates before its backward on the stage's
+    # weights predicted t updates ahead, w + t x its last update (mode perf, no flush)
+    predict: bool = False
+    # each backward's weight gradient (W) right after its input gradient (B), the latter sent
+    # first: hides the stage-to-stage transfers (schedules.build_schedule); the same bits
+    split: bool = False
 
 
 @dataclass

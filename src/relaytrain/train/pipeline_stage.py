@@ -20,8 +20,9 @@ as is, later ones added), the same code path for every schedule.
 What B then computes depends on the schedule:
 
 - flush schedules: no update between F and B, so the exact gradient.
-- zb-h1 (a *split* list, schedules.py): F runs under `model.matmul.deferring`, so each linear
-  layer keeps its weight out of the graph and records its input; B computes the input gradient
+- zb-h1 and paci with ``split`` (a *split* list, schedules.py): F runs under
+  `model.matmul.deferring`, so each linear layer keeps its weight out of the graph and records
+  its input; B computes the input gradient
   (and the small weight gradients: embedding, norms, the fused LM head's, which its loss forms
   whole anyway), sends it and frees the graph, keeping per linear layer only its input and the
   gradient that reached its output; W forms each weight gradient as gradᵀ @ input
@@ -46,6 +47,15 @@ What B then computes depends on the schedule:
   f(x_F; theta_B) at the input F received, against the gradient coming back for the output F sent
   (computed with theta_F). The last stage keeps its graph: its F and B are adjacent (in-flight
   limit 1), so recomputing would only double its work.
+- paci with ``predict`` (SpecTrain-style weight prediction, perf mode): a micro-batch that will
+  cross t updates of this stage before its B (known from the list, `schedules.staleness`) runs
+  its F on the weights predicted t updates ahead, theta_F + t delta, delta the stage's last
+  update (theta after minus theta before it; zero at a span's start, so a span stays a pure
+  function of the state it starts from and a resumed run the same bits). Its graph saves
+  that copy, so its B reads the predicted weights too: the exact gradient at theta_F + t delta,
+  which estimates theta_B. The micro-batches F'd between the same two updates with the same t
+  share one copy; each copy is counted as a weight version (``weight_versions``,
+  ``peak_memory``), delta itself (one parameter-sized buffer, like an optimizer moment) is not.
 - pipedream (weight stashing): F and B must see the same version. F always uses the live weights;
   before an update the live parameters are moved to fresh storage (``p.data = p.data.clone()``)
   if an in-flight micro-batch still uses them, so its graph keeps the old storage (the stashed
@@ -131,6 +141,7 @@ from relaytrain.parallel.pipeline.schedules import (
     asynchronous,
     build_schedule,
     split,
+    staleness,
     staleness_bound,
     update_groups,
 )
@@ -163,6 +174,8 @@ class StageSpec:
     in_flight: int | None = None
     flush: bool = False
     recompute: bool = False
+    predict: bool = False  # paci's weight prediction (see the module docstring)
+    split: bool = False  # paci's W right after each B (schedules.build_schedule)
     skip: SkipRule | None = None  # optim.skip_spikes (flush schedules only: config.py)
     virtual: int = 1  # model chunks on this rank (interleaved-1f1b's V)
     document_masking: bool = False  # model.document_masking: attention within documents
@@ -182,6 +195,8 @@ class StageSpec:
                    in_flight=p.paci.in_flight if is_async else None,
                    flush=p.paci.flush and p.schedule == "paci",
                    recompute=p.paci.mode == "mem" and p.schedule == "paci",
+                   predict=p.paci.predict and p.schedule == "paci",
+                   split=p.paci.split and p.schedule == "paci",
                    skip=SkipRule.from_config(cfg),
                    virtual=p.virtual_stages if p.schedule == "interleaved-1f1b" else 1,
                    document_masking=cfg.document_masking)
@@ -203,7 +218,7 @@ class StageSpec:
         if asynchronous(self.schedule):
             options = {"a": self.a, "in_flight": self.in_flight}
         if self.schedule == "paci":
-            options["flush"] = self.flush
+            options |= {"flush": self.flush, "split": self.split}
         if self.schedule == "interleaved-1f1b":
             options["virtual"] = self.virtual
         return build_schedule(self.schedule, self.n_stages, self.micro_per_batch, n_batches,
@@ -428,6 +443,10 @@ class StageRunner:
         self.last_norm = 0.0  # grad norm of the latest update, carried across spans
         self._norm_sizes: list[int] | None = None  # per stage: gradient tensors + 1 flag
         self._norm_order: list[int] | None = None  # gathered norms -> whole-model order
+        # `spec.predict`: the last update (delta) and the latest predicted copy, by (updates
+        # done, updates ahead)
+        self._delta: dict[str, Tensor] | None = None
+        self._prediction: tuple[tuple[int, int], dict[str, Tensor]] | None = None
 
     # ---- training ----------------------------------------------------------------------------
     def run_span(self, first_step: int, batches: list[Batch],
@@ -446,6 +465,8 @@ class StageRunner:
         groups = update_groups(every)[spec.stage]
         divisor = {m: len(g) * spec.dp for g in groups for m in g}
         bound = spec.bound()
+        ahead = {m: t for (i, m), t in staleness(every).items() if i == spec.stage}
+        self._delta = self._prediction = None  # a span starts with no update to predict from
         inflight: dict[tuple[int, int], _InFlight] = {}  # by (chunk, micro-batch)
         losses: dict[int, tuple[float, float, float]] = {}
         stale: dict[int, int] = {}
@@ -465,7 +486,7 @@ class StageRunner:
                 if act.version not in (None, len(updates)):
                     raise RuntimeError(f"{act}: version {act.version}, live is {len(updates)}")
                 inflight[key] = self._forward(act.mb, place, batches, divisor, losses,
-                                              len(updates), is_split)
+                                              len(updates), is_split, ahead[act.mb])
             elif act.kind == "B":
                 held = inflight[key] if is_split else inflight.pop(key)
                 stale[act.mb] = len(updates) - held.updates_at_f
@@ -483,6 +504,7 @@ class StageRunner:
             busy = time.perf_counter() - t0 - (self.transport.waited - w0)
             stats.record(act.kind, busy, inflight, self._live_weights(), transient)
         self.transport.drain()
+        self._delta = self._prediction = None  # (also reset at the start: a failed span's)
         span_s = time.perf_counter() - t_span
         carried = self.last_norm
         if updates:
@@ -535,6 +557,19 @@ class StageRunner:
         if self.sharded:
             return None
         return {n: p.data.requires_grad_() for n, p in self.params.items()}
+
+    def _predicted(self, updates: int, ahead: int) -> dict[str, Tensor] | None:
+        """The weights `ahead` updates on, theta + ahead x delta (the live aliases when there is
+        nothing to predict), one copy for every F between the same two updates alike."""
+        if ahead == 0 or self._delta is None:
+            return self._aliases()
+        key = (updates, ahead)
+        if self._prediction is None or self._prediction[0] != key:
+            with torch.no_grad():
+                copy = {n: torch.add(p, self._delta[n], alpha=ahead).requires_grad_()
+                        for n, p in self.params.items()}
+            self._prediction = (key, copy)
+        return self._prediction[1]
 
     def _kwargs(self, place: _Place, doc_lens: Tensor | None,
                 labels: Tensor | None = None) -> dict[str, Any]:
@@ -591,7 +626,7 @@ class StageRunner:
 
     def _forward(self, mb: int, place: _Place, batches: list[Batch], divisor: dict[int, int],
                  losses: dict[int, tuple[float, float, float]], updates: int,
-                 is_split: bool = False) -> _InFlight:
+                 is_split: bool = False, ahead: int = 0) -> _InFlight:
         spec = self.spec
         inputs, labels, doc_lens = self._micro(mb, batches)
         x = self._input(mb, place, inputs)
@@ -604,7 +639,7 @@ class StageRunner:
                              doc_lens=doc_lens)
         if not place.first:
             x.requires_grad_()
-        leaves = self._aliases()
+        leaves = self._predicted(updates, ahead) if spec.predict else self._aliases()
         share = 1.0
         if not place.last:
             labels = None
@@ -628,7 +663,9 @@ class StageRunner:
         meter.add(out)
         for d in deferred.values():  # held for W, not saved by the graph (weights detached)
             meter.add(d.x)
-        return _InFlight(x, out, leaves, updates, meter.nbytes, self._live_weights(), deferred)
+        weights = self._live_weights() if leaves is None else \
+            next(iter(leaves.values())).data_ptr()
+        return _InFlight(x, out, leaves, updates, meter.nbytes, weights, deferred)
 
     def _backward(self, mb: int, place: _Place, held: _InFlight, is_split: bool = False) -> int:
         """Backward of `mb` at chunk `place`: input gradient upstream, weight gradients into
@@ -725,6 +762,10 @@ class StageRunner:
         value = float(norm)
         finite = ok and math.isfinite(value)
         skipped = finite and check is not None and check(ce, value)
+        if spec.predict:  # delta: this update (zero if skipped), theta after minus before
+            with torch.no_grad():
+                self._delta = {n: p.detach().clone() if self._delta is None
+                               else self._delta[n].copy_(p) for n, p in self.params.items()}
         if finite and not skipped:
             live = self._live_weights()
             if spec.schedule == "pipedream" and any(h.weights == live for h in inflight.values()):
@@ -732,6 +773,10 @@ class StageRunner:
                     for p in params:
                         p.data = p.data.clone()
             self.optimizer.step()
+        if self._delta is not None:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    torch.sub(p, self._delta[n], out=self._delta[n])
         self.optimizer.zero_grad()
         self.reducer.start()
         return _Update(step, value, finite, skipped)

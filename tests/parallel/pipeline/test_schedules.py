@@ -40,7 +40,7 @@ def max_in_flight(actions: Schedule) -> list[int]:
     for acts in actions:
         held = peak = 0
         for act in acts:
-            held += {"F": 1, "B": -1, "U": 0}[act.kind]
+            held += {"F": 1, "B": -1}.get(act.kind, 0)  # W, U: no change
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
@@ -68,6 +68,7 @@ def cases(name: str):
         else:
             for a, flush in product(A, (False, True)):
                 yield S, M, N, {"a": a, "flush": flush}
+                yield S, M, N, {"a": a, "flush": flush, "split": True}
             if S > 2:
                 yield S, M, N, {"in_flight": 2}
 
@@ -84,14 +85,15 @@ def test_every_micro_batch_gets_one_forward_then_one_backward_at_every_stage(nam
         assert len(actions) == S
         validate(actions)
         for acts in actions:
-            assert split(acts) == (name == "zb-h1")
+            is_split = name == "zb-h1" or opts.get("split", False)
+            assert split(acts) == is_split
             assert {x.chunk for x in acts if x.kind != "U"} == set(range(opts.get("virtual", 1)))
             for chunk in range(opts.get("virtual", 1)):
                 forwards = [x.mb for x in acts if x.kind == "F" and x.chunk == chunk]
                 backwards = [x.mb for x in acts if x.kind == "B" and x.chunk == chunk]
                 weights = [x.mb for x in acts if x.kind == "W" and x.chunk == chunk]
                 assert sorted(forwards) == sorted(backwards) == list(range(M * N))
-                assert weights == (backwards if name == "zb-h1" else [])
+                assert weights == (backwards if is_split else [])
                 # data order: forwards and backwards both ascend, so gradients accumulate FIFO
                 assert forwards == sorted(forwards) and backwards == sorted(backwards)
 
@@ -230,6 +232,22 @@ def test_paci_updates_every_a_backwards_with_the_same_micro_batches_at_every_sta
         else:
             expected = [tuple(range(j, min(j + a, M * N))) for j in range(0, M * N, a)]
         assert groups[0] == expected
+
+
+def test_paci_split_is_paci_with_each_w_right_after_its_b_holding_the_same():
+    """The W follows its B at once: the same order, update groups, staleness and peak of
+    micro-batches held as the whole backward's list."""
+    for S, M, N, opts in cases("paci"):
+        if not opts.get("split"):
+            continue
+        whole = build_schedule("paci", S, M, N, **{**opts, "split": False})
+        got = build_schedule("paci", S, M, N, **opts)
+        for w, g in zip(whole, got, strict=True):
+            with_w = [y for x in w for y in ([x, Action("W", x.mb)] if x.kind == "B" else [x])]
+            assert g == with_w
+        assert update_groups(got) == update_groups(whole)
+        assert staleness(got) == staleness(whole)
+        assert in_flight_peaks(got) == in_flight_peaks(whole)
 
 
 def test_paci_with_flush_and_a_equal_m_is_exactly_1f1b():

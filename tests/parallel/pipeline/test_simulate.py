@@ -28,12 +28,13 @@ class SteadyState:
 
 
 def simulate_steady(name: str, n_stages: int, micro_per_batch: int, cost: Costs, *,
-                    a: int = 1) -> SteadyState:
+                    a: int = 1, **options: bool) -> SteadyState:
     """Steady-state time per global batch: the makespan growth from n to 2n batches divided by
     n, so the fill and drain of an asynchronous pipeline (paid once per span) cancel, while a
     flush schedule pays its bubble in every batch; n covers the warm-up (2S micro-batches)."""
     n = max(2, math.ceil(2 * n_stages / micro_per_batch))
-    short, long = (simulate(build_schedule(name, n_stages, micro_per_batch, batches, a=a), cost)
+    short, long = (simulate(build_schedule(name, n_stages, micro_per_batch, batches, a=a,
+                                           **options), cost)
                    for batches in (n, 2 * n))
     time_per_batch = (long.makespan - short.makespan) / n
     work_per_batch = (sum(long.busy) - sum(short.busy)) / n
@@ -142,6 +143,19 @@ def test_paci_keeps_the_pipeline_full_across_global_batches():
         steady = simulate_steady("paci", S, 8, Costs.uniform(S, update=0.25), a=a)
         assert steady.utilisation == pytest.approx(1.0)
         assert steady.time_per_batch == pytest.approx(8 * (3.0 + 0.25 / a))
+
+
+def test_paci_split_hides_the_transfers_that_paci_exposes_on_its_round_trips():
+    """Stage 0's S micro-batches in flight each go to the last stage and back through
+    2 (S - 1) transfers t: with the whole backward on that trip they add 2 t (S-1) / S per
+    micro-batch; with W after the input gradient is sent, W (>= 2 t) covers them."""
+    S, M, t = 8, 8, 0.1
+    cost = Costs.uniform(S, transfer=t, weight=0.8)  # F 1, B 2 of which W 0.8
+    whole = simulate_steady("paci", S, M, cost, a=M)
+    split = simulate_steady("paci", S, M, cost, a=M, split=True)
+    assert whole.time_per_batch == pytest.approx(M * (3.0 + 2 * t * (S - 1) / S))
+    assert split.time_per_batch == pytest.approx(M * 3.0)
+    assert split.utilisation == pytest.approx(1.0)
 
 
 def test_async_schedules_beat_1f1b_per_global_batch_in_steady_state():

@@ -14,9 +14,10 @@ batches; the pipeline is empty at the start and at the end of every span):
 - ``B(m)``: backward of ``m``. The last stage computes the loss, other stages receive the output
   gradient from stage i+1; every stage but the first sends its input gradient to stage i-1. The
   parameter gradient is accumulated into the stage's gradient buffer in list order.
-- ``W(m)`` (zb-h1 only): the weight gradient of ``m``. A list with W's is *split*: its ``B(m)``
-  computes only the input gradient (sent upstream at once) and keeps what ``W(m)`` needs, and
-  ``W(m)``, not ``B(m)``, accumulates the parameter gradient. Otherwise B does both.
+- ``W(m)`` (zb-h1, and paci with ``split``): the weight gradient of ``m``. A list with W's is
+  *split*: its ``B(m)`` computes only the input gradient (sent upstream at once) and keeps what
+  ``W(m)`` needs, and ``W(m)``, not ``B(m)``, accumulates the parameter gradient. Otherwise B
+  does both.
 - ``U(k)``: this stage's optimizer step with the gradient accumulated since its previous ``U``
   (its *update group*, see :func:`update_groups`), then the buffer is cleared. ``k`` counts the
   updates of this stage in the span from 1. Every ``B`` of a list is followed by some ``U``.
@@ -64,7 +65,7 @@ _OPTIONS = {
     "zb-h1": frozenset(),
     "interleaved-1f1b": frozenset({"virtual"}),
     "pipedream": frozenset({"a", "in_flight"}),
-    "paci": frozenset({"a", "in_flight", "flush"}),
+    "paci": frozenset({"a", "in_flight", "flush", "split"}),
 }
 
 
@@ -112,6 +113,7 @@ def build_schedule(
     in_flight: int | None = None,
     flush: bool = False,
     virtual: int = 1,
+    split: bool = False,
 ) -> Schedule:
     """Per-stage action lists of schedule ``name`` over one span of ``n_batches`` global batches.
 
@@ -133,7 +135,13 @@ def build_schedule(
     - ``paci``: the same order without stashing: a micro-batch crosses at most
       ceil((S-i-1)/a) updates at stage i with a single weight copy. ``flush=True`` schedules each
       global batch on its own and never lets an update group span two batches (the last group of a
-      batch may be short), so ``a = micro_per_batch`` reproduces ``1f1b`` exactly.
+      batch may be short), so ``a = micro_per_batch`` reproduces ``1f1b`` exactly. ``split``
+      runs each B's W right after it: the input gradient goes upstream before the weight
+      gradient is formed, which takes W off the round trip a micro-batch makes from stage i to
+      the last stage and back. That trip holds the S - i micro-batches stage i may have in
+      flight, so with W on it every hop's transfer shows as bubble (2 t (S-1)/S per micro-batch
+      at stage 0, and through it at every stage); with W off it the transfers hide behind
+      the W's as long as W >= 2 t. Same micro-batches held (W follows B at once), same bits.
 
     A trailing partial update group at the end of the span gets its own U, so that no gradient is
     left unapplied when the span ends. All lists are deadlock-free under blocking receives
@@ -153,7 +161,7 @@ def build_schedule(
         if value < 1:
             raise ValueError(f"{what}: got {value}, expected >= 1")
     given = {"a": a != 1, "in_flight": in_flight is not None, "flush": flush,
-             "virtual": virtual != 1}
+             "virtual": virtual != 1, "split": split}
     unknown = sorted(opt for opt, is_set in given.items() if is_set and opt not in _OPTIONS[name])
     if unknown:
         raise ValueError(
@@ -179,7 +187,8 @@ def build_schedule(
         ]
     segments = batches if flush else span
     return [
-        _stage_actions(segments, in_flight_limit(i, S, in_flight), a, stash=name == "pipedream")
+        _stage_actions(segments, in_flight_limit(i, S, in_flight), a, stash=name == "pipedream",
+                       w_delay=0 if split else None)
         for i in range(S)
     ]
 
