@@ -43,5 +43,17 @@ class NodeLost(WorkerFailure):
 GONE = (WorkerDied, WorkerHung, NodeLost)
 
 
+def carry_snapshot(error: BaseException, step: int | None) -> None:
+    """Attach a worker's snapshot step to the error its failed (or refused) step call raises:
+    once a step of a generation failed, the worker takes no snapshot before the next build, so
+    the step is final for the recovery, which need not ask for it (a round of N answers)."""
+    error.snapshot_held = (step,)  # type: ignore[attr-defined]
+
+
+def carried_snapshot(error: BaseException) -> tuple[int | None] | tuple[()]:
+    """The snapshot step `error` carries (`carry_snapshot`), as a 1-tuple; () if none."""
+    return getattr(error, "snapshot_held", ())
+
+
 class RecoveryLimitExceeded(RuntimeError):
     """Too many recoveries in the configured window: a crash loop, not a transient fault."""

@@ -265,9 +265,14 @@ class Recovery:
     def _restore_point(self, survivors: list[int], old: dict[int, Placement]) -> Restore:
         """Every survivor's snapshot of the last completed step, if every (stage, shard) still
         has one and they agree; else the newest checkpoint, once the survivors' writes in
-        progress are done."""
-        snaps = self.engine.call_all(survivors, lambda w: w.snapshot_step(),
-                                     self.cfg.runtime.call_timeout) if survivors else {}
+        progress are done. A survivor whose failed step call carried its snapshot step
+        (`Engine.carried_snapshots`) is not asked."""
+        carried = self.engine.carried_snapshots()
+        snaps = {w: carried[w] for w in survivors if w in carried}
+        asked = [w for w in survivors if w not in snaps]
+        if asked:
+            snaps |= self.engine.call_all(asked, lambda w: w.snapshot_step(),
+                                          self.cfg.runtime.call_timeout)
         # A stage's shard's rows: the same shard of the stage's other replicas holds them.
         missing = {(s, k) for s in range(self.cfg.parallel.pp)
                    for k in range(next(iter(old.values())).shards)}

@@ -25,6 +25,7 @@ from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.loader import Loader
 from relaytrain.data.packing import train_split
 from relaytrain.parallel.groups import Placement
+from relaytrain.runtime.failures import carry_snapshot
 from relaytrain.runtime.faults import RaiseHook
 from relaytrain.runtime.kvstore import StoreAccess
 from relaytrain.runtime.liveness import process_identity
@@ -162,7 +163,18 @@ class Worker:
 
         One call may cover several steps: tiny steps amortise the call, and asynchronous
         pipeline schedules need a span to keep the pipeline full. A span ends drained, so its
-        end is a consistent cut (the state a snapshot or checkpoint captures)."""
+        end is a consistent cut (the state a snapshot or checkpoint captures). A failed (or
+        refused) span's error carries this worker's snapshot step (`carry_snapshot`): final
+        until the next build, since no span runs before it."""
+        try:
+            return self._span(first, count, history)
+        except Exception as e:
+            self._next_step = None  # (a refused span's too)
+            carry_snapshot(e, self.state.snapshot_step())
+            raise
+
+    def _span(self, first: int, count: int, history: SkipHistory | None) -> list[StepResult]:
+        """`run_steps`' steps."""
         # Only a worker whose rows another also holds benefits (a DP or cp peer; under
         # sharding, the same shard of another replica): that copy outlives this process. A
         # sharded one is taken at the end of a span, when the span's collectives are done (at

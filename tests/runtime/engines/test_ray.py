@@ -18,7 +18,7 @@ from relaytrain.parallel.groups import Placement
 from relaytrain.runtime import rendezvous
 from relaytrain.runtime.engines import ray as ray_engine
 from relaytrain.runtime.engines.ray import RayEngine
-from relaytrain.runtime.failures import WorkerHung
+from relaytrain.runtime.failures import WorkerHung, carry_snapshot
 from tests.runtime.conftest import records, step_records, tiny_config
 from tests.runtime.listening import listening_sockets
 
@@ -286,3 +286,24 @@ def test_a_failed_worker_s_slot_is_kept_for_the_standby_or_held_from_everyone(
             time.sleep(0.1)
     finally:
         engine.shutdown()
+
+
+def test_a_failed_step_call_s_snapshot_step_crosses_inside_ray_s_error():
+    """The snapshot step a survivor's failed step call carries (`carry_snapshot`) is read off
+    the `RayTaskError` it crossed in, pickled as Ray sends it; any other error carries none."""
+    import pickle
+
+    from ray import cloudpickle
+    from ray.exceptions import RayTaskError
+
+    def crossed(cause: Exception) -> Exception:
+        err = RayTaskError("run_steps", "traceback", cause, proctitle="w", pid=1, ip="127.0.0.1")
+        return pickle.loads(cloudpickle.dumps(err)).as_instanceof_cause()
+
+    aborted = RuntimeError("the collective was aborted")
+    carry_snapshot(aborted, 12)
+    assert ray_engine._carried(crossed(aborted)) == (12,)
+    none = RuntimeError("refused")
+    carry_snapshot(none, None)
+    assert ray_engine._carried(crossed(none)) == (None,)
+    assert ray_engine._carried(crossed(RuntimeError("setup failed"))) == ()

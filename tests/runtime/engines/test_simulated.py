@@ -37,13 +37,15 @@ class Observed(SimulatedEngine):
     """Records, as the controller takes each call's results, how many objects the garbage
     collector leaves out (runtime/heap.py; counting them takes milliseconds: not for the
     timing tests), each generation's rounds of calls (joining, building) as they were
-    sent, and the workers' answers to every step as they crossed (pickled)."""
+    sent, the workers asked for their snapshot step, and the workers' answers to every step
+    as they crossed (pickled)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.frozen: list[int] = []
         self.setups: list[dict[int, Invocation]] = []
         self.builds: list[dict[int, Invocation]] = []
+        self.snapshot_asked: list[int] = []
         self.step_answers: list[bytes] = []
 
     def _answer(self, seq: int):
@@ -58,6 +60,7 @@ class Observed(SimulatedEngine):
             self.setups.append(dict(invocations))
         if methods == {"build"}:
             self.builds.append(dict(invocations))
+        self.snapshot_asked += [w for w, c in invocations.items() if c.method == "snapshot_step"]
         return super()._start(invocations)
 
     def finish(self, started: int) -> dict:
@@ -117,6 +120,9 @@ def test_a_failure_is_recovered_by_the_real_recovery_and_the_ledger_audits(tmp_p
     kept = [c for c in again.values() if c.method == "rejoin"]
     assert placed == {3} and len(kept) == 7 and len({id(c) for c in kept}) == 1
     assert [len(b) for b in engine.builds] == [8, 1]
+    # The restore point took no round of its own: every survivor's failed step call (aborted,
+    # or refused behind it) carried its snapshot step, and none was asked for it.
+    assert engine.snapshot_asked == []
     # Every worker's answer to every step crossed as plain values (runtime/wire.py), read back
     # with no class looked up (at 1,024 workers, most of the controller's unpickling): only
     # the reports of checkpoint writes that finished with a step name theirs

@@ -33,6 +33,7 @@ from relaytrain.runtime.failures import (
     WorkerFailure,
     WorkerHung,
     WorkerRaised,
+    carried_snapshot,
 )
 from relaytrain.runtime.liveness import ProcessIdentity, cpu_ticks
 from relaytrain.runtime.wire import SkipHistory, steps_from_wire, steps_to_wire
@@ -152,9 +153,19 @@ def _failure(rank: int, err: Exception) -> WorkerFailure:
     return WorkerRaised(rank, f"{type(err).__name__}: {err}")
 
 
-def _outcomes(done: list[Any], owners: dict[Any, int]) -> dict[int, WorkerFailure | None]:
+def _carried(err: Exception) -> tuple[int | None] | tuple[()]:
+    """The snapshot step a worker's failed step call carried (`failures.carry_snapshot`),
+    read off the error it raised inside Ray's."""
+    from ray.exceptions import RayTaskError
+
+    return carried_snapshot(err.cause if isinstance(err, RayTaskError)
+                            and getattr(err, "cause", None) is not None else err)
+
+
+def _outcomes(done: list[Any], owners: dict[Any, int],
+              carried: dict[int, int | None] | None = None) -> dict[int, WorkerFailure | None]:
     """For each finished call in `done`, its worker (`owners`) -> None, or the failure it
-    raised."""
+    raised; the snapshot steps the failures carried go to `carried`."""
     out: dict[int, WorkerFailure | None] = {}
     for ref in done:
         try:
@@ -162,6 +173,8 @@ def _outcomes(done: list[Any], owners: dict[Any, int]) -> dict[int, WorkerFailur
             out[owners[ref]] = None
         except Exception as e:
             out[owners[ref]] = _failure(owners[ref], e)
+            if carried is not None and (step := _carried(e)):
+                carried[owners[ref]] = step[0]
     return out
 
 
@@ -252,6 +265,7 @@ class RayEngine(Engine):
         # asked for by `spawn_ready` for the standby, placed whenever capacity allows
         self._reserved: Any = None
         self._outstanding: dict[Any, int] = {}
+        self._carried: dict[int, int | None] = {}  # see `carried_snapshots`
         self._started: list[_Started] = []  # calls started and not yet finished (in order)
         self._spares: list[int] = []
         self._standby: int | None = None  # see _start_standby
@@ -524,6 +538,8 @@ class RayEngine(Engine):
                     results[refs[ref]] = ray.get(ref)
                 except Exception as e:  # the first failure surfaces at once
                     self._abandon({p: refs[p] for p in pending})
+                    if step := _carried(e):
+                        self._carried[refs[ref]] = step[0]
                     raise _failure(refs[ref], e) from e
             failure = heartbeat.check([refs[p] for p in pending]) if heartbeat else None
             if failure is not None:
@@ -534,8 +550,10 @@ class RayEngine(Engine):
         return results
 
     def _abandon(self, pending: dict[Any, int]) -> None:
-        """After a failure: the calls `settle` waits for, those started after it included."""
+        """After a failure: the calls `settle` waits for, those started after it included
+        (the snapshot steps carried start afresh)."""
         self._outstanding = dict(pending)
+        self._carried = {}
         for later in self._started:
             self._outstanding.update(later.refs)
         self._started = []
@@ -561,12 +579,16 @@ class RayEngine(Engine):
         rest = [r for r, w in refs.items() if w not in gone]
         done, late = ray.wait(rest, num_returns=len(rest),
                               timeout=max(0.0, deadline - time.monotonic()))
-        out.update(_outcomes(done, refs))
+        out.update(_outcomes(done, refs, self._carried))
         for ref in late:
             out[refs[ref]] = WorkerHung(refs[ref], f"still busy {timeout:.0f}s after a peer "
                                         "failed")
         self._collect_aborts()
         return {w: e for w, e in out.items() if isinstance(e, GONE)}
+
+    def carried_snapshots(self) -> dict[int, int | None]:
+        carried, self._carried = self._carried, {}
+        return carried
 
     def _collect_aborts(self) -> None:
         """Retrieve the abort() answers that came (a dead worker's error is expected, and Ray

@@ -175,9 +175,9 @@ class _Host:
             self.workers[w] = _SimWorker(w, cfg, self.split, self.store)
 
     def serve(self, arrived: float, calls: dict[int, bytes]
-              ) -> tuple[dict[int, bytes], dict[int, tuple[str, str]]]:
+              ) -> tuple[dict[int, bytes], dict[int, tuple[str, str, tuple]]]:
         """The workers' answers: each result pickled on its own, and the failures (kind,
-        message)."""
+        message, the snapshot step a failed step call carries: `_carried`)."""
         invs = {w: pickle.loads(b) for w, b in calls.items()}
         steps = [i for i in invs.values() if i.method == "run_steps"]
         start = max(arrived, self.last_end or 0.0)
@@ -210,7 +210,7 @@ class _Host:
 
     def _one(self, w: int, inv: Invocation, failing: tuple[int, str] | None) -> tuple:
         if w in self.dead or w not in self.workers:
-            return ("died", "the simulated worker is gone")
+            return ("died", "the simulated worker is gone", ())
         worker = self.workers[w]
         if failing is not None:
             if worker.next_step == inv.args[0]:
@@ -218,14 +218,15 @@ class _Host:
             worker.next_step = None
             if failing == (w, "died"):
                 self.dead.add(w)
-                return ("died", "killed by SimulatedEngine.fail")
+                return ("died", "killed by SimulatedEngine.fail", ())
             return ("raised", "RuntimeError: injected by SimulatedEngine.fail"
-                    if failing[0] == w else "RuntimeError: the collective was aborted")
+                    if failing[0] == w else "RuntimeError: the collective was aborted",
+                    (worker.snapshot,))
         try:
             return ("ok", pickle.dumps(getattr(worker, inv.method)(*inv.args, **inv.kwargs)))
         except Exception as e:
             worker.next_step = None
-            return ("raised", f"{type(e).__name__}: {e}")
+            return ("raised", f"{type(e).__name__}: {e}", _carried(worker, inv))
 
     def control(self, kind: str, payload: Any) -> Any:
         if kind == "spawn":
@@ -275,6 +276,17 @@ def _failure(wid: int, kind: str, message: str) -> WorkerFailure:
     return (WorkerDied if kind == "died" else WorkerRaised)(wid, message)
 
 
+def _carried(worker: _SimWorker, inv: Invocation) -> tuple[int | None] | tuple[()]:
+    """What a failed call's error carries, as runtime/worker.py's: a step call's, the
+    worker's snapshot step (`failures.carry_snapshot`)."""
+    return (worker.snapshot,) if inv.method == "run_steps" else ()
+
+
+def _snapshots(failed: dict[int, tuple[str, str, tuple]]) -> dict[int, int | None]:
+    """The snapshot steps a batch's failed calls carried, by worker."""
+    return {w: f[2][0] for w, f in failed.items() if f[2]}
+
+
 class SimulatedEngine(Engine):
     """N simulated workers in one host process (see the module docstring)."""
 
@@ -296,6 +308,7 @@ class SimulatedEngine(Engine):
         self._replies: dict[int, Any] = {}
         self._started: list[int] = []  # batches of calls started, not yet finished
         self._outstanding: list[int] = []  # after a failure: the batches `settle` waits for
+        self._carried: dict[int, int | None] = {}  # see `carried_snapshots`
         self.waited_s = 0.0  # how long the controller has waited for answers
         self._steps: set[int] = set()  # the batches of calls that are steps
         # when each batch of steps' results were taken: the time, the time waited by then,
@@ -406,7 +419,9 @@ class SimulatedEngine(Engine):
         ok, failed = self._answer(started)
         if failed:
             self._outstanding, self._started = self._started, []
-            w, (kind, message) = min(failed.items(), key=lambda f: (f[1][0] != "died", f[0]))
+            self._carried = _snapshots(failed)  # this failure's, the one raised included
+            w, (kind, message, _) = min(failed.items(),
+                                        key=lambda f: (f[1][0] != "died", f[0]))
             raise _failure(w, kind, message)
         # each worker's answer unpickled on its own, as Ray's get of a list of results does
         answers = map(pickle.loads, ok.values())
@@ -420,11 +435,17 @@ class SimulatedEngine(Engine):
     def settle(self, timeout: float) -> dict[int, WorkerFailure]:
         out: dict[int, WorkerFailure] = {}
         for seq in self._outstanding:
-            for w, (kind, message) in self._answer(seq)[1].items():
+            failed = self._answer(seq)[1]
+            self._carried |= _snapshots(failed)
+            for w, (kind, message, _) in failed.items():
                 if kind == "died" and w not in out:
                     out[w] = _failure(w, kind, message)
         self._outstanding = []
         return out
+
+    def carried_snapshots(self) -> dict[int, int | None]:
+        carried, self._carried = self._carried, {}
+        return carried
 
     def pid(self, wid: int) -> int:
         return PID_BASE + wid
