@@ -79,17 +79,7 @@ def validate(cfg: RunConfig) -> None:
          "train.micro_batch) must split evenly over the dp x fsdp data-parallel ranks")
     check_layout(m.n_layers, p.pp, p.stage_layers)
     _validate_virtual_stages(cfg, m.n_layers, need)
-    need(p.paci.a >= 1, f"config key 'parallel.paci.a': got {p.paci.a}, expected >= 1")
-    need(not p.paci.predict or (p.schedule == "paci" and p.paci.mode == "perf"
-                                and not p.paci.flush),
-         "config key 'parallel.paci.predict': got true with schedule "
-         f"'{p.schedule}', parallel.paci.mode={p.paci.mode} and parallel.paci.flush="
-         f"{str(p.paci.flush).lower()}; it takes schedule 'paci', mode perf, flush false "
-         "(the only setting whose forwards run on weights an update behind)")
-    need(not p.paci.split or (p.schedule == "paci" and p.paci.mode == "perf"),
-         "config key 'parallel.paci.split': got true with schedule "
-         f"'{p.schedule}' and parallel.paci.mode={p.paci.mode}; it takes schedule 'paci' and "
-         "mode perf (mem recomputes the whole backward at B: nothing to split)")
+    _validate_paci(p, need)
     need(cfg.world_size == 1 or cfg.runtime.engine == "ray",
          f"config key 'runtime.engine': got 'inline', but parallel.dp x fsdp x cp x pp = "
          f"{cfg.world_size} workers need runtime.engine=ray")
@@ -105,6 +95,20 @@ def validate(cfg: RunConfig) -> None:
     for part in (_validate_optim, _validate_eval_sets, _validate_faults, _validate_init,
                  _validate_checkpoint):
         part(cfg, need)
+
+
+def _validate_paci(p: ParallelSection, need: Callable[[bool, str], None]) -> None:
+    need(p.paci.a >= 1, f"config key 'parallel.paci.a': got {p.paci.a}, expected >= 1")
+    need(not p.paci.predict or (p.schedule == "paci" and p.paci.mode == "perf"
+                                and not p.paci.flush),
+         "config key 'parallel.paci.predict': got true with schedule "
+         f"'{p.schedule}', parallel.paci.mode={p.paci.mode} and parallel.paci.flush="
+         f"{str(p.paci.flush).lower()}; it takes schedule 'paci', mode perf, flush false "
+         "(the only setting whose forwards run on weights an update behind)")
+    need(not p.paci.split or (p.schedule == "paci" and p.paci.mode == "perf"),
+         "config key 'parallel.paci.split': got true with schedule "
+         f"'{p.schedule}' and parallel.paci.mode={p.paci.mode}; it takes schedule 'paci' and "
+         "mode perf (mem recomputes the whole backward at B: nothing to split)")
 
 
 def _validate_packing(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:

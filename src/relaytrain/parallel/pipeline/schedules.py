@@ -147,8 +147,6 @@ def build_schedule(
     left unapplied when the span ends. All lists are deadlock-free under blocking receives
     because the in-flight limit never grows with the stage index.
     """
-    if name not in _OPTIONS:
-        raise ValueError(f"schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
     sizes = {
         "n_stages": n_stages,
         "micro_per_batch": micro_per_batch,
@@ -157,18 +155,8 @@ def build_schedule(
         "in_flight": 1 if in_flight is None else in_flight,
         "virtual": virtual,
     }
-    for what, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"{what}: got {value}, expected >= 1")
-    given = {"a": a != 1, "in_flight": in_flight is not None, "flush": flush,
-             "virtual": virtual != 1, "split": split}
-    unknown = sorted(opt for opt, is_set in given.items() if is_set and opt not in _OPTIONS[name])
-    if unknown:
-        raise ValueError(
-            f"schedule {name!r} takes no option {unknown}; "
-            f"it takes {sorted(_OPTIONS[name]) or 'none'}"
-        )
-
+    _check_arguments(name, sizes, {"a": a != 1, "in_flight": in_flight is not None,
+                                   "flush": flush, "virtual": virtual != 1, "split": split})
     M, S = micro_per_batch, n_stages
     batches = [range(b * M, (b + 1) * M) for b in range(n_batches)]
     span = [range(n_batches * M)]
@@ -191,6 +179,21 @@ def build_schedule(
                        w_delay=0 if split else None)
         for i in range(S)
     ]
+
+
+def _check_arguments(name: str, sizes: dict[str, int], given: dict[str, bool]) -> None:
+    """`build_schedule`'s arguments: a known schedule, sizes >= 1, only the options it takes."""
+    if name not in _OPTIONS:
+        raise ValueError(f"schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
+    for what, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{what}: got {value}, expected >= 1")
+    unknown = sorted(opt for opt, is_set in given.items() if is_set and opt not in _OPTIONS[name])
+    if unknown:
+        raise ValueError(
+            f"schedule {name!r} takes no option {unknown}; "
+            f"it takes {sorted(_OPTIONS[name]) or 'none'}"
+        )
 
 
 def zb_w_delay(stage: int, n_stages: int) -> int:
