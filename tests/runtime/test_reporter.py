@@ -9,7 +9,13 @@ import math
 import pytest
 
 from relaytrain.parallel.groups import Placement
-from relaytrain.runtime.reporter import StepReporter, TrainingStopped, combine, ledger_parts
+from relaytrain.runtime.reporter import (
+    StepReporter,
+    TrainingStopped,
+    combine,
+    first_stage,
+    ledger_parts,
+)
 from relaytrain.runtime.wire import StepResult
 from tests.runtime.conftest import tiny_config
 
@@ -50,7 +56,8 @@ def test_the_record_carries_the_slowest_worker_s_gradient_reduction(tmp_path):
 
 
 def test_the_ledger_names_the_ids_of_each_dp_rank_in_rank_order():
-    assert ledger_parts(_results([[0, 1], [2, 3]]), _placements(2)) == [[0, 1], [12, 13]]
+    order = first_stage(_placements(2))
+    assert ledger_parts(_results([[0, 1], [2, 3]]), order) == [[0, 1], [12, 13]]
 
 
 def test_a_non_finite_step_stops_the_run_before_it_is_recorded(tmp_path):

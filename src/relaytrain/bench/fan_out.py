@@ -15,11 +15,22 @@ from typing import Any
 
 class LightActor:
     """Answers a step call at once with a step result in its wire form (runtime/wire.py
-    `steps_to_wire`: `StepResult`'s fields' values, in order, as a plain tuple)."""
+    `steps_to_wire`), made by the driver: the fields after the step number."""
+
+    def __init__(self, rest: tuple) -> None:
+        self.rest = rest
 
     def run_steps(self, first: int, count: int, history: Any = None) -> list[tuple]:
-        return [(first, {0: (1.0, 1.0, 0.0)}, 1.0, True, [first], 0.0, 0.0, None, False, 0, 0,
-                 0.0, 0.0, 0.0, [])]
+        return [(first, *self.rest)]
+
+
+def _answer() -> tuple:
+    """A one-micro-batch step result's wire form, less its step number."""
+    from relaytrain.runtime.wire import StepResult, steps_to_wire
+
+    [wire] = steps_to_wire([StepResult(step=0, losses={0: (1.0, 1.0, 0.0)}, grad_norm=1.0,
+                                       finite=True, ids=[0], time_data=0.0, time_compute=0.0)])
+    return wire[1:]
 
 
 def ray_fan_out(actors: int, rounds: int) -> dict[str, Any]:
@@ -36,7 +47,8 @@ def ray_fan_out(actors: int, rounds: int) -> dict[str, Any]:
                  _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
     try:
         cls = ray.remote(num_cpus=0)(LightActor)
-        pool = [cls.remote() for _ in range(actors)]
+        rest = _answer()
+        pool = [cls.remote(rest) for _ in range(actors)]
         ray.get([a.run_steps.remote(0, 1) for a in pool], timeout=600)  # all started
         out: dict[str, Any] = {"actors": actors}
         for n in sorted({8, actors}):

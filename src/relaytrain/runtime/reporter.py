@@ -79,11 +79,9 @@ def first_stage(placements: dict[int, Placement]) -> list[int]:
     return [workers[i] for i in range(len(workers))]
 
 
-def ledger_parts(results: dict[int, Step], placements: dict[int, Placement] | list[int]
-                 ) -> list[list[int]]:
-    """The ids each DP rank trained on (read from the first stage's workers: `first_stage`
-    of the placements, or that list, found once per layout)."""
-    order = first_stage(placements) if isinstance(placements, dict) else placements
+def ledger_parts(results: dict[int, Step], order: list[int]) -> list[list[int]]:
+    """The ids each DP rank trained on, read from the first stage's workers in DP-rank order
+    (`first_stage`)."""
     return list(map(_ids, map(results.__getitem__, order)))
 
 
@@ -208,7 +206,7 @@ class StepReporter:
 
     def _diverged(self, step: int, rec: dict[str, Any], per: dict[int, Step],
                   placements: dict[int, Placement]) -> None:
-        self.ledger.write(step_record(step, ledger_parts(per, placements),
+        self.ledger.write(step_record(step, ledger_parts(per, self._first_stage(placements)),
                                           step - 1 + self.cfg.batch_offset))
         self.metrics.write("nan", step=step, message=f"non-finite loss/gradient: "
                            f"loss={rec['loss']} grad_norm={rec['grad_norm']}")
