@@ -132,7 +132,7 @@ from torch.func import functional_call
 from relaytrain.config.sections import RunConfig
 from relaytrain.data.loader import Batch
 from relaytrain.data.packing import model_inputs
-from relaytrain.model.matmul import DeferredGrad, Linear, deferring
+from relaytrain.model.matmul import DeferredGrad, Linear, deferred_backward, deferring
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.context import ContextGroup, label_share, sequence_mean
@@ -692,7 +692,7 @@ class StageRunner:
         else:  # a split list's deferred linear weights are W's
             names = [n for n in place.names if n not in held.deferred]
             inputs = ([] if place.first else [x]) + [leaves[n] for n in names]
-            grads = torch.autograd.grad(out, inputs, grad_out)
+            grads = deferred_backward(out, inputs, grad_out, held.deferred.values())
             if not place.first:
                 self.transport.send(grads[0], place.src, up)
                 grads = grads[1:]
