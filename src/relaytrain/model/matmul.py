@@ -183,11 +183,11 @@ def deferring(records: list[DeferredGrad] | None) -> Iterator[list[DeferredGrad]
     `records`, so that `deferred_backward` leaves its weight gradient to W (None: none does,
     e.g. inside a checkpointed block, whose recompute must see the forward's ops).
 
-    The forward is the whole backward's graph itself, recording per layer only its input and
-    where its output's gradient arrives: at the small preset's shapes on a CPU a layer's
-    product takes ~0.3 ms, and a detached weight, an autocast region and a tensor hook a
-    layer (the way before) cost ~40 us of Python each, ~7% of a stage's F + B with W's
-    (docs/MEASURED.md)."""
+    The forward builds the whole backward's graph itself and records per layer only its input
+    and where its output's gradient arrives (a gradient edge): at the small preset's shapes on
+    a CPU a layer's product takes ~0.3 ms, and a detached weight, an autocast region and a
+    tensor hook (the way before) cost ~40 us of Python a layer: a split stage's F + B + W
+    4.3% over the whole F + B, now 2.2% (medians; docs/MEASURED.md)."""
     token = _DEFERRED.set(records)
     try:
         yield records
