@@ -29,17 +29,18 @@ def test_pooled_costs_are_per_stage_medians_over_runs():
                                   "update": [1.0, 2.0]}
 
 
-def test_split_runs_pool_their_own_b_and_w_and_whole_backwards_the_others():
-    def run(b: float, w: float) -> dict:
-        return {"costs": {"forward": [1.0], "backward": [b], "update": [0.5], "weight": [w]}}
+def test_split_runs_pool_their_own_f_b_and_w_and_whole_backwards_the_others():
+    def run(b: float, w: float, f: float = 1.0) -> dict:
+        return {"costs": {"forward": [f], "backward": [b], "update": [0.5], "weight": [w]}}
 
-    runs = {"1f1b": run(3.0, 0.0), "gpipe": run(5.0, 0.0), "paci": run(4.0, 0.0),
-            "zb-h1": run(2.0, 1.5)}
+    runs = {"1f1b": run(3.0, 0.0), "gpipe": run(5.0, 0.0), "pipedream": run(4.0, 0.0),
+            "zb-h1": run(2.0, 1.5, 1.25)}
     pooled = pooled_costs(runs)
     assert pooled == {"forward": [1.0], "backward": [4.0], "update": [0.5],
-                      "split_backward": [2.0], "weight": [1.5]}
+                      "split_forward": [1.25], "split_backward": [2.0], "weight": [1.5]}
     whole, split = (scaled_costs(pooled, 2, 0.0, split_lists=s) for s in (False, True))
-    assert (whole.backward, whole.weight) == ((4.0, 4.0), None)
+    assert (whole.forward, whole.backward, whole.weight) == ((1.0, 1.0), (4.0, 4.0), None)
+    assert split.forward == (1.25, 1.25)  # what recording the deferred layers costs
     assert (split.backward, split.weight) == ((3.5, 3.5), (1.5, 1.5))  # B + W, and W
 
 

@@ -5,6 +5,7 @@ does not cover falls back to torch's path unchanged."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import relaytrain.model.matmul as matmul_module
 from relaytrain.config import load_config
@@ -16,6 +17,7 @@ from relaytrain.model.loss import lm_head_loss, lm_loss
 from relaytrain.model.matmul import (
     Linear,
     add_weight_grad,
+    deferred_backward,
     deferring,
     linear,
     mm_t,
@@ -97,6 +99,17 @@ def test_onednn_products_do_not_depend_on_threads_or_alignment(m, k, n):
             assert torch.equal(a, b)
 
 
+class Products(TorchDispatchMode):
+    """Counts the matrix products run while entered (aten's or oneDNN's)."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name().split(".")[0] in ("aten::mm", "relaytrain::onednn_mm_t"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("backend", ["aten", pytest.param("onednn", marks=needs_onednn)])
 def test_chunked_weight_gradients_sum_to_the_whole_product(backend):
     gen = torch.Generator().manual_seed(2)
@@ -111,9 +124,10 @@ def test_chunked_weight_gradients_sum_to_the_whole_product(backend):
 @pytest.mark.parametrize("backend", ["aten", pytest.param("onednn", marks=needs_onednn)])
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_a_deferred_weight_gradient_is_autograds_bit_for_bit(backend, m, k, n):
-    """Under `deferring` the backward gives the input gradient only and leaves the weight's
-    to `DeferredGrad.weight_grad`: both are what one whole backward gives, to the bit (zb-h1's
-    W relies on it); outside it, nothing is recorded."""
+    """Under `deferring` the backward gives the input gradient only (one product: the weight's
+    is not formed there) and leaves the weight's to `DeferredGrad.weight_grad`: both are what
+    one whole backward gives, to the bit (zb-h1's W relies on it); outside it, nothing is
+    recorded."""
     gen = torch.Generator().manual_seed(3)
     layer = Linear(k, n)
     layer.matmul = backend
@@ -124,7 +138,9 @@ def test_a_deferred_weight_gradient_is_autograds_bit_for_bit(backend, m, k, n):
     layer.weight.grad = x.grad = None
     with deferring(records := []):
         y = layer(x)
-    (got_x,) = torch.autograd.grad(y, [x], g)
+    with Products() as products:
+        (got_x,) = deferred_backward(y, [x], g, records)
+    assert products.count == 1
     assert layer.weight.grad is None and len(records) == 1
     assert torch.equal(got_x, want_x)
     assert torch.equal(records[0].weight_grad(), want_w)
@@ -147,8 +163,10 @@ def test_a_checkpointed_block_defers_nothing():
     model.zero_grad(set_to_none=True)
     with deferring(records := []):
         loss = model(tokens[:, :-1], labels=tokens[:, 1:])[0]
-    loss.backward()
     deferred = {d.layer for d in records}
+    rest = [p for p in model.parameters() if p not in {d.layer.weight for d in records}]
+    for p, g in zip(rest, deferred_backward(loss, rest, None, records), strict=True):
+        p.grad = g
     assert deferred == {m for m in model.layers["1"].modules() if isinstance(m, Linear)}
     for d in records:
         d.layer.weight.grad = d.weight_grad()

@@ -28,13 +28,16 @@ Two layers, kept apart so that neither hides the other:
   this model size on a CPU. Where PACI's simulated S = 8 time goes (docs/MEASURED.md): about
   half of its 5% bubble is the fill and drain of each span, half the stage-to-stage transfers
   on the round trip each of stage 0's S micro-batches in flight makes (2 t (S-1)/S per
-  micro-batch at every stage). `parallel.paci.split` takes the W's off that trip and hides
-  the transfers (simulated utilisation 0.95 -> 0.98), but deferring the weight gradients costs
-  ~7% of a stage's F + B on this CPU (in-process, alternated), more than the ~2.5% it hides, so
-  the bench runs PACI whole. Weight prediction (`parallel.paci.predict`) is not run here
-  either: at S = 4, 128 steps it lowered PACI's final held-out loss (5.760 -> 5.683 at seed 0,
-  5.991 -> 5.952 at seed 1), but its predicted weight copy is 3-4x a stage's activation
-  memory at this model size, which the bench's memory target counts.
+  micro-batch at every stage). So PACI runs here with `parallel.paci.split`: each W right after
+  its B, the input gradient sent first, which takes the W's off that trip and hides the
+  transfers, training the whole backward's bits (simulated utilisation 0.95 -> 0.98). Deferring
+  the weight gradients costs ~2% of a stage's F + B on this CPU (in-process, alternated; ~4%
+  before `model.matmul.deferring` recorded on the whole backward's own graph), less than the
+  ~3% it hides: 186.3 -> 184.5 ms a step simulated at S = 8 (docs/MEASURED.md). Weight
+  prediction (`parallel.paci.predict`) is not run here: at S = 4, 128 steps it lowered PACI's
+  final held-out loss (5.760 -> 5.683 at seed 0, 5.991 -> 5.952 at seed 1), but its predicted
+  weight copy is 3-4x a stage's activation memory at this model size, which the bench's
+  memory target counts.
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
   measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
   measured by a gloo ping-pong of one activation (the runtime posts its receives ahead, so the
@@ -50,9 +53,9 @@ Two layers, kept apart so that neither hides the other:
   (the asynchronous pipelines drain at every span end). Every schedule runs the same operations,
   so all are simulated with one set of costs: per stage, the median over the S = 2 runs (each
   run's own costs would carry the noise of whatever else the machine ran meanwhile into the
-  comparison); zb-h1, whose backward is split, with its own run's B and W (the split's extra work
-  included) and the pooled F and U. `sensitivity_at_8` shows what the transfer time, the span
-  length and the stage size do to paci and 1f1b.
+  comparison); the split lists (zb-h1, paci) with the F, B and W of their own runs (the
+  split's extra work included) and the pooled U. `sensitivity_at_8` shows what the transfer
+  time, the span length and the stage size do to paci and 1f1b.
 - **interleaved-1f1b** runs with V = 2 chunks per stage (`VIRTUAL`), for real only where the
   preset's 4 layers give every virtual stage one (S = 2); it is simulated with the pooled
   per-stage costs, each chunk's F and B 1/V of them (its own run's costs are summed over its
@@ -257,6 +260,8 @@ def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path
     shutil.rmtree(ckpt, ignore_errors=True)
     M = setup.global_batch // setup.micro_batch
     paci_a = [f"parallel.paci.a={M}"] if asynchronous(name) else []
+    if name == "paci":
+        paci_a.append("parallel.paci.split=true")  # see the module docstring
     chunks = VIRTUAL if name == "interleaved-1f1b" else 1
     if chunks > 1:
         paci_a.append(f"parallel.virtual_stages={chunks}")
@@ -392,9 +397,11 @@ def _fits(name: str, S: int, M: int) -> bool:
 
 
 def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
-    """The bench's lists: asynchronous schedules update once per global batch (a = M),
-    interleaved-1f1b has `VIRTUAL` chunks per stage."""
-    options = {"a": M} if asynchronous(name) else {}
+    """The bench's lists: asynchronous schedules update once per global batch (a = M), paci's
+    are split (`parallel.paci.split`), interleaved-1f1b has `VIRTUAL` chunks per stage."""
+    options: dict[str, Any] = {"a": M} if asynchronous(name) else {}
+    if name == "paci":
+        options["split"] = True
     if name == "interleaved-1f1b":
         options["virtual"] = VIRTUAL
     return build_schedule(name, S, M, n_batches, **options)
@@ -423,8 +430,9 @@ def _predict_real(run: dict[str, Any], name: str, S: int, M: int, transfer: floa
 def pooled_costs(runs: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
     """Per op and stage, the median of the costs the runs measured: F and U over all runs but
     the interleaved one (its chunks' smaller products run at another speed), B over the runs of
-    whole backwards; over the runs of split lists (if any), their B (`split_backward`, the input
-    gradient) and W (`weight`)."""
+    whole backwards; over the runs of split lists (if any), their F (`split_forward`: what
+    recording the deferred layers costs included), B (`split_backward`, the input gradient) and
+    W (`weight`)."""
     def median(op: str, of: list[dict[str, Any]]) -> list[float]:
         n = len(of[0]["costs"][op])
         return [statistics.median(r["costs"][op][i] for r in of) for i in range(n)]
@@ -435,7 +443,8 @@ def pooled_costs(runs: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
     out = {"forward": median("forward", every), "backward": median("backward", whole),
            "update": median("update", every)}
     if split_runs:
-        out |= {"split_backward": median("backward", split_runs),
+        out |= {"split_forward": median("forward", split_runs),
+                "split_backward": median("backward", split_runs),
                 "weight": median("weight", split_runs)}
     return out
 
@@ -447,13 +456,13 @@ def scaled_costs(costs: dict[str, list[float]], S: int, transfer: float, *, deep
     (the paper: 24 layers on 8 stages); else the measured model itself cut into S stages of 1/S of
     its work, which the runtime can only build up to n_layers stages and whose thinning stages
     make the fixed transfer weigh S / S_real times more. `split_lists`: the costs of split
-    lists (B and W as measured in their runs; what splitting costs extra included)."""
+    lists (F, B and W as measured in their runs; what splitting costs extra included)."""
     n = len(costs["forward"]) if deeper else S
-    backward, weight = sum(costs["backward"]) / n, 0.0
+    forward, backward, weight = sum(costs["forward"]) / n, sum(costs["backward"]) / n, 0.0
     if split_lists:
-        weight = sum(costs["weight"]) / n
+        forward, weight = sum(costs["split_forward"]) / n, sum(costs["weight"]) / n
         backward = sum(costs["split_backward"]) / n + weight
-    return Costs.uniform(S, forward=sum(costs["forward"]) / n, backward=backward,
+    return Costs.uniform(S, forward=forward, backward=backward,
                          update=sum(costs["update"]) / n, transfer=transfer, weight=weight)
 
 

@@ -21,9 +21,10 @@ What B then computes depends on the schedule:
 
 - flush schedules: no update between F and B, so the exact gradient.
 - zb-h1 and paci with ``split`` (a *split* list, schedules.py): F runs under
-  `model.matmul.deferring`, so each linear layer keeps its weight out of the graph and records
-  its input; B computes the input gradient
-  (and the small weight gradients: embedding, norms, the fused LM head's, which its loss forms
+  `model.matmul.deferring`, so each linear layer records its input and where its output's
+  gradient arrives (the graph is the whole backward's); B (`matmul.deferred_backward`) computes
+  the input gradient, the graph forming none of the linear weights' products
+  (only the small weight gradients: embedding, norms, the fused LM head's, which its loss forms
   whole anyway), sends it and frees the graph, keeping per linear layer only its input and the
   gradient that reached its output; W forms each weight gradient as gradᵀ @ input
   (`DeferredGrad.weight_grad`, the product autograd would run) and folds them into ``p.grad``
@@ -132,7 +133,7 @@ from torch.func import functional_call
 from relaytrain.config.sections import RunConfig
 from relaytrain.data.loader import Batch
 from relaytrain.data.packing import model_inputs
-from relaytrain.model.matmul import DeferredGrad, Linear, deferring
+from relaytrain.model.matmul import DeferredGrad, Linear, deferred_backward, deferring
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
 from relaytrain.parallel.context import ContextGroup, label_share, sequence_mean
@@ -692,7 +693,7 @@ class StageRunner:
         else:  # a split list's deferred linear weights are W's
             names = [n for n in place.names if n not in held.deferred]
             inputs = ([] if place.first else [x]) + [leaves[n] for n in names]
-            grads = torch.autograd.grad(out, inputs, grad_out)
+            grads = deferred_backward(out, inputs, grad_out, held.deferred.values())
             if not place.first:
                 self.transport.send(grads[0], place.src, up)
                 grads = grads[1:]
