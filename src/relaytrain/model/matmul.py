@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from relaytrain.model.cpu_kernels import cpu_fp32
+from relaytrain.model.prediction import predicted
 
 MATMUL_BACKENDS = ("auto", "aten", "onednn")
 
@@ -189,10 +190,11 @@ class Linear(nn.Linear):
         # compiled code never defers (dynamo cannot trace a ContextVar; the pipeline executor
         # does not defer in compiled modules)
         records = None if torch.compiler.is_compiling() else _DEFERRED.get()
+        weight = predicted(self.weight)  # weight prediction's transient (model.prediction)
         if records is None or not (torch.is_grad_enabled() and self.weight.requires_grad
                                    and x.requires_grad):
-            return linear(x, self.weight, self.matmul)
-        weight = self.weight.detach()
+            return linear(x, weight, self.matmul)
+        weight = weight.detach()
         if torch.is_autocast_enabled(x.device.type):  # the casts autocast would make
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
