@@ -58,7 +58,9 @@ class Prediction:
         delta = self.deltas.get(_storage(table.weight))
         if delta is None:
             return rows
-        return torch.add(rows, F.embedding(ids, delta), alpha=self.ahead)
+        moved = F.embedding(ids, delta)
+        self.largest = max(self.largest, moved.untyped_storage().nbytes())
+        return torch.add(rows, moved, alpha=self.ahead)
 
     def swap(self, t: Tensor) -> Tensor:
         """What the graph saves for `t`: the live weight, viewed as `t` views the prediction,
