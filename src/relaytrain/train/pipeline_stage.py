@@ -51,11 +51,14 @@ What B then computes depends on the schedule:
   cross t updates of this stage before its B (known from the list, `schedules.staleness`) runs
   its F on the weights predicted t updates ahead, theta_F + t delta, delta the stage's last
   update (theta after minus theta before it; zero at a span's start, so a span stays a pure
-  function of the state it starts from and a resumed run the same bits). Its graph saves
-  that copy, so its B reads the predicted weights too: the exact gradient at theta_F + t delta,
-  which estimates theta_B. The micro-batches F'd between the same two updates with the same t
-  share one copy; each copy is counted as a weight version (``weight_versions``,
-  ``peak_memory``), delta itself (one parameter-sized buffer, like an optimizer moment) is not.
+  function of the state it starts from and a resumed run the same bits). No predicted copy is
+  held: each op forms its weight's prediction just before it runs and the graph saves the live
+  alias in its place (`model.prediction`), so B is perf mode's backward of an F-time graph
+  whose activations come from the predicted weights: dL/dW = gᵀ x_F, dL/dx = g W_B (the
+  prediction's last t updates have all happened by B: none is left to predict). One weight
+  version; the largest prediction of one op (an embedding's: its rows) is counted as F's
+  transient in ``peak_memory``; delta itself (one parameter-sized buffer, like an optimizer
+  moment) is not.
 - pipedream (weight stashing): F and B must see the same version. F always uses the live weights;
   before an update the live parameters are moved to fresh storage (``p.data = p.data.clone()``)
   if an in-flight micro-batch still uses them, so its graph keeps the old storage (the stashed
@@ -110,8 +113,9 @@ each micro-batch's F and B (counted here, and an error if above `schedules.stale
 ``peak_memory`` = peak bytes held for in-flight micro-batches: the distinct storages autograd
 saved for backward (counted with saved-tensor hooks, weights excluded), the stage outputs kept
 for B, the inputs kept for recompute and the recompute graph of the B running, a split list's
-linear-layer inputs and output gradients kept for W (after its B, only those), plus the extra
-weight copies (pipedream's stashes); ``weight_versions`` = peak number of distinct weight
+linear-layer inputs and output gradients kept for W (after its B, only those), the largest
+weight prediction of the F running (``predict``), plus the extra weight copies (pipedream's
+stashes); ``weight_versions`` = peak number of distinct weight
 storages referenced (live + stashed).
 """
 
