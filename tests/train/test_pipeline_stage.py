@@ -69,7 +69,8 @@ class RecordingSGD(torch.optim.SGD):
 
 
 def run_middle_stage(schedule: str, mode: str = "perf", n_stages: int = S, a: int = 1,
-                     m_count: int = M, stage: int = STAGE, predict: bool = False):
+                     m_count: int = M, stage: int = STAGE, predict: bool = False,
+                     split: bool = False):
     """One span of one global batch of `m_count` micro-batches through `stage` of `n_stages`,
     a U after every `a` B's (a=1: update k applies exactly micro-batch k-1's gradient). The
     stage is the model's SwiGLU MLP."""
@@ -85,7 +86,7 @@ def run_middle_stage(schedule: str, mode: str = "perf", n_stages: int = S, a: in
     opt = RecordingSGD(mlp.parameters())
     spec = StageSpec(schedule=schedule, stage=stage, n_stages=n_stages, micro_per_batch=m_count,
                      dp=1, micro_batch=MB, seq_len=T, d_model=cfg.d_model, z_loss=0.0,
-                     clip=0.0, a=a, recompute=mode == "mem", predict=predict)
+                     clip=0.0, a=a, recompute=mode == "mem", predict=predict, split=split)
     reducer = GradReducer(list(mlp.parameters()), None, exact=False,
                           total_micro_batches=m_count)
     runner = StageRunner(mlp, opt, reducer, spec, net, stage - 1, stage + 1, None, lambda step: LR,
@@ -253,6 +254,18 @@ def test_paci_prediction_holds_no_weight_copy():
     largest = max(p.numel() * p.element_size() for p in MLP(PRESETS["tiny"]).parameters())
     assert stats.weight_versions == off.weight_versions == 1
     assert off.peak_memory < stats.peak_memory <= off.peak_memory + largest
+
+
+def test_paci_prediction_with_split_lists_trains_the_whole_backwards_bits():
+    """Under `split` each linear layer's product takes its prediction detached (its weight
+    gradient comes at W): the graph saves the live weight for it all the same, so B's input
+    gradient and W's weight gradients are the whole backward's bits."""
+    *_, net, opt, stats = run_middle_stage("paci", predict=True)
+    *_, net_split, opt_split, split_stats = run_middle_stage("paci", predict=True, split=True)
+    assert split_stats.weight_s > 0 and split_stats.weight_versions == 1
+    assert all(torch.equal(a, b) for (w, g), (w2, g2) in zip(opt.log, opt_split.log, strict=True)
+               for a, b in zip(w + g, w2 + g2, strict=True))
+    assert all(torch.equal(x, net_split.sent[k]) for k, x in net.sent.items())
 
 
 @pytest.mark.parametrize(("n_stages", "a"), [(5, 1), (5, 2)])
