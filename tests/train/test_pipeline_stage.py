@@ -268,6 +268,19 @@ def test_paci_prediction_with_split_lists_trains_the_whole_backwards_bits():
     assert all(torch.equal(x, net_split.sent[k]) for k, x in net.sent.items())
 
 
+def test_paci_prediction_refuses_compiled_blocks():
+    """Compiled code never forms the prediction (model.compile auto compiles on CUDA)."""
+    cfg = PRESETS["tiny"].with_vocab(64)
+    mlp = MLP(cfg)
+    mlp.compiled = True
+    spec = StageSpec(schedule="paci", stage=STAGE, n_stages=S, micro_per_batch=M, dp=1,
+                     micro_batch=MB, seq_len=T, d_model=cfg.d_model, z_loss=0.0, clip=0.0,
+                     predict=True)
+    with pytest.raises(ValueError, match="^config key 'parallel.paci.predict': compiled"):
+        StageRunner(mlp, None, None, spec, None, STAGE - 1, STAGE + 1, None, lambda step: LR,
+                    torch.device("cpu"))
+
+
 @pytest.mark.parametrize(("n_stages", "a"), [(5, 1), (5, 2)])
 def test_paci_stale_weight_gradients_of_a_deep_pipeline_at_its_bound(n_stages, a):
     """Stage 1 of 5 holds up to 4 micro-batches, so one crosses up to ceil((S-i-1)/a) updates

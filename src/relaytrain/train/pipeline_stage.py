@@ -436,6 +436,9 @@ class StageRunner:
         if sharded and not spec.global_clip:
             raise ValueError(f"schedule {spec.schedule}: a sharded stage runs flush schedules "
                              "only")
+        if spec.predict and getattr(module, "compiled", False):  # model.compile auto on CUDA
+            raise ValueError("config key 'parallel.paci.predict': compiled blocks do not form "
+                             "the prediction; expected model.compile=none")
         per_batch = spec.global_clip and (spec.schedule != "paci" or spec.a >= spec.micro_per_batch)
         if spec.skip is not None and not per_batch:
             raise ValueError(f"schedule {spec.schedule}: optim.skip_spikes needs every stage "
