@@ -176,6 +176,15 @@ def test_paci_split_and_prediction_are_refused_where_they_would_do_nothing(key, 
                                       "parallel.schedule=paci", f"parallel.paci.{key}=true"])
 
 
+@pytest.mark.parametrize("other", ["model.checkpointing=full", "model.compile=blocks"])
+def test_prediction_is_refused_where_a_block_would_not_form_it(other):
+    with pytest.raises(ConfigError, match="^config key 'parallel.paci.predict': got true with "
+                                          "model.checkpointing=.*; it takes checkpointing none"):
+        load_config("configs/tiny.yaml", ["runtime.engine=ray", "parallel.pp=2",
+                                          "parallel.schedule=paci", "parallel.paci.predict=true",
+                                          other])
+
+
 @pytest.mark.parametrize("schedule", [
     ["parallel.schedule=pipedream"], ["parallel.schedule=paci"],
     ["parallel.schedule=paci", "parallel.paci.flush=true", "parallel.paci.a=3"]])

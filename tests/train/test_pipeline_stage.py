@@ -69,7 +69,8 @@ class RecordingSGD(torch.optim.SGD):
 
 
 def run_middle_stage(schedule: str, mode: str = "perf", n_stages: int = S, a: int = 1,
-                     m_count: int = M, stage: int = STAGE, predict: bool = False):
+                     m_count: int = M, stage: int = STAGE, predict: bool = False,
+                     split: bool = False):
     """One span of one global batch of `m_count` micro-batches through `stage` of `n_stages`,
     a U after every `a` B's (a=1: update k applies exactly micro-batch k-1's gradient). The
     stage is the model's SwiGLU MLP."""
@@ -85,7 +86,7 @@ def run_middle_stage(schedule: str, mode: str = "perf", n_stages: int = S, a: in
     opt = RecordingSGD(mlp.parameters())
     spec = StageSpec(schedule=schedule, stage=stage, n_stages=n_stages, micro_per_batch=m_count,
                      dp=1, micro_batch=MB, seq_len=T, d_model=cfg.d_model, z_loss=0.0,
-                     clip=0.0, a=a, recompute=mode == "mem", predict=predict)
+                     clip=0.0, a=a, recompute=mode == "mem", predict=predict, split=split)
     reducer = GradReducer(list(mlp.parameters()), None, exact=False,
                           total_micro_batches=m_count)
     runner = StageRunner(mlp, opt, reducer, spec, net, stage - 1, stage + 1, None, lambda step: LR,
@@ -228,20 +229,56 @@ def updates_before(acts) -> dict[str, dict[int, int]]:
 
 def test_paci_prediction_forwards_stale_micro_batches_on_weights_an_update_ahead():
     """With `predict`, F(m) of a micro-batch that crosses one update runs on theta + delta
-    (delta: the update before it) and B reads that copy too: the exact gradient there. The
-    span's first update has nothing before it, so F(1) runs on the live weights, as without."""
+    (delta: the update before it), formed op by op; the graph keeps the live weights, so B reads
+    theta_B as without prediction. The span's first update has nothing before it, so F(1) runs
+    on the live weights, as without."""
     cfg, names, xs, gs, net, opt, stats = run_middle_stage("paci", predict=True)
     assert stats.staleness == [0, 1, 1, 1]
-    assert stats.weight_versions == 3  # live, F(2)'s copy, and F(3)'s made while B(2) waits
     w = [weights(names, opt.log[k][0]) for k in range(M)]  # w[k]: after update k
     want, want_dx = mlp_closed_form(xs[1], gs[1], w[0], w[1])  # nothing to predict from
     assert close(weights(names, opt.log[1][1]), want)
     for m in (2, 3):  # F(m) after update m-1, B(m) after update m
         ahead = {k: 2 * w[m - 1][k] - w[m - 2][k] for k in names}
-        want, want_dx = mlp_closed_form(xs[m], gs[m], ahead, ahead)
+        want, want_dx = mlp_closed_form(xs[m], gs[m], ahead, w[m])
         assert close(weights(names, opt.log[m][1]), want)
         assert near(net.sent[(0, 2 * m + 1)], want_dx)
-        assert not close(ahead, w[m], 1e-3)  # a prediction, not the weights B would read
+        assert not close(ahead, w[m], 1e-3)  # a prediction, not the weights B reads
+
+
+def test_paci_prediction_holds_no_weight_copy():
+    """The prediction is a transient of the op that reads it: one weight version, and the peak
+    is the run without prediction's plus at most one weight (a saved prediction would add the
+    MLP's three weights per micro-batch in flight)."""
+    *_, stats = run_middle_stage("paci", predict=True)
+    *_, off = run_middle_stage("paci")
+    largest = max(p.numel() * p.element_size() for p in MLP(PRESETS["tiny"]).parameters())
+    assert stats.weight_versions == off.weight_versions == 1
+    assert off.peak_memory < stats.peak_memory <= off.peak_memory + largest
+
+
+def test_paci_prediction_with_split_lists_trains_the_whole_backwards_bits():
+    """Under `split` each linear layer's product takes its prediction detached (its weight
+    gradient comes at W): the graph saves the live weight for it all the same, so B's input
+    gradient and W's weight gradients are the whole backward's bits."""
+    *_, net, opt, stats = run_middle_stage("paci", predict=True)
+    *_, net_split, opt_split, split_stats = run_middle_stage("paci", predict=True, split=True)
+    assert split_stats.weight_s > 0 and split_stats.weight_versions == 1
+    assert all(torch.equal(a, b) for (w, g), (w2, g2) in zip(opt.log, opt_split.log, strict=True)
+               for a, b in zip(w + g, w2 + g2, strict=True))
+    assert all(torch.equal(x, net_split.sent[k]) for k, x in net.sent.items())
+
+
+def test_paci_prediction_refuses_compiled_blocks():
+    """Compiled code never forms the prediction (model.compile auto compiles on CUDA)."""
+    cfg = PRESETS["tiny"].with_vocab(64)
+    mlp = MLP(cfg)
+    mlp.compiled = True
+    spec = StageSpec(schedule="paci", stage=STAGE, n_stages=S, micro_per_batch=M, dp=1,
+                     micro_batch=MB, seq_len=T, d_model=cfg.d_model, z_loss=0.0, clip=0.0,
+                     predict=True)
+    with pytest.raises(ValueError, match="^config key 'parallel.paci.predict': compiled"):
+        StageRunner(mlp, None, None, spec, None, STAGE - 1, STAGE + 1, None, lambda step: LR,
+                    torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("n_stages", "a"), [(5, 1), (5, 2)])

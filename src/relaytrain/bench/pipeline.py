@@ -34,10 +34,15 @@ Two layers, kept apart so that neither hides the other:
   the weight gradients costs ~2% of a stage's F + B on this CPU (in-process, alternated; ~4%
   before `model.matmul.deferring` recorded on the whole backward's own graph), less than the
   ~3% it hides: 186.3 -> 184.5 ms a step simulated at S = 8 (docs/MEASURED.md). Weight
-  prediction (`parallel.paci.predict`) is not run here: at S = 4, 128 steps it lowered PACI's
-  final held-out loss (5.760 -> 5.683 at seed 0, 5.991 -> 5.952 at seed 1), but its predicted
-  weight copy is 3-4x a stage's activation memory at this model size, which the bench's
-  memory target counts.
+  prediction (`parallel.paci.predict`, formed op by op with no weight copy held) is not run
+  here: at S = 4, 128 steps it lowers PACI's final held-out loss (5.760 -> 5.707 at seed 0,
+  5.991 -> 5.914 at seed 1), but forming each weight's prediction for every micro-batch costs
+  ~20% of a predicted micro-batch's F and 5-10% of its B here (64 tokens a micro-batch: the
+  weight add is a sizeable share of the products), so the S = 8 ratio against 1f1b's curve
+  moves only 1.21x -> 1.24-1.26x and 1.61x -> 1.66-1.69x; and the largest prediction one op
+  forms (an MLP weight, 0.79 MB) is 15% of stage 0's activation memory at this model size:
+  1.15x 1f1b's peak, over the 1.10x target (forming it in 64-row blocks meets that but costs
+  ~40% more F and ~50% more B; docs/MEASURED.md).
 - **Simulated.** Each schedule's action lists replayed by `simulate.simulate` with per-op costs
   measured in the real runs (median F, B, U per stage, after the first span) and a transfer time
   measured by a gloo ping-pong of one activation (the runtime posts its receives ahead, so the

@@ -80,6 +80,12 @@ def validate(cfg: RunConfig) -> None:
     check_layout(m.n_layers, p.pp, p.stage_layers)
     _validate_virtual_stages(cfg, m.n_layers, need)
     _validate_paci(p, need)
+    need(not p.paci.predict or (cfg.model.checkpointing == "none"
+                                and cfg.model.compile != "blocks"),
+         "config key 'parallel.paci.predict': got true with model.checkpointing="
+         f"{cfg.model.checkpointing} and model.compile={cfg.model.compile}; it takes "
+         "checkpointing none and compile none (or auto on the CPU: a recompute or a "
+         "compiled block would not form the prediction)")
     need(cfg.world_size == 1 or cfg.runtime.engine == "ray",
          f"config key 'runtime.engine': got 'inline', but parallel.dp x fsdp x cp x pp = "
          f"{cfg.world_size} workers need runtime.engine=ray")

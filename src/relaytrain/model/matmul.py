@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from relaytrain.model.cpu_kernels import cpu_fp32
+from relaytrain.model.prediction import predicted
 
 MATMUL_BACKENDS = ("auto", "aten", "onednn")
 
@@ -207,16 +208,17 @@ class Linear(nn.Linear):
         # compiled code never defers (dynamo cannot trace a ContextVar; the pipeline executor
         # does not defer in compiled modules)
         records = None if torch.compiler.is_compiling() else _DEFERRED.get()
+        weight = predicted(self.weight)  # weight prediction's transient (model.prediction)
         if records is None or not (torch.is_grad_enabled() and self.weight.requires_grad
                                    and x.requires_grad):
-            return linear(x, self.weight, self.matmul)
+            return linear(x, weight, self.matmul)
         if not torch.is_autocast_enabled(x.device.type):
-            y = linear(x, self.weight, self.matmul, deferred=True)
+            y = linear(x, weight, self.matmul, deferred=True)
         else:  # the casts autocast would make
             dtype = torch.get_autocast_dtype(x.device.type)
             x = x.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
-                y = linear(x, self.weight.to(dtype), self.matmul, deferred=True)
-        backend = "onednn" if _onednn_applies(self.matmul, x, self.weight) else "aten"
+                y = linear(x, weight.to(dtype), self.matmul, deferred=True)
+        backend = "onednn" if _onednn_applies(self.matmul, x, weight) else "aten"
         records.append(DeferredGrad(self, x.detach(), backend, get_gradient_edge(y)))
         return y

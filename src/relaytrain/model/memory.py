@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -17,12 +17,17 @@ from torch.utils._pytree import tree_leaves
 
 
 class SavedBytes:
-    """Sums the bytes of every distinct storage saved while `counting()`, or passed to `add`."""
+    """Sums the bytes of every distinct storage saved while `counting()`, or passed to `add`.
+    `swap`: what the graph saves in place of a tensor (weight prediction saves the live weight
+    for its transient prediction, `model.prediction`; one pack hook does both, as only the
+    innermost saved-tensor hooks apply)."""
 
-    def __init__(self, weights: Iterable[Tensor]):
+    def __init__(self, weights: Iterable[Tensor],
+                 swap: Callable[[Tensor], Tensor] | None = None):
         self.skip = {w.untyped_storage().data_ptr() for w in weights}
         self.seen: set[int] = set()
         self.nbytes = 0
+        self.swap = swap
 
     def add(self, t: Tensor) -> None:
         storage = t.untyped_storage()
@@ -32,6 +37,8 @@ class SavedBytes:
             self.nbytes += storage.nbytes()
 
     def _pack(self, t: Tensor) -> Tensor:
+        if self.swap is not None:
+            t = self.swap(t)
         self.add(t)
         return t
 

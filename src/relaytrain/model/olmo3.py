@@ -46,6 +46,7 @@ from relaytrain.model.documents import (
 )
 from relaytrain.model.loss import lm_head_loss
 from relaytrain.model.matmul import MATMUL_BACKENDS, Linear, deferring
+from relaytrain.model.prediction import embedded, predicted
 from relaytrain.model.sliding_chunks import Window, sliding_attention
 
 
@@ -93,9 +94,10 @@ class RMSNorm(nn.Module):
         self.fused = False
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused and cpu_kernels.cpu_fp32(x, self.weight):
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        weight = predicted(self.weight)
+        if self.fused and cpu_kernels.cpu_fp32(x, weight):
+            return cpu_kernels.rms_norm(x, weight, self.eps)
+        return _RMSNormFunction.apply(x, weight, self.eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,7 +608,7 @@ class Olmo3(nn.Module):
             raise ValueError("labels given to a stage without the LM head (last=False)")
         if doc_lens is not None and context is not None:
             context, doc_lens = context.within(doc_lens), None
-        h = self.embed(x) if first else x
+        h = embedded(x, self.embed) if first else x
         rope, sliding, full = self._layout(h.shape[1], h.device, doc_lens, context)
         for i in chunk:
             block = self.layers[str(i)]
@@ -617,5 +619,5 @@ class Olmo3(nn.Module):
         h = self.norm(h)
         if labels is None:
             return self.lm_head(h)[..., : self.n_logits]
-        return lm_head_loss(h, self.lm_head.weight, labels, z_loss, self.n_logits,
+        return lm_head_loss(h, predicted(self.lm_head.weight), labels, z_loss, self.n_logits,
                             matmul=self.matmul, fused=self.fused)

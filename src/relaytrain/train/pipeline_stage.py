@@ -52,11 +52,14 @@ What B then computes depends on the schedule:
   cross t updates of this stage before its B (known from the list, `schedules.staleness`) runs
   its F on the weights predicted t updates ahead, theta_F + t delta, delta the stage's last
   update (theta after minus theta before it; zero at a span's start, so a span stays a pure
-  function of the state it starts from and a resumed run the same bits). Its graph saves
-  that copy, so its B reads the predicted weights too: the exact gradient at theta_F + t delta,
-  which estimates theta_B. The micro-batches F'd between the same two updates with the same t
-  share one copy; each copy is counted as a weight version (``weight_versions``,
-  ``peak_memory``), delta itself (one parameter-sized buffer, like an optimizer moment) is not.
+  function of the state it starts from and a resumed run the same bits). No predicted copy is
+  held: each op forms its weight's prediction just before it runs and the graph saves the live
+  alias in its place (`model.prediction`), so B is perf mode's backward of an F-time graph
+  whose activations come from the predicted weights: dL/dW = gᵀ x_F, dL/dx = g W_B (the
+  prediction's last t updates have all happened by B: none is left to predict). One weight
+  version; the largest prediction of one op (an embedding's: its rows) is counted as F's
+  transient in ``peak_memory``; delta itself (one parameter-sized buffer, like an optimizer
+  moment) is not.
 - pipedream (weight stashing): F and B must see the same version. F always uses the live weights;
   before an update the live parameters are moved to fresh storage (``p.data = p.data.clone()``)
   if an in-flight micro-batch still uses them, so its graph keeps the old storage (the stashed
@@ -111,8 +114,9 @@ each micro-batch's F and B (counted here, and an error if above `schedules.stale
 ``peak_memory`` = peak bytes held for in-flight micro-batches: the distinct storages autograd
 saved for backward (counted with saved-tensor hooks, weights excluded), the stage outputs kept
 for B, the inputs kept for recompute and the recompute graph of the B running, a split list's
-linear-layer inputs and output gradients kept for W (after its B, only those), plus the extra
-weight copies (pipedream's stashes); ``weight_versions`` = peak number of distinct weight
+linear-layer inputs and output gradients kept for W (after its B, only those), the largest
+weight prediction of the F running (``predict``), plus the extra weight copies (pipedream's
+stashes); ``weight_versions`` = peak number of distinct weight
 storages referenced (live + stashed).
 """
 
@@ -122,6 +126,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +141,7 @@ from relaytrain.data.packing import model_inputs
 from relaytrain.model.matmul import DeferredGrad, Linear, deferred_backward, deferring
 from relaytrain.model.memory import SavedBytes
 from relaytrain.model.olmo3 import Olmo3
+from relaytrain.model.prediction import Prediction
 from relaytrain.parallel.context import ContextGroup, label_share, sequence_mean
 from relaytrain.parallel.pipeline.schedules import (
     Action,
@@ -431,6 +437,9 @@ class StageRunner:
         if sharded and not spec.global_clip:
             raise ValueError(f"schedule {spec.schedule}: a sharded stage runs flush schedules "
                              "only")
+        if spec.predict and getattr(module, "compiled", False):  # model.compile auto on CUDA
+            raise ValueError("config key 'parallel.paci.predict': compiled blocks do not form "
+                             "the prediction; expected model.compile=none")
         per_batch = spec.global_clip and (spec.schedule != "paci" or spec.a >= spec.micro_per_batch)
         if spec.skip is not None and not per_batch:
             raise ValueError(f"schedule {spec.schedule}: optim.skip_spikes needs every stage "
@@ -444,10 +453,7 @@ class StageRunner:
         self.last_norm = 0.0  # grad norm of the latest update, carried across spans
         self._norm_sizes: list[int] | None = None  # per stage: gradient tensors + 1 flag
         self._norm_order: list[int] | None = None  # gathered norms -> whole-model order
-        # `spec.predict`: the last update (delta) and the latest predicted copy, by (updates
-        # done, updates ahead)
-        self._delta: dict[str, Tensor] | None = None
-        self._prediction: tuple[tuple[int, int], dict[str, Tensor]] | None = None
+        self._delta: dict[str, Tensor] | None = None  # `spec.predict`: the last update
 
     # ---- training ----------------------------------------------------------------------------
     def run_span(self, first_step: int, batches: list[Batch],
@@ -467,7 +473,7 @@ class StageRunner:
         divisor = {m: len(g) * spec.dp for g in groups for m in g}
         bound = spec.bound()
         ahead = {m: t for (i, m), t in staleness(every).items() if i == spec.stage}
-        self._delta = self._prediction = None  # a span starts with no update to predict from
+        self._delta = None  # a span starts with no update to predict from
         inflight: dict[tuple[int, int], _InFlight] = {}  # by (chunk, micro-batch)
         losses: dict[int, tuple[float, float, float]] = {}
         stale: dict[int, int] = {}
@@ -486,8 +492,9 @@ class StageRunner:
             if act.kind == "F":
                 if act.version not in (None, len(updates)):
                     raise RuntimeError(f"{act}: version {act.version}, live is {len(updates)}")
-                inflight[key] = self._forward(act.mb, place, batches, divisor, losses,
-                                              len(updates), is_split, ahead[act.mb])
+                inflight[key], transient = self._forward(act.mb, place, batches, divisor,
+                                                         losses, len(updates), is_split,
+                                                         ahead[act.mb])
             elif act.kind == "B":
                 held = inflight[key] if is_split else inflight.pop(key)
                 stale[act.mb] = len(updates) - held.updates_at_f
@@ -505,7 +512,7 @@ class StageRunner:
             busy = time.perf_counter() - t0 - (self.transport.waited - w0)
             stats.record(act.kind, busy, inflight, self._live_weights(), transient)
         self.transport.drain()
-        self._delta = self._prediction = None  # (also reset at the start: a failed span's)
+        self._delta = None  # (also reset at the start: a failed span's)
         span_s = time.perf_counter() - t_span
         carried = self.last_norm
         if updates:
@@ -549,28 +556,25 @@ class StageRunner:
     def _live_weights(self) -> int:
         return 0 if self.sharded else next(iter(self.params.values())).data_ptr()
 
-    def _meter(self) -> SavedBytes:
+    def _meter(self, swap: Callable[[Tensor], Tensor] | None = None) -> SavedBytes:
         """Weights are skipped: they are held anyway and counted as versions (a sharded
-        stage's gathered weights are counted: they are held for the micro-batch's B)."""
-        return SavedBytes(local_tensor(p) for p in self.params.values())
+        stage's gathered weights are counted: they are held for the micro-batch's B). `swap`:
+        a weight prediction's (the graph saves the live weights for it)."""
+        return SavedBytes((local_tensor(p) for p in self.params.values()), swap)
 
     def _aliases(self) -> dict[str, Tensor] | None:
         if self.sharded:
             return None
         return {n: p.data.requires_grad_() for n, p in self.params.items()}
 
-    def _predicted(self, updates: int, ahead: int) -> dict[str, Tensor] | None:
-        """The weights `ahead` updates on, theta + ahead x delta (the live aliases when there is
-        nothing to predict), one copy for every F between the same two updates alike."""
-        if ahead == 0 or self._delta is None:
-            return self._aliases()
-        key = (updates, ahead)
-        if self._prediction is None or self._prediction[0] != key:
-            with torch.no_grad():
-                copy = {n: torch.add(p, self._delta[n], alpha=ahead).requires_grad_()
-                        for n, p in self.params.items()}
-            self._prediction = (key, copy)
-        return self._prediction[1]
+    def _prediction(self, ahead: int) -> Prediction | None:
+        """`spec.predict`'s weights `ahead` updates on, theta + ahead x delta, formed op by op
+        in the forward (None where there is nothing to predict: none ahead, or no update yet
+        in this span)."""
+        if not self.spec.predict or ahead == 0 or self._delta is None:
+            return None
+        return Prediction({self.params[n].untyped_storage().data_ptr(): d
+                           for n, d in self._delta.items()}, ahead)
 
     def _kwargs(self, place: _Place, doc_lens: Tensor | None,
                 labels: Tensor | None = None) -> dict[str, Any]:
@@ -627,7 +631,10 @@ class StageRunner:
 
     def _forward(self, mb: int, place: _Place, batches: list[Batch], divisor: dict[int, int],
                  losses: dict[int, tuple[float, float, float]], updates: int,
-                 is_split: bool = False, ahead: int = 0) -> _InFlight:
+                 is_split: bool = False, ahead: int = 0) -> tuple[_InFlight, int]:
+        """F of `mb` at chunk `place` (on weights predicted `ahead` updates on with
+        `spec.predict`); the micro-batch held until its B, and the bytes of the largest
+        weight prediction formed (the transient of one op)."""
         spec = self.spec
         inputs, labels, doc_lens = self._micro(mb, batches)
         x = self._input(mb, place, inputs)
@@ -637,10 +644,11 @@ class StageRunner:
                 out = self.module(x, **self._kwargs(place, doc_lens))
             self.transport.send(out, place.dst, out_tag)
             return _InFlight(x, None, None, updates, x.untyped_storage().nbytes(), None,
-                             doc_lens=doc_lens)
+                             doc_lens=doc_lens), 0
         if not place.first:
             x.requires_grad_()
-        leaves = self._predicted(updates, ahead) if spec.predict else self._aliases()
+        leaves = self._aliases()
+        prediction = self._prediction(ahead)
         share = 1.0
         if not place.last:
             labels = None
@@ -648,8 +656,10 @@ class StageRunner:
             share = label_share(labels, self.context)
             labels = self._local(labels)
         defer = is_split and leaves is not None and not getattr(self.module, "compiled", False)
-        with deferring([] if defer else None) as records:
-            out = self._run(x, leaves, meter := self._meter(), place, doc_lens, labels)
+        swap = None if prediction is None else prediction.swap
+        with deferring([] if defer else None) as records, \
+                nullcontext() if prediction is None else prediction.applied():
+            out = self._run(x, leaves, meter := self._meter(swap), place, doc_lens, labels)
         deferred = {self._linear_weights[d.layer]: d for d in records or ()}
         if len(deferred) != len(records or ()):
             raise RuntimeError("a linear layer ran twice in one forward: its deferred weight "
@@ -666,7 +676,8 @@ class StageRunner:
             meter.add(d.x)
         weights = self._live_weights() if leaves is None else \
             next(iter(leaves.values())).data_ptr()
-        return _InFlight(x, out, leaves, updates, meter.nbytes, weights, deferred)
+        transient = 0 if prediction is None else prediction.largest
+        return _InFlight(x, out, leaves, updates, meter.nbytes, weights, deferred), transient
 
     def _backward(self, mb: int, place: _Place, held: _InFlight, is_split: bool = False) -> int:
         """Backward of `mb` at chunk `place`: input gradient upstream, weight gradients into
