@@ -156,6 +156,22 @@ def test_a_pipeline_of_one_replica_with_a_stage_lost_waits_for_its_replacement_a
     assert rec.log[0]["continued_on"] == 2
 
 
+@pytest.mark.parametrize("schedule", ["paci", "pipedream"])
+def test_an_asynchronous_pipeline_waits_for_its_replacement_rather_than_drop_a_replica(
+        tmp_path, schedule):
+    """Its updates take each DP rank's own micro-batches: at dp 1 each would take twice as
+    many of them and the run would train otherwise. So it does not go on at once (tests/
+    parallel/pipeline/test_recovery.py: the same bits after the kill)."""
+    rec, engine = _recovery(tmp_path, [1, 1, 1, 1], "parallel.dp=2", "parallel.pp=2",
+                            f"parallel.schedule={schedule}")
+    engine.up_now = False
+    rec.recover(WorkerDied(3, "gone"), done=1, in_flight=1)
+    assert rec.dp == 2 and len(engine.waited) == 1 and rec.members[:3] == [0, 1, 2]
+    rec.recovered(2)
+    assert f"schedule {schedule} updates on each" in rec.log[0]["waited_for_replacement"]
+    assert rec.log[0]["continued_on"] == 4
+
+
 def test_a_pipeline_that_loses_a_stage_worker_drops_its_replica_then_grows_back(tmp_path):
     """pp 2 x dp 2 (ranks 0, 1: stage 0; 2, 3: stage 1): rank 3 dies with no worker up. The
     other replica goes on at once; rank 1, its replica dropped, waits to join, and growing back

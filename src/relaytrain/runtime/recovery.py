@@ -26,6 +26,7 @@ from relaytrain.parallel.groups import (
     shard_size,
     stage_members,
 )
+from relaytrain.parallel.pipeline.schedules import asynchronous
 from relaytrain.parallel.shards import misaligned, parameter_shapes
 from relaytrain.runtime import rendezvous
 from relaytrain.runtime.catalogue import STORAGE_WAIT_S, CheckpointCatalogue
@@ -407,6 +408,10 @@ class Recovery:
             return "a sharded pipeline's stages do not reshard"
         if cfg.parallel.cp > 1:
             return "a context-parallel run cannot run with part of its sequences"
+        if pp > 1 and asynchronous(cfg.parallel.schedule) and not self._sizes(n):
+            return (f"schedule {cfg.parallel.schedule} updates on each data-parallel rank's own "
+                    "micro-batches: on fewer ranks its updates would change (it resizes only as "
+                    "paci with parallel.paci.flush=true and an update per global batch)")
         if not any(d * pp >= cfg.elastic.min_workers for d in self._sizes(n)):
             return (f"{n} worker(s) left" + (" of each stage" if pp > 1 else "") + " form no "
                     f"data-parallel size that splits the {cfg.micro_batches} micro-batches "
@@ -428,13 +433,19 @@ class Recovery:
         return [w for stage in stages for w in stage[:d]]  # the others wait to join
 
     def _sizes(self, n: int) -> list[int]:
-        """Data-parallel sizes up to `n`, largest first, that split the micro-batches evenly
-        and, for a sharded run in exact mode, shard into whole vectors (`misaligned`)."""
+        """Data-parallel sizes up to `n`, largest first, that split the micro-batches evenly,
+        for a sharded run in exact mode shard into whole vectors (`misaligned`), and leave an
+        asynchronous pipeline's updates as they were: each takes `a` backwards of a DP rank's
+        micro-batches, so only one per global batch (paci with flush) is the same on any
+        size."""
         cfg = self.cfg
         sizes = [d for d in range(n, 0, -1) if cfg.micro_batches % d == 0]
         p = cfg.parallel
         if p.schedule == "interleaved-1f1b" and p.pp > 1:
             sizes = [d for d in sizes if cfg.micro_batches // d % p.pp == 0]
+        if asynchronous(p.schedule) and p.pp > 1:  # an update takes `a` of a DP rank's backwards
+            sizes = [d for d in sizes if p.schedule == "paci" and p.paci.flush
+                     and p.paci.a >= cfg.micro_batches // d]
         if cfg.determinism == "exact" and p.shards > 1:
             shapes = parameter_shapes(cfg.model_config())
             sizes = [d for d in sizes if misaligned(
