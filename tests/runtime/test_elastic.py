@@ -127,7 +127,12 @@ def test_three_kills_a_hang_and_a_raise_recover_to_the_same_bits(tmp_path, corpu
                               "faults.raise_at=[7]", "faults.raise_rank=2")).run()
     recoveries = _records(run, "recovery")
     assert sorted(r["cause"] for r in recoveries) == ["died", "died", "died", "hung", "raised"]
-    assert all(r["source"] == "memory" and r["lost_steps"] <= 1 for r in recoveries)
+    # Faults a step or two apart find no standby warm yet: the survivors go on at once on
+    # fewer workers, and a fault that then takes the last holder of the state leaves only the
+    # newest checkpoint
+    assert all(r["lost_steps"] <= 1 for r in recoveries if r["source"] == "memory")
+    assert all(r["source"] == "memory" or r["restored_step"] % 4 == 0  # checkpoint.every
+               for r in recoveries)
     assert_bit_identical(run, fault_free)  # and the audit passes
     assert_survivors_kept_their_processes(run)
     assert summary.generation == len(_records(run, "generation")) - 1, summary
