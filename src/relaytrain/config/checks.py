@@ -79,13 +79,7 @@ def validate(cfg: RunConfig) -> None:
          "train.micro_batch) must split evenly over the dp x fsdp data-parallel ranks")
     check_layout(m.n_layers, p.pp, p.stage_layers)
     _validate_virtual_stages(cfg, m.n_layers, need)
-    _validate_paci(p, need)
-    need(not p.paci.predict or (cfg.model.checkpointing == "none"
-                                and cfg.model.compile != "blocks"),
-         "config key 'parallel.paci.predict': got true with model.checkpointing="
-         f"{cfg.model.checkpointing} and model.compile={cfg.model.compile}; it takes "
-         "checkpointing none and compile none (or auto on the CPU: a recompute or a "
-         "compiled block would not form the prediction)")
+    _validate_paci(cfg, need)
     need(cfg.world_size == 1 or cfg.runtime.engine == "ray",
          f"config key 'runtime.engine': got 'inline', but parallel.dp x fsdp x cp x pp = "
          f"{cfg.world_size} workers need runtime.engine=ray")
@@ -103,7 +97,8 @@ def validate(cfg: RunConfig) -> None:
         part(cfg, need)
 
 
-def _validate_paci(p: ParallelSection, need: Callable[[bool, str], None]) -> None:
+def _validate_paci(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    p = cfg.parallel
     need(p.paci.a >= 1, f"config key 'parallel.paci.a': got {p.paci.a}, expected >= 1")
     need(not p.paci.predict or (p.schedule == "paci" and p.paci.mode == "perf"
                                 and not p.paci.flush),
@@ -111,6 +106,12 @@ def _validate_paci(p: ParallelSection, need: Callable[[bool, str], None]) -> Non
          f"'{p.schedule}', parallel.paci.mode={p.paci.mode} and parallel.paci.flush="
          f"{str(p.paci.flush).lower()}; it takes schedule 'paci', mode perf, flush false "
          "(the only setting whose forwards run on weights an update behind)")
+    need(not p.paci.predict or (cfg.model.checkpointing == "none"
+                                and cfg.model.compile != "blocks"),
+         "config key 'parallel.paci.predict': got true with model.checkpointing="
+         f"{cfg.model.checkpointing} and model.compile={cfg.model.compile}; it takes "
+         "checkpointing none and compile none (or auto on the CPU: a recompute or a "
+         "compiled block would not form the prediction)")
     need(not p.paci.split or (p.schedule == "paci" and p.paci.mode == "perf"),
          "config key 'parallel.paci.split': got true with schedule "
          f"'{p.schedule}' and parallel.paci.mode={p.paci.mode}; it takes schedule 'paci' and "
