@@ -264,12 +264,8 @@ def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path
     shutil.rmtree(run_dir, ignore_errors=True)  # an old run there would be resumed
     shutil.rmtree(ckpt, ignore_errors=True)
     M = setup.global_batch // setup.micro_batch
-    paci_a = [f"parallel.paci.a={M}"] if asynchronous(name) else []
-    if name == "paci":
-        paci_a.append("parallel.paci.split=true")  # see the module docstring
-    chunks = VIRTUAL if name == "interleaved-1f1b" else 1
-    if chunks > 1:
-        paci_a.append(f"parallel.virtual_stages={chunks}")
+    options = _options(name, M)
+    chosen = [f"{OPTION_KEYS[k]}={str(v).lower()}" for k, v in options.items()]
     cfg = load_config(None, [
         f"run_dir={run_dir}", f"data.path={data}", "model.preset=small",
         f"data.seq_len={setup.seq_len}", f"train.max_steps={steps}",
@@ -279,11 +275,12 @@ def _real_run(setup: Setup, S: int, name: str, steps: int, data: str, runs: Path
         "eval.memo_gap=1e9",  # early in training held-out and training loss differ a lot
         "checkpoint.every=0", f"checkpoint.url={ckpt}", f"parallel.pp={S}",
         f"parallel.schedule={name}", f"parallel.span={setup.eval_every}",
-        "runtime.engine=ray", "log.progress=false", *paci_a, *overrides])
+        "runtime.engine=ray", "log.progress=false", *chosen, *overrides])
     t0 = time.perf_counter()
     Controller(cfg, quiet=True).run()
     run_s = time.perf_counter() - t0
-    return {**summarise_run(run_dir, S, setup.eval_every if asynchronous(name) else 1, chunks),
+    return {**summarise_run(run_dir, S, setup.eval_every if asynchronous(name) else 1,
+                            options.get("virtual", 1)),
             "run_s": run_s}
 
 
@@ -401,15 +398,26 @@ def _fits(name: str, S: int, M: int) -> bool:
     return name != "interleaved-1f1b" or M % S == 0
 
 
-def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
-    """The bench's lists: asynchronous schedules update once per global batch (a = M), paci's
-    are split (`parallel.paci.split`), interleaved-1f1b has `VIRTUAL` chunks per stage."""
+# The config key of each schedule option the bench chooses (`_options`)
+OPTION_KEYS = {"a": "parallel.paci.a", "split": "parallel.paci.split",
+               "virtual": "parallel.virtual_stages"}
+
+
+def _options(name: str, M: int) -> dict[str, Any]:
+    """The bench's choices, for the real runs (as config, `OPTION_KEYS`) and the simulated
+    lists alike: asynchronous schedules update once per global batch (a = M), paci's lists
+    are split (see the module docstring), interleaved-1f1b has `VIRTUAL` chunks per stage."""
     options: dict[str, Any] = {"a": M} if asynchronous(name) else {}
     if name == "paci":
         options["split"] = True
     if name == "interleaved-1f1b":
         options["virtual"] = VIRTUAL
-    return build_schedule(name, S, M, n_batches, **options)
+    return options
+
+
+def _schedule(name: str, S: int, M: int, n_batches: int) -> Schedule:
+    """The bench's lists (`_options`)."""
+    return build_schedule(name, S, M, n_batches, **_options(name, M))
 
 
 def _is_split(name: str) -> bool:
