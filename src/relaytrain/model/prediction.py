@@ -83,15 +83,20 @@ class Prediction:
 _ACTIVE: ContextVar[Prediction | None] = ContextVar("prediction", default=None)
 
 
+def _active() -> Prediction | None:
+    """The prediction applied, if any (compiled code never predicts: dynamo cannot trace a
+    ContextVar; config/checks.py refuses that mix)."""
+    return None if torch.compiler.is_compiling() else _ACTIVE.get()
+
+
 def predicted(w: Tensor) -> Tensor:
-    """`w` as the op about to run should read it: its prediction while one is applied (compiled
-    code never predicts: dynamo cannot trace a ContextVar; config/checks.py refuses that mix)."""
-    active = None if torch.compiler.is_compiling() else _ACTIVE.get()
+    """`w` as the op about to run should read it: its prediction while one is applied."""
+    active = _active()
     return w if active is None else active.weight(w)
 
 
 def embedded(ids: Tensor, table: nn.Embedding) -> Tensor:
     """`table(ids)`, its rows predicted while a prediction is applied (the rows read only:
     the table's prediction is never formed whole)."""
-    active = None if torch.compiler.is_compiling() else _ACTIVE.get()
+    active = _active()
     return table(ids) if active is None else active.rows(ids, table)
