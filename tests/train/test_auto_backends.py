@@ -101,3 +101,19 @@ def test_a_real_measurement_times_both_candidates_of_each(tmp_path):
     assert chosen["kernels"].times.keys() == {"torch", "fused"}
     assert chosen["attention"].times.keys() == {"sdpa", "chunks"}
     assert min([*chosen["kernels"].times.values(), *chosen["attention"].times.values()]) > 0
+
+
+def test_weight_prediction_on_a_device_whose_auto_compiles_the_blocks_is_a_config_error(
+        monkeypatch):
+    """`model.compile: auto` compiles on CUDA, and compiled blocks do not form the prediction:
+    refused by the controller before anything runs (one line: exit 2), not in the workers."""
+    from relaytrain.config import load_config
+    from relaytrain.errors import ConfigError
+
+    cfg = load_config("configs/tiny.yaml", ["parallel.pp=2", "parallel.schedule=paci",
+                                            "parallel.paci.predict=true", "runtime.engine=ray"])
+    monkeypatch.setattr(auto_backends, "pick_device", lambda _: torch.device("cuda"))
+    with pytest.raises(ConfigError, match="^config key 'parallel.paci.predict': got true with "
+                                          "model.compile=auto, which compiles the blocks on "
+                                          "cuda"):
+        auto_backends.settle_backends(cfg, cfg.model_config())

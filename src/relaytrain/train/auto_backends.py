@@ -56,8 +56,13 @@ def settle_backends(cfg: RunConfig, model_cfg: Olmo3Config,
     manifest of the checkpoint it resumes from. Decided once, by the controller, so every worker
     runs the same backends (which per-worker measurements would not guarantee) and config.yaml
     records them; ConfigError naming the key of a setting that cannot run here."""
+    device = pick_device(cfg.train.device)
+    if cfg.parallel.paci.predict and compiles(cfg.model.compile, device):
+        raise ConfigError(f"config key 'parallel.paci.predict': got true with model.compile="
+                          f"{cfg.model.compile}, which compiles the blocks on {device.type}, and "
+                          "compiled blocks do not form the prediction; expected model.compile=none")
     try:
-        chosen = choose_backends(cfg.model, model_cfg, pick_device(cfg.train.device),
+        chosen = choose_backends(cfg.model, model_cfg, device,
                                  cfg.runtime.threads_per_worker, cfg.train.micro_batch,
                                  cfg.seq_len, recorded=recorded)
     except ValueError as e:
