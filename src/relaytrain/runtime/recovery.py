@@ -408,11 +408,12 @@ class Recovery:
             return "a sharded pipeline's stages do not reshard"
         if cfg.parallel.cp > 1:
             return "a context-parallel run cannot run with part of its sequences"
-        if pp > 1 and asynchronous(cfg.parallel.schedule) and not self._sizes(n):
+        sizes = self._sizes(n)
+        if pp > 1 and asynchronous(cfg.parallel.schedule) and not sizes:
             return (f"schedule {cfg.parallel.schedule} updates on each data-parallel rank's own "
                     "micro-batches: on fewer ranks its updates would change (it resizes only as "
                     "paci with parallel.paci.flush=true and an update per global batch)")
-        if not any(d * pp >= cfg.elastic.min_workers for d in self._sizes(n)):
+        if not any(d * pp >= cfg.elastic.min_workers for d in sizes):
             return (f"{n} worker(s) left" + (" of each stage" if pp > 1 else "") + " form no "
                     f"data-parallel size that splits the {cfg.micro_batches} micro-batches "
                     f"evenly with elastic.min_workers={cfg.elastic.min_workers}")
