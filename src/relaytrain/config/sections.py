@@ -192,8 +192,10 @@ class RuntimeSection:
 class ElasticSection:
     # how long after a failure the run keeps trying to grow back (replacements starting in the
     # background) while it goes on with fewer workers; where no smaller layout exists (a
-    # pipeline's stage, context parallelism, elastic.min_workers), how long it waits for them
-    replace_timeout: float = 30.0
+    # pipeline's stage, context parallelism, elastic.min_workers), how long it waits for them.
+    # Ten minutes: a cloud's replacement node, a GPU worker's CUDA and NCCL set-up and its first
+    # compile take minutes, and a run that stopped trying trains short of its size to the end
+    replace_timeout: float = 600.0
     min_workers: int = 1
     max_recoveries: int = 10
     recovery_window: float = 3600.0  # seconds over which max_recoveries counts
