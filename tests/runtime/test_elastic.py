@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 PATIENT = 120.0  # runtime.call_timeout and runtime.collective_timeout
 COMMON = ("runtime.engine=ray", "train.global_batch=12", "train.micro_batch=1", "eval.every=4",
           "checkpoint.every=4", f"runtime.call_timeout={PATIENT}",
-          f"runtime.collective_timeout={PATIENT}", "elastic.replace_timeout=20")
+          f"runtime.collective_timeout={PATIENT}")
 
 
 def _cfg(run, data, *extra, dp: int = 4):

@@ -137,8 +137,7 @@ def test_a_sharded_run_replaces_killed_and_hung_workers_alone_to_the_same_bits(
     Controller(tiny_config(run, corpus_data, *DP, "runtime.engine=ray", "parallel.dp=2",
                            "parallel.fsdp=2", "determinism=exact", "train.max_steps=6",
                            "faults.random_kills=2", "faults.random_hangs=1",
-                           "runtime.call_timeout=120", "runtime.collective_timeout=120",
-                           "elastic.replace_timeout=20")).run()
+                           "runtime.call_timeout=120", "runtime.collective_timeout=120")).run()
     recoveries = records(run, "recovery")
     assert sorted(r["cause"] for r in recoveries) == ["died", "died", "hung"], recoveries
     one_replica = [False] + [r["continued_on"] < 4 for r in recoveries[:-1]]  # or one worker

@@ -97,7 +97,7 @@ def test_a_recovered_run_skips_the_steps_an_uninterrupted_one_skips(tmp_path, co
     run = tmp_path / "recovered"
     run_layout(run, corpus_data, 2, *DP, *SPIKES, "train.max_steps=8", "faults.kill_at=[6]",
                "faults.kill_rank=1", "runtime.call_timeout=120",
-               "runtime.collective_timeout=120", "elastic.replace_timeout=20",
+               "runtime.collective_timeout=120", "elastic.replace_timeout=120",
                "elastic.min_workers=2")  # replaced, not shrunk: it ends on its 2 workers
     assert [r["failed_step"] for r in records(run, "recovery")] == [6]
     assert skipped(run) == skipped(one_worker)

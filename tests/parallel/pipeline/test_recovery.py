@@ -27,7 +27,7 @@ CUT = 3
 COMMON = ("runtime.engine=ray", "parallel.pp=2", f"parallel.span={CUT}", "train.max_steps=9",
           "train.micro_batch=1", "eval.every=0", f"checkpoint.every={CUT}",
           "checkpoint.async_write=false", "runtime.call_timeout=120",
-          "runtime.collective_timeout=120", "elastic.replace_timeout=30")
+          "runtime.collective_timeout=120", "elastic.replace_timeout=120")
 
 
 # interleaved-1f1b: two chunks per stage, so four layers (virtual stages 0, 2 | 1, 3)
