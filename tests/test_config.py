@@ -61,6 +61,8 @@ def test_round_trip_through_pickle():
     ("optim.schedule=step", "'optim.schedule': got 'step', expected 'cosine' | 'linear'"),
     ("optim.t_max=0", "config key 'optim.t_max': got 0, expected >= 1 (or null: train.max_steps)"),
     ("checkpoint.preempt_grace=0", "'checkpoint.preempt_grace': got 0.0, expected seconds > 0"),
+    ("runtime.collective_timeout=0", "'runtime.collective_timeout': got 0.0, expected seconds > 0"),
+    ("elastic.replace_timeout=-5", "'elastic.replace_timeout': got -5.0, expected seconds >= 0"),
 ])
 def test_bad_values_name_the_key_and_what_is_accepted(override, needle):
     with pytest.raises(ConfigError) as err:

@@ -93,8 +93,16 @@ def validate(cfg: RunConfig) -> None:
          "expected >= 1")
     # one section each
     for part in (_validate_optim, _validate_eval_sets, _validate_faults, _validate_init,
-                 _validate_checkpoint):
+                 _validate_checkpoint, _validate_timeouts):
         part(cfg, need)
+
+
+def _validate_timeouts(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
+    for key in ("call_timeout", "collective_timeout", "setup_timeout"):
+        seconds = getattr(cfg.runtime, key)
+        need(seconds > 0, f"config key 'runtime.{key}': got {seconds}, expected seconds > 0")
+    need(cfg.elastic.replace_timeout >= 0, "config key 'elastic.replace_timeout': got "
+         f"{cfg.elastic.replace_timeout}, expected seconds >= 0 (0: no wait for a replacement)")
 
 
 def _validate_paci(cfg: RunConfig, need: Callable[[bool, str], None]) -> None:
